@@ -1,0 +1,56 @@
+"""Federated averaging as pure NumPy functions (no torch on the aggregator's path).
+
+Updates may be dense arrays or ``SparseTensor``s: each element of the global tensor is the
+sample-weighted mean over the clients that sent that element, and elements nobody sent keep
+their previous global value.  With dense updates from every client this is exactly
+``np.average(stack, axis=0, weights=n_samples)``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from fclcore.codec import SparseTensor, Tensor
+
+Update = tuple[Mapping[str, Tensor], float]  # (tensors, weight = number of local samples)
+
+
+def weighted_average(updates: Sequence[Update], previous: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Sample-weighted FedAvg of ``updates`` over the tensors of ``previous``."""
+    if not updates:
+        raise ValueError("weighted_average: expected at least one update")
+    if any(not weight > 0 for _, weight in updates):
+        raise ValueError("weighted_average: expected positive weights")
+    out = {}
+    for name, base in previous.items():
+        total = np.zeros(base.size, dtype=np.float64)
+        weight_sum = np.zeros(base.size, dtype=np.float64)
+        for tensors, weight in updates:
+            tensor = tensors.get(name)
+            if tensor is None:
+                continue
+            index, values = _flat(tensor, base.shape, name)
+            if index is None:
+                total += weight * values
+                weight_sum += weight
+            else:  # indices are unique (the codec enforces strictly increasing)
+                total[index] += weight * values
+                weight_sum[index] += weight
+        merged = base.astype(np.float64).ravel().copy()
+        sent = weight_sum > 0
+        merged[sent] = total[sent] / weight_sum[sent]
+        out[name] = merged.reshape(base.shape).astype(np.float32)
+    return out
+
+
+def _flat(tensor: Tensor, shape: tuple[int, ...], name: str) -> tuple[np.ndarray | None, np.ndarray]:
+    if isinstance(tensor, SparseTensor):
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
+        return tensor.indices, tensor.values.astype(np.float64)
+    if tensor.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tensor.shape}")
+    return None, tensor.astype(np.float64).ravel()
+

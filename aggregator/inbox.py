@@ -1,0 +1,113 @@
+"""Validation of everything that reaches the aggregator, before it can touch the model.
+
+A bad message becomes a ``Rejection`` (a reason string that is logged and counted), never
+an exception in the round loop.  Checks: topic and sender, codec validity (size, version,
+checksum, finiteness), federation, kind, round, duplicates, tensor names and shapes, and
+the metadata the round loop relies on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, decode
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str  # short category used for counting, e.g. "codec", "duplicate"
+    detail: str  # what was received and what was expected
+    client: str | None = None
+    late: bool = False
+
+
+@dataclass(frozen=True)
+class Update:
+    client: str
+    frame: Frame
+    n_samples: int
+    packet_bytes: int
+    payload_bytes: int
+
+
+@dataclass
+class Inbox:
+    """Checks update/eval frames against the federation, the open round and the template."""
+
+    federation: str
+    clients: frozenset[str]
+    template: dict[str, tuple[int, ...]]  # tensor name -> shape
+    num_tasks: int
+    limits: CodecLimits = field(default_factory=CodecLimits)
+
+    def check(self, client: str | None, payload: bytes, packet_bytes: int, open_round: int,
+              received: set[str], kind: Kind = Kind.UPDATE) -> Update | Rejection:
+        if client is None or client not in self.clients:
+            return Rejection("unknown-client", f"sender {client!r} is not an expected client", client)
+        try:
+            frame = decode(payload, self.limits)
+        except CodecError as exc:
+            return Rejection("codec", str(exc), client)
+        problem = self._header_problem(frame, client, open_round, kind)
+        if problem is not None:
+            return problem
+        if client in received:
+            return Rejection("duplicate", f"second {kind.name} for round {open_round}", client)
+        problem = self._content_problem(frame, kind)
+        if problem is not None:
+            return Rejection("content", problem, client)
+        return Update(client, frame, int(frame.meta.get("n_samples", 0)), packet_bytes, len(payload))
+
+    def _header_problem(self, frame: Frame, client: str, open_round: int, kind: Kind) -> Rejection | None:
+        h = frame.header
+        if h.federation != self.federation:
+            return Rejection("federation", f"federation {h.federation!r}, expected {self.federation!r}", client)
+        if h.client != client:
+            return Rejection("sender", f"header client {h.client!r} does not match topic client {client!r}", client)
+        if h.kind != kind:
+            return Rejection("kind", f"kind {h.kind.name}, expected {kind.name}", client)
+        if h.round != open_round:
+            late = h.round < open_round
+            what = "closed" if late else "not yet open"
+            return Rejection("late" if late else "round", f"round {h.round} is {what} (open: {open_round})",
+                             client, late=late)
+        return None
+
+    def _content_problem(self, frame: Frame, kind: Kind) -> str | None:
+        meta = frame.meta
+        if kind is Kind.UPDATE:
+            n = meta.get("n_samples")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                return f"meta.n_samples: expected a positive integer, got {n!r}"
+            problem = self._tensor_problem(frame)
+            if problem:
+                return problem
+        if "eval" in meta:
+            return eval_problem(meta["eval"], self.num_tasks)
+        return None
+
+    def _tensor_problem(self, frame: Frame) -> str | None:
+        names = set(frame.tensors)
+        if names != set(self.template):
+            missing, extra = sorted(set(self.template) - names), sorted(names - set(self.template))
+            return f"tensors: missing {missing}, unexpected {extra}"
+        for name, tensor in frame.tensors.items():
+            shape = tuple(tensor.shape) if isinstance(tensor, SparseTensor) else tensor.shape
+            if shape != self.template[name]:
+                return f"{name}: expected shape {self.template[name]}, got {shape}"
+        return None
+
+
+def eval_problem(report: object, num_tasks: int) -> str | None:
+    """An evaluation report is {"round": int, "task": int, "nll": [finite float] * (task + 1)}."""
+    if not isinstance(report, dict):
+        return f"meta.eval: expected a mapping, got {type(report).__name__}"
+    rnd, task, nll = report.get("round"), report.get("task"), report.get("nll")
+    if not isinstance(rnd, int) or not isinstance(task, int) or not 0 <= task < num_tasks:
+        return f"meta.eval: expected integer round and task in [0, {num_tasks}), got {rnd!r}, {task!r}"
+    if not isinstance(nll, list) or len(nll) != task + 1:
+        return f"meta.eval.nll: expected a list of {task + 1} numbers"
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in nll):
+        return "meta.eval.nll: expected finite numbers"
+    return None

@@ -1,0 +1,115 @@
+"""The run directory contract: ``metrics.jsonl`` (one JSON object per event) and ``summary.json``.
+
+Event kinds written to metrics.jsonl (field ``event``):
+
+* ``round_client`` — one per (round, client): bytes_up/bytes_down (MQTT PUBLISH packet
+  bytes), payload_up/payload_down, status (accepted | missing), n_samples, train_nll;
+* ``round`` — one per closed round: accepted clients, duration, attempt;
+* ``eval`` — a client's held-out NLL per task for the global model after ``round``;
+* ``round_summary`` — mean over clients of the current task's NLL after ``round``;
+* ``rejected`` — a dropped message with its reason (also counted in summary.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from fclcore.continual import continual_metrics, loss_matrix, mean_metrics
+
+MAX_REJECTION_EVENTS = 10_000  # beyond this, rejections are only counted (a flood must not fill the disk)
+
+
+class RunLog:
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self.rejections: Counter[str] = Counter()
+        self.bytes: dict[str, Counter] = defaultdict(Counter)  # client -> up/down/payload totals
+        self.dense_fp32_up = 0
+        self.evals: dict[str, dict[int, dict]] = defaultdict(dict)  # client -> round -> report
+
+    def write(self, event: str, **fields: object) -> None:
+        line = json.dumps({"event": event, **fields}, sort_keys=False)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def round_client(self, rnd: int, task: int, client: str, *, up: int, payload_up: int, down: int,
+                     payload_down: int, dense_fp32_up: int, **extra: object) -> None:
+        totals = self.bytes[client]
+        totals.update(up=up, payload_up=payload_up, down=down, payload_down=payload_down)
+        self.dense_fp32_up += dense_fp32_up
+        self.write("round_client", round=rnd, task=task, client=client, bytes_up=up, bytes_down=down,
+                   payload_up=payload_up, payload_down=payload_down, **extra)
+
+    def rejected(self, reason: str, detail: str, **fields: object) -> None:
+        self.rejections[reason] += 1
+        if sum(self.rejections.values()) <= MAX_REJECTION_EVENTS:
+            self.write("rejected", reason=reason, detail=detail, **fields)
+
+    def evaluation(self, client: str, report: dict) -> None:
+        self.evals[client][report["round"]] = report
+        self.write("eval", client=client, **report)
+
+    def round_summary(self, rnd: int, task: int) -> float | None:
+        """Mean over clients of the current task's NLL after ``rnd``, once all reports are in."""
+        values = [e[rnd]["nll"][task] for e in self.evals.values() if rnd in e and e[rnd]["task"] == task]
+        if not values:
+            return None
+        mean = round(float(np.mean(values)), 4)
+        self.write("round_summary", round=rnd, task=task, mean_nll=mean, clients=len(values))
+        return mean
+
+    def summary(self, *, method: str, federation: str, clients: list[str], tasks: int, rounds: int,
+                rounds_per_task: int, **extra: object) -> dict:
+        per_client = {}
+        for client in clients:
+            matrix = self._task_matrix(client, tasks, rounds_per_task)
+            if matrix is not None:
+                per_client[client] = {**continual_metrics(matrix), "nll_matrix": _jsonable(matrix)}
+        up = sum(c["up"] for c in self.bytes.values())
+        down = sum(c["down"] for c in self.bytes.values())
+        out = {
+            "method": method, "federation": federation, "clients": len(clients), "client_ids": clients,
+            "tasks": tasks, "rounds": rounds, "rounds_per_task": rounds_per_task,
+            "bytes": {
+                "up_total": up, "down_total": down,
+                "payload_up_total": sum(c["payload_up"] for c in self.bytes.values()),
+                "payload_down_total": sum(c["payload_down"] for c in self.bytes.values()),
+                "dense_fp32_up_total": self.dense_fp32_up,
+                "per_client": {c: dict(v) for c, v in sorted(self.bytes.items())},
+            },
+            "rejected": dict(self.rejections),
+            "final": {**mean_metrics(per_client), "per_client": per_client},
+            **extra,
+        }
+        tmp = self.dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(out, indent=2), encoding="utf-8")
+        os.replace(tmp, self.dir / "summary.json")
+        return out
+
+    def _task_matrix(self, client: str, tasks: int, rounds_per_task: int) -> np.ndarray | None:
+        """n[t][i] from the evaluation after the last round of each task, if all are present."""
+        rows = []
+        for t in range(tasks):
+            report = self.evals.get(client, {}).get((t + 1) * rounds_per_task - 1)
+            if report is None:
+                return None
+            rows.append(report["nll"])
+        return loss_matrix(rows)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _jsonable(matrix: np.ndarray) -> list[list[float | None]]:
+    return [[None if np.isnan(v) else round(float(v), 4) for v in row] for row in matrix]

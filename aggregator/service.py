@@ -1,0 +1,201 @@
+"""The aggregator service: announce a round, collect updates, aggregate, record, advance.
+
+One thread owns all state: paho's network thread only puts raw messages on a queue, and
+this loop decodes, validates and applies them, so no lock guards the model.  No torch is
+imported on this path.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from aggregator.inbox import Inbox, Rejection, Update
+from aggregator.runlog import RunLog
+from aggregator.strategy import make_strategy
+from fclcore import topics
+from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
+from fclcore.config import to_dict
+from fclcore.exitcodes import ExitCode
+from fclcore.schema import AggregatorConfig
+from fclcore.transport import MqttLink, TransportError, parse_status, publish_packet_bytes
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Incoming:
+    topic: str
+    payload: bytes
+    packet_bytes: int
+
+
+class NotEnoughClients(RuntimeError):
+    pass
+
+
+class AggregatorService:
+    def __init__(self, cfg: AggregatorConfig, stop: threading.Event | None = None) -> None:
+        self.cfg = cfg
+        self.fed = cfg.federation
+        self.stop = stop or threading.Event()
+        self.made = self.fed.model.made_config(cfg.input_dim)
+        self.strategy = make_strategy(self.fed.method, self.made, self.fed.seed)
+        self.global_params = self.strategy.initial_model()
+        self.limits = CodecLimits(max_frame_bytes=int(self.fed.wire.max_frame_mb * 2**20))
+        self.inbox = Inbox(self.fed.name, frozenset(cfg.expected_clients), self.strategy.template(),
+                           self.fed.num_tasks, self.limits)
+        self.dense_fp32_bytes = 4 * sum(int(np.prod(s)) for s in self.strategy.template().values())
+        self.runlog = RunLog(cfg.out_dir)
+        self.queue: queue.Queue[Incoming] = queue.Queue()
+        self.online: set[str] = set()
+        self.sequence = 0
+        self.link = MqttLink(cfg.broker, f"fcl-{self.fed.name}-aggregator",
+                             status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
+                             subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
+                             on_message=lambda t, p, n: self.queue.put(Incoming(t, p, n)))
+
+    # -- lifecycle -------------------------------------------------------------------
+    def run(self) -> ExitCode:
+        log.info("aggregator for %s, broker %s", self.fed.name, self.cfg.broker.redacted())
+        try:
+            self.link.start()
+        except TransportError as exc:
+            log.error("%s", exc)
+            return ExitCode.BROKER_UNREACHABLE
+        started = time.monotonic()
+        try:
+            self._wait_for_clients()
+            for rnd in range(self.fed.total_rounds):
+                if self.stop.is_set():
+                    return ExitCode.INTERRUPTED
+                self._run_round(rnd)
+            self._finish()
+        except NotEnoughClients as exc:
+            log.error("%s", exc)
+            return ExitCode.NOT_ENOUGH_CLIENTS
+        finally:
+            self._write_summary(time.monotonic() - started)
+            self.link.close("stopped")
+            self.runlog.close()
+        return ExitCode.INTERRUPTED if self.stop.is_set() else ExitCode.OK
+
+    def _wait_for_clients(self) -> None:
+        expected = set(self.cfg.expected_clients)
+        deadline = time.monotonic() + self.fed.rounds.start_timeout_s
+        while not expected <= self.online and time.monotonic() < deadline and not self.stop.is_set():
+            self._drain(open_round=-1, received={}, timeout=POLL_S)
+        need = self._quorum()
+        if len(self.online & expected) < need:
+            raise NotEnoughClients(f"{len(self.online & expected)} of {len(expected)} clients online after "
+                                   f"{self.fed.rounds.start_timeout_s:.0f} s; quorum needs {need}")
+        log.info("%d/%d clients online", len(self.online & expected), len(expected))
+
+    # -- one round -------------------------------------------------------------------
+    def _run_round(self, rnd: int) -> None:
+        task = rnd // self.fed.rounds_per_task
+        for attempt in range(1, self.fed.rounds.max_attempts + 1):
+            started = time.monotonic()
+            down, payload_down = self._announce(Kind.ROUND, rnd, task, attempt)
+            received = self._collect(rnd)
+            if len(received) >= self._quorum():
+                self.global_params = self.strategy.aggregate(list(received.values()), self.global_params)
+                self._record_round(rnd, task, received, down, payload_down, attempt, time.monotonic() - started)
+                return
+            log.warning("round %d attempt %d: %d updates, quorum %d; re-announcing",
+                        rnd, attempt, len(received), self._quorum())
+        raise NotEnoughClients(f"round {rnd} missed its quorum in {self.fed.rounds.max_attempts} attempts")
+
+    def _announce(self, kind: Kind, rnd: int, task: int, attempt: int = 1) -> tuple[int, int]:
+        meta = {"federation": to_dict(self.fed), "input_dim": self.cfg.input_dim,
+                "total_rounds": self.fed.total_rounds, "attempt": attempt}
+        self.sequence += 1
+        header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
+        payload = encode(Frame(header, meta, self.global_params), self.fed.wire.value_dtype, self.limits)
+        topic = topics.round_topic(self.fed.name)
+        self.link.publish(topic, payload, retain=True, tag=f"{kind.name.lower()}:{rnd}")
+        return publish_packet_bytes(topic, len(payload)), len(payload)
+
+    def _collect(self, rnd: int, kind: Kind = Kind.UPDATE) -> dict[str, Update]:
+        received: dict[str, Update] = {}
+        deadline = time.monotonic() + self.fed.rounds.deadline_s
+        expected = set(self.cfg.expected_clients)
+        while set(received) < expected and time.monotonic() < deadline and not self.stop.is_set():
+            self._drain(rnd, received, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())), kind=kind)
+        return received
+
+    def _drain(self, open_round: int, received: dict[str, Update], timeout: float,
+               kind: Kind = Kind.UPDATE) -> None:
+        try:
+            item = self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return
+        who = topics.parse_status_topic(self.fed.name, item.topic)
+        if who is not None:
+            self._on_status(who, item.payload)
+            return
+        client = topics.parse_update_topic(self.fed.name, item.topic)
+        result = self.inbox.check(client, item.payload, item.packet_bytes, open_round, set(received), kind)
+        if isinstance(result, Rejection):
+            log.warning("dropped message on %s: %s: %s", item.topic, result.reason, result.detail)
+            self.runlog.rejected(result.reason, result.detail, topic=item.topic, client=result.client,
+                                 open_round=open_round)
+            return
+        received[result.client] = result
+        if "eval" in result.frame.meta:
+            self.runlog.evaluation(result.client, result.frame.meta["eval"])
+
+    def _on_status(self, who: str, payload: bytes) -> None:
+        if who == topics.AGGREGATOR_ID or not payload:
+            return
+        status = parse_status(payload)
+        if status is None:
+            self.runlog.rejected("status", "not a JSON status object", client=who)
+            return
+        if status["state"] == "online":
+            self.online.add(who)
+        else:
+            self.online.discard(who)
+            log.info("client %s is %s", who, status["state"])
+
+    def _record_round(self, rnd: int, task: int, received: dict[str, Update], down: int,
+                      payload_down: int, attempt: int, duration: float) -> None:
+        for client in self.cfg.expected_clients:
+            update = received.get(client)
+            meta = update.frame.meta if update else {}
+            self.runlog.round_client(
+                rnd, task, client, up=update.packet_bytes if update else 0,
+                payload_up=update.payload_bytes if update else 0, down=down, payload_down=payload_down,
+                dense_fp32_up=self.dense_fp32_bytes if update else 0,
+                status="accepted" if update else "missing", n_samples=meta.get("n_samples"),
+                train_nll=meta.get("train_nll"), rejected_by_client=meta.get("rejected"))
+        self.runlog.write("round", round=rnd, task=task, attempt=attempt, accepted=len(received),
+                          expected=len(self.cfg.expected_clients), duration_s=round(duration, 3))
+        if rnd > 0:
+            self.runlog.round_summary(rnd - 1, (rnd - 1) // self.fed.rounds_per_task)
+
+    # -- end of run ------------------------------------------------------------------
+    def _finish(self) -> None:
+        """Send the final model; clients answer with an evaluation of it."""
+        last = self.fed.total_rounds
+        self._announce(Kind.FINISH, last, self.fed.num_tasks - 1)
+        received = self._collect(last, kind=Kind.EVAL)
+        self.runlog.round_summary(last - 1, self.fed.num_tasks - 1)
+        log.info("final evaluation from %d/%d clients", len(received), len(self.cfg.expected_clients))
+        # Clear the retained FINISH so a later run of the same federation starts clean.
+        self.link.publish(topics.round_topic(self.fed.name), b"", retain=True).wait_for_publish(5)
+
+    def _write_summary(self, duration: float) -> None:
+        self.runlog.summary(method=self.fed.method, federation=self.fed.name,
+                            clients=list(self.cfg.expected_clients), tasks=self.fed.num_tasks,
+                            rounds=self.fed.total_rounds, rounds_per_task=self.fed.rounds_per_task,
+                            duration_s=round(duration, 2), meter=self.link.meter.snapshot())
+
+    def _quorum(self) -> int:
+        return max(1, int(np.ceil(self.fed.rounds.quorum * len(self.cfg.expected_clients))))

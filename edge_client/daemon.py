@@ -1,0 +1,177 @@
+"""The client daemon: wait for a round, merge the global model, evaluate, train, upload.
+
+paho's thread only queues raw messages; this loop validates and acts on them.  Each
+upload carries the client's evaluation of the model it received (the global model after
+the previous round), so no extra message is needed per round; the FINISH message is
+answered by one EVAL frame.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+
+import torch
+
+from edge_client.learners import Learner, make_learner
+from fclcore import topics
+from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
+from fclcore.config import ConfigError, from_dict, to_dict
+from fclcore.data import ClientTasks, client_task_split, load_dataset
+from fclcore.exitcodes import ExitCode
+from fclcore.schema import ClientConfig, FederationSpec
+from fclcore.transport import MqttLink, TransportError
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2
+
+
+class RejectedFrame(ValueError):
+    """A downlink message that must be dropped; the message says why."""
+
+
+class ClientDaemon:
+    def __init__(self, cfg: ClientConfig, stop: threading.Event | None = None) -> None:
+        self.cfg = cfg
+        self.stop = stop or threading.Event()
+        self.out_dir = Path(cfg.out_dir)
+        self.data = load_client_data(cfg)
+        self.input_dim = int(self.data.train[0].x.shape[1])
+        self.queue: queue.Queue[bytes] = queue.Queue()
+        self.learner: Learner | None = None
+        self.fed: FederationSpec | None = None
+        self.task = -1
+        self.done_round = -1
+        self.sequence = 0
+        self.rejected: dict[str, int] = {}
+        self.limits = CodecLimits()
+        self.link = MqttLink(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
+                             status_topic=topics.status_topic(cfg.federation, cfg.client_id),
+                             subscriptions=[topics.round_topic(cfg.federation)],
+                             on_message=lambda t, p, n: self.queue.put(p))
+        torch.set_num_threads(cfg.threads)
+
+    def run(self) -> ExitCode:
+        try:
+            self.link.start()
+        except TransportError as exc:
+            log.error("%s", exc)
+            return ExitCode.BROKER_UNREACHABLE
+        finished = False
+        try:
+            while not finished and not self.stop.is_set():
+                try:
+                    payload = self.queue.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+                finished = self._handle(payload)
+        finally:
+            self.link.close("stopped")
+            self._write_wire_log()
+        return ExitCode.OK if finished else ExitCode.INTERRUPTED
+
+    def _handle(self, payload: bytes) -> bool:
+        """Act on one downlink message; True when the run is finished."""
+        if not payload:
+            return False  # a cleared retained message
+        try:
+            frame = self._check(payload)
+            if frame.header.kind is Kind.FINISH:
+                self._finish(frame)
+                return True
+            if frame.header.round > self.done_round:
+                self._round(frame)
+        except RejectedFrame as exc:
+            reason = str(exc).split(":", 1)[0]
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+            log.warning("dropped downlink message: %s", exc)
+        return False
+
+    def _check(self, payload: bytes) -> Frame:
+        try:
+            frame = decode(payload, self.limits)
+        except CodecError as exc:
+            raise RejectedFrame(f"codec: {exc}") from None
+        h = frame.header
+        if h.federation != self.cfg.federation or h.client != topics.AGGREGATOR_ID:
+            raise RejectedFrame(f"sender: {h.client!r} of {h.federation!r} is not this federation's aggregator")
+        if h.kind not in (Kind.ROUND, Kind.FINISH):
+            raise RejectedFrame(f"kind: {h.kind.name} is not a downlink message")
+        try:
+            fed = from_dict(FederationSpec, frame.meta.get("federation"), "round message", "federation")
+        except ConfigError as exc:
+            raise RejectedFrame(f"federation: {exc}") from None
+        if frame.meta.get("input_dim") != self.input_dim:
+            raise RejectedFrame(f"input_dim: model expects {frame.meta.get('input_dim')!r}, "
+                                f"this device's data has {self.input_dim}")
+        if len(self.data.train) < fed.num_tasks:
+            raise RejectedFrame(f"tasks: federation has {fed.num_tasks} tasks, this device has {len(self.data.train)}")
+        if self.fed is not None and to_dict(fed) != to_dict(self.fed):
+            raise RejectedFrame("federation: settings changed during the run")
+        self._ensure_learner(fed)
+        try:
+            self.learner.load_global(frame.tensors)
+        except ValueError as exc:
+            raise RejectedFrame(f"tensors: {exc}") from None
+        return frame
+
+    def _ensure_learner(self, fed: FederationSpec) -> None:
+        if self.learner is None:
+            try:
+                self.learner = make_learner(fed, fed.model.made_config(self.input_dim), self.client_index)
+            except ValueError as exc:
+                raise RejectedFrame(f"federation: {exc}") from None
+            self.fed = fed
+
+    @property
+    def client_index(self) -> int:
+        return self.cfg.data.client_index
+
+    def _round(self, frame: Frame) -> None:
+        rnd, task = frame.header.round, frame.header.task
+        report = self._evaluate(rnd - 1)
+        if task != self.task:
+            self.learner.start_task(task)
+            self.task = task
+        n_samples, train_nll = self.learner.train_round(self.data.train[task], rnd)
+        meta = {"n_samples": n_samples, "train_nll": round(train_nll, 4), "eval": report,
+                "rejected": dict(self.rejected)}
+        self._publish(Kind.UPDATE, rnd, task, meta, self.learner.upload())
+        self.done_round = rnd
+        log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
+
+    def _finish(self, frame: Frame) -> None:
+        report = self._evaluate(frame.header.round - 1)
+        self._publish(Kind.EVAL, frame.header.round, frame.header.task,
+                      {"eval": report, "rejected": dict(self.rejected)}, {}).wait_for_publish(10)
+        log.info("run finished; final NLL per task %s", report["nll"])
+
+    def _evaluate(self, rnd: int) -> dict:
+        """Held-out NLL of the loaded model on every task seen up to round ``rnd``."""
+        task = max(0, rnd) // self.fed.rounds_per_task
+        return {"round": rnd, "task": task, "nll": self.learner.evaluate(self.data.test[: task + 1])}
+
+    def _publish(self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict):
+        self.sequence += 1
+        header = Header(kind, self.cfg.federation, rnd, task, self.cfg.client_id, self.sequence)
+        payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
+        return self.link.publish(topics.update_topic(self.cfg.federation, self.cfg.client_id), payload,
+                                 tag=f"{kind.name.lower()}:{rnd}")
+
+    def _write_wire_log(self) -> None:
+        """The device's own meter, for comparison with the aggregator's and a packet capture."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.out_dir / "wire.json.tmp"
+        tmp.write_text(json.dumps({"client": self.cfg.client_id, "rejected": self.rejected,
+                                   **self.link.meter.snapshot()}, indent=2))
+        os.replace(tmp, self.out_dir / "wire.json")
+
+
+def load_client_data(cfg: ClientConfig) -> ClientTasks:
+    spec = cfg.data
+    train, test = load_dataset(spec.dataset, spec.path, spec.seed)
+    return client_task_split(train, test, spec.client_tasks, spec.client_index, spec.seed)

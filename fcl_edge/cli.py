@@ -1,0 +1,110 @@
+"""The ``fcl`` command: one entry point, one subcommand per job, ``--help`` on each.
+
+Heavy imports (torch, the aggregator, the client) happen inside the subcommand that needs
+them, so ``fcl --help`` and ``fcl status`` stay fast on a small device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Callable, Sequence
+
+from fclcore.config import ConfigError
+from fclcore.exitcodes import ExitCode
+
+log = logging.getLogger("fcl")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args))
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"fcl: error: {exc}", file=sys.stderr)
+        return int(ExitCode.BAD_INPUT)
+    except KeyboardInterrupt:
+        return int(ExitCode.INTERRUPTED)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fcl", description="Federated continual learning on edge devices over MQTT.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("simulate", help="run a scenario: broker + aggregator + N clients as processes",
+                       description="Run a continual federated scenario through an MQTT broker. Starts an "
+                                   "embedded broker unless --broker is given.")
+    p.add_argument("scenario", help="scenario YAML (see configs/scenarios/)")
+    p.add_argument("--out", required=True, help="run directory for metrics.jsonl, summary.json, logs")
+    p.add_argument("--broker", help="mqtt://host:port of an existing broker (default: start an embedded one)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario key, e.g. --set federation.rounds_per_task=5 (repeatable)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    p.set_defaults(run=_simulate)
+
+    p = sub.add_parser("aggregator", help="run the aggregator service", description="Run the aggregator service.")
+    p.add_argument("--config", required=True, help="aggregator YAML (see configs/services/aggregator.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.set_defaults(run=_aggregator)
+
+    p = sub.add_parser("client", help="run the edge client daemon", description="Run the edge client daemon.")
+    p.add_argument("--config", required=True, help="client YAML (see configs/services/client.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.set_defaults(run=_client)
+
+    p = sub.add_parser("broker", help="run the embedded MQTT broker (demo use; run Mosquitto in production)",
+                       description="Run an embedded amqtt broker on a loopback port.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=1883)
+    p.set_defaults(run=_broker)
+    return parser
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from fcl_edge.simulate import simulate
+    return simulate(args.scenario, args.out, broker=args.broker, overrides=args.set, timeout=args.timeout)
+
+
+def _aggregator(args: argparse.Namespace) -> int:
+    from aggregator.service import AggregatorService
+    from fclcore.config import load_config
+    from fclcore.schema import AggregatorConfig
+    cfg = load_config(AggregatorConfig, args.config, args.set)
+    return _serve(lambda stop: AggregatorService(cfg, stop).run())
+
+
+def _client(args: argparse.Namespace) -> int:
+    from edge_client.daemon import ClientDaemon
+    from fclcore.config import load_config
+    from fclcore.data import DataError
+    from fclcore.schema import ClientConfig
+    cfg = load_config(ClientConfig, args.config, args.set)
+    try:
+        return _serve(lambda stop: ClientDaemon(cfg, stop).run())
+    except DataError as exc:
+        print(f"fcl: error: {args.config}: data: {exc}", file=sys.stderr)
+        return int(ExitCode.BAD_INPUT)
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from fcl_edge.broker import run_embedded_broker
+    return run_embedded_broker(args.host, args.port)
+
+
+def _serve(run: Callable[[threading.Event], int]) -> int:
+    """Run a daemon; SIGTERM/SIGINT only set an event that its loop checks."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return int(run(stop))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

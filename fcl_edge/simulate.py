@@ -1,0 +1,206 @@
+"""``fcl simulate``: one scenario file -> a broker, an aggregator and N client processes.
+
+Each participant runs as its own OS process with its own MQTT connection, exactly as on a
+fleet; this module only writes their configs, starts them, follows ``metrics.jsonl`` to
+draw progress, and collects exit codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+from tqdm import tqdm
+
+from fcl_edge.broker import free_port, wait_for_port
+from fclcore.config import ConfigError, load_config, to_dict
+from fclcore.data import DataError, client_task_split, load_dataset, random_client_tasks
+from fclcore.exitcodes import ExitCode
+from fclcore.schema import (AggregatorConfig, BrokerSpec, ClientConfig, ClientDataSpec, Scenario,
+                            parse_broker_url)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    scenario: Scenario
+    client_tasks: list[list[list[int]]]
+    input_dim: int
+
+    @property
+    def client_ids(self) -> list[str]:
+        return [f"client-{i}" for i in range(self.scenario.clients)]
+
+
+def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
+    """Load and check everything up front, so a bad scenario fails before any process starts."""
+    sc = load_config(Scenario, scenario_path, overrides)
+    fed = sc.federation
+    if sc.tasks.random is not None:
+        r = sc.tasks.random
+        client_tasks = random_client_tasks(sc.clients, fed.num_tasks, r.classes, r.classes_per_task, fed.seed)
+    else:
+        client_tasks = sc.tasks.per_client or [sc.tasks.shared] * sc.clients
+    lengths = {len(t) for t in client_tasks}
+    if len(lengths) != 1:
+        raise ConfigError(f"{scenario_path}: tasks: every client needs the same number of tasks, got {sorted(lengths)}")
+    sc = dataclasses.replace(sc, federation=dataclasses.replace(fed, num_tasks=lengths.pop()))
+    try:
+        train, test = load_dataset(sc.data.dataset, sc.data.path, fed.seed)
+        for index in range(sc.clients):
+            client_task_split(train, test, client_tasks, index, fed.seed)
+    except DataError as exc:
+        raise ConfigError(f"{scenario_path}: data: {exc}") from None
+    return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]))
+
+
+def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrides: Sequence[str] = (),
+             timeout: float = 3600.0) -> int:
+    p = plan(scenario_path, overrides)
+    out_dir = Path(out)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (out_dir / "scenario.yaml").write_text(yaml.safe_dump(to_dict(p.scenario), sort_keys=False))
+    broker_proc, url = _start_broker(broker, out_dir)
+    procs = {}
+    try:
+        configs = _write_configs(p, out_dir, url)
+        procs = {name: _spawn(name, kind, path, out_dir) for name, (kind, path) in configs.items()}
+        return _follow(p, out_dir, procs, timeout)
+    finally:
+        for proc in procs.values():
+            _stop(proc)
+        if broker_proc is not None:
+            _stop(broker_proc)
+
+
+def _start_broker(broker: str | None, out_dir: Path) -> tuple[subprocess.Popen | None, str]:
+    if broker:
+        try:
+            host, port = parse_broker_url(broker)
+        except ValueError as exc:
+            raise ConfigError(f"--broker: {exc}") from None
+        return None, broker
+    port = free_port()
+    proc = _spawn("broker", "broker", None, out_dir, extra=["--port", str(port)])
+    if not wait_for_port("127.0.0.1", port, 20):
+        _stop(proc)
+        raise ConfigError(f"embedded broker did not start; see {out_dir / 'logs' / 'broker.log'}")
+    return proc, f"mqtt://127.0.0.1:{port}"
+
+
+def _write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path]]:
+    fed = p.scenario.federation
+    cfg_dir = out_dir / "configs"
+    cfg_dir.mkdir(exist_ok=True)
+    broker = BrokerSpec(url=url)
+    configs = {"aggregator": AggregatorConfig(federation=fed, expected_clients=p.client_ids, out_dir=str(out_dir),
+                                              broker=broker, input_dim=p.input_dim)}
+    for index, cid in enumerate(p.client_ids):
+        data = ClientDataSpec(dataset=p.scenario.data.dataset, path=p.scenario.data.path,
+                              client_tasks=p.client_tasks, client_index=index, seed=fed.seed)
+        configs[cid] = ClientConfig(client_id=cid, federation=fed.name, data=data, broker=broker,
+                                    out_dir=str(out_dir / "clients" / cid))
+    written = {}
+    for name, cfg in configs.items():
+        path = cfg_dir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        written[name] = ("aggregator" if name == "aggregator" else "client", path)
+    return written
+
+
+def _spawn(name: str, kind: str, config: Path | None, out_dir: Path, extra: Sequence[str] = ()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fcl_edge.cli", kind, *(["--config", str(config)] if config else []), *extra]
+    logfile = open(out_dir / "logs" / f"{name}.log", "w")
+    return subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _follow(p: Plan, out_dir: Path, procs: dict[str, subprocess.Popen], timeout: float) -> int:
+    """Draw progress from metrics.jsonl until the aggregator exits."""
+    fed = p.scenario.federation
+    tail = _Tail(out_dir / "metrics.jsonl")
+    rounds: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    tqdm.write(f"{'round':>5} {'task':>4} {'mean NLL':>9} {'bytes up':>10} {'bytes down':>11}")
+    with tqdm(total=fed.total_rounds, unit="round", dynamic_ncols=True) as bar:
+        while procs["aggregator"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for event in tail.read():
+                _show(event, rounds, bar)
+            if any(proc.poll() not in (None, 0) for proc in procs.values()):
+                break
+        for event in tail.read():
+            _show(event, rounds, bar)
+    return _outcome(out_dir, procs, deadline)
+
+
+def _show(event: dict, rounds: dict[int, dict], bar: tqdm) -> None:
+    kind = event.get("event")
+    if kind == "round_client":
+        row = rounds.setdefault(event["round"], {"task": event["task"], "up": 0, "down": 0})
+        row["up"] += event["bytes_up"]
+        row["down"] += event["bytes_down"]
+    elif kind == "round":
+        bar.update(1)
+    elif kind == "round_summary" and event["round"] in rounds:
+        row = rounds[event["round"]]
+        tqdm.write(f"{event['round']:>5} {row['task']:>4} {event['mean_nll']:>9.3f} {row['up']:>10,} {row['down']:>11,}")
+
+
+def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float) -> int:
+    codes = {}
+    for name, proc in procs.items():
+        try:
+            codes[name] = proc.wait(timeout=max(1.0, min(30.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes[name] = None
+    failed = {n: c for n, c in codes.items() if c != 0}
+    summary_path = out_dir / "summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        final, b = summary.get("final", {}), summary["bytes"]
+        print(f"avg NLL {final.get('avg_nll')}  forgetting {final.get('forgetting')}  "
+              f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,})")
+        print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
+    if failed:
+        print(f"fcl: error: processes failed (exit codes {failed}); logs in {out_dir / 'logs'}", file=sys.stderr)
+        return int(ExitCode.CLIENT_FAILED)
+    return int(ExitCode.OK)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class _Tail:
+    """Yields complete new JSON lines of a growing file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()
+        return [json.loads(line) for line in lines if line.strip()]

@@ -1,0 +1,528 @@
+"""Wire codec v1: the binary frame format exchanged over MQTT.
+
+Why a custom format: pickle executes code on load and must never touch bytes
+from the network; JSON floats are large and slow; edge links need sparse
+updates.  Frames arrive from untrusted peers, so the decoder validates every
+field and turns every problem into a single :class:`CodecError` whose message
+names the field, the value received and what was expected.
+
+All integers are little-endian.  Frame layout::
+
+    size     field
+    -------  -----------------------------------------------------------
+    4        magic  b"FCLW"
+    1        version      u8   (= 1)
+    1        kind         u8   (see Kind)
+    2        flags        u16  (must be 0 in v1)
+    4        round        u32
+    4        task         u32
+    8        sequence     u64
+    1 + n    federation   u8 length n + UTF-8
+    1 + n    client       u8 length n + UTF-8
+    4 + n    meta         u32 length n + UTF-8 JSON object (finite numbers only)
+    2        tensor count u16
+    ...      tensor records, `count` times (below)
+    4        CRC32        zlib.crc32 of every preceding byte
+
+Tensor record::
+
+    size     field
+    -------  -----------------------------------------------------------
+    1 + n    name         u8 length n + UTF-8 (non-empty, unique)
+    1        layout       u8: 0 dense | 1 sparse index list | 2 sparse bitmap
+    1        dtype        u8: 1 float32 | 2 float16 (encoding of the values)
+    1        ndim         u8
+    4*ndim   dims         u32 each, every dim >= 1 (ndim 0 is a scalar)
+    4        nnz          u32, sparse layouts only
+    ...      data         dense:  numel values
+                          index:  nnz indices (u16 if numel <= 65536 else
+                                  u32; implied by numel), then nnz values
+                          bitmap: ceil(numel/8) bytes (packbits, little bit
+                                  order, padding bits 0), then nnz values
+                                  in index order
+
+Values are always decoded to float32; NaN/Inf are rejected in both directions.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import math
+import operator
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import numpy as np
+
+MAGIC = b"FCLW"
+VERSION = 1
+
+_HEAD = struct.Struct("<4sBBHIIQ")
+_TENSOR_HEAD = struct.Struct("<BBB")
+_U8, _U16, _U32 = struct.Struct("<B"), struct.Struct("<H"), struct.Struct("<I")
+_U8_MAX, _U16_MAX, _U32_MAX, _U64_MAX = 2**8 - 1, 2**16 - 1, 2**32 - 1, 2**64 - 1
+_SMALL_NUMEL = 65536  # up to this many elements every flat index fits in a u16
+DENSE, INDEX, BITMAP = 0, 1, 2
+_LAYOUTS = "0 (dense), 1 (index list) or 2 (bitmap)"
+_DTYPES = {"float32": (1, np.dtype("<f4")), "float16": (2, np.dtype("<f2"))}
+_DTYPE_BY_CODE = {code: dt for code, dt in _DTYPES.values()}
+
+
+class CodecError(ValueError):
+    """The one error raised for malformed frames or unencodable input."""
+
+
+def _fail(field_name: str, got: Any, expected: str) -> NoReturn:
+    raise CodecError(f"{field_name}: got {got}, expected {expected}")
+
+
+class Kind(enum.IntEnum):
+    ROUND = 1  # aggregator -> clients: round announcement (+ global tensors)
+    UPDATE = 2  # client -> aggregator: local update
+    EVAL = 3  # client -> aggregator: evaluation report
+    FINISH = 4  # aggregator -> clients: run finished (+ final tensors)
+    STATUS = 5  # status messages
+    ACK = 6  # aggregator -> client acknowledgement
+
+
+@dataclass(frozen=True)
+class SparseTensor:
+    """A tensor given by its non-zero (or masked-in) entries.
+
+    The constructor normalises and validates, but numpy arrays stay mutable,
+    so :func:`encode` validates again before anything reaches the wire.
+    """
+
+    shape: tuple[int, ...]
+    indices: np.ndarray  # int64 flat C-order indices, strictly increasing
+    values: np.ndarray  # float32 (or float16), same length as indices
+
+    def __post_init__(self) -> None:
+        shape = _check_shape(self.shape, "SparseTensor.shape")
+        indices, values = np.asarray(self.indices), np.asarray(self.values)
+        if indices.dtype.kind not in "iu" and indices.size == 0:
+            indices = indices.astype(np.int64)  # np.asarray([]) is float64
+        if indices.dtype.kind not in "iu":
+            _fail("SparseTensor.indices", f"dtype {indices.dtype}", "an integer array")
+        if values.dtype.kind not in "fiu":
+            _fail("SparseTensor.values", f"dtype {values.dtype}", "real numbers")
+        if values.dtype != np.float16:
+            values = values.astype(np.float32, copy=False)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "indices", indices.astype(np.int64, copy=False))
+        object.__setattr__(self, "values", values)
+        self._validate("SparseTensor")
+
+    def _validate(self, where: str) -> None:
+        if self.indices.ndim != 1 or self.values.ndim != 1:
+            _fail(f"{where}.indices/values ndim", (self.indices.ndim, self.values.ndim), "(1, 1)")
+        if self.indices.shape != self.values.shape:
+            _fail(f"{where}.values length", len(self.values), f"{len(self.indices)} (one per index)")
+        _check_indices(self.indices, math.prod(self.shape), f"{where}.indices")
+
+    @classmethod
+    def from_dense(cls, dense: np.ndarray, mask: np.ndarray | None = None) -> SparseTensor:
+        """Keep the entries where `mask` is true (default: the non-zero entries)."""
+        dense = np.asarray(dense)
+        mask = dense != 0 if mask is None else np.asarray(mask, dtype=bool)
+        if mask.shape != dense.shape:
+            _fail("SparseTensor.from_dense mask shape", mask.shape, f"{dense.shape} (the dense shape)")
+        flat = np.flatnonzero(mask)
+        return cls(dense.shape, flat, dense.reshape(-1)[flat])
+
+    def to_dense(self, fill: float = 0.0) -> np.ndarray:
+        out = np.full(math.prod(self.shape), fill, dtype=np.float32)
+        out[self.indices] = self.values
+        return out.reshape(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.size)
+
+    def __eq__(self, other: object) -> bool:  # arrays make the generated __eq__ unusable
+        if not isinstance(other, SparseTensor):
+            return NotImplemented
+        return (self.shape == other.shape and np.array_equal(self.indices, other.indices)
+                and np.array_equal(self.values, other.values))
+
+
+Tensor = np.ndarray | SparseTensor
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    federation: str
+    round: int
+    task: int
+    client: str
+    sequence: int
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: Header
+    meta: dict = field(default_factory=dict)
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CodecLimits:
+    max_frame_bytes: int = 64 * 2**20
+    max_tensors: int = 256
+    max_ndim: int = 8
+    max_elements: int = 64 * 2**20  # per tensor
+    max_meta_bytes: int = 64 * 2**10
+    max_name_bytes: int = 255
+
+
+# ---------------------------------------------------------------- shared checks
+
+def _check_shape(shape: Any, where: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        _fail(where, repr(shape), "a tuple of ints")
+    if any(d < 1 for d in dims):
+        _fail(where, dims, "every dim >= 1")
+    return dims
+
+
+def _check_indices(indices: np.ndarray, numel: int, where: str) -> None:
+    """Strictly increasing and inside [0, numel): what makes index order canonical."""
+    if indices.size == 0:
+        return
+    steps = np.diff(indices)
+    if (steps <= 0).any():
+        i = int(np.argmax(steps <= 0)) + 1
+        _fail(f"{where}[{i}]", int(indices[i]), f"> {int(indices[i - 1])} (strictly increasing)")
+    if indices[0] < 0 or indices[-1] >= numel:
+        bad = int(indices[0]) if indices[0] < 0 else int(indices[-1])
+        _fail(where, bad, f"0 <= index < {numel} (numel)")
+
+
+def _check_numel(shape: tuple[int, ...], where: str, limits: CodecLimits) -> int:
+    if len(shape) > min(limits.max_ndim, _U8_MAX):
+        _fail(f"{where}.ndim", len(shape), f"<= {limits.max_ndim} (max_ndim)")
+    numel = math.prod(shape)
+    if numel > min(limits.max_elements, _U32_MAX):
+        _fail(f"{where}.numel", numel, f"<= {limits.max_elements} (max_elements)")
+    return numel
+
+
+def _require_finite(arr: np.ndarray, where: str) -> None:
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        _fail(where, f"{arr.reshape(-1)[i]} at flat index {i}", "finite values (no NaN/Inf)")
+
+
+def _short(name: Any) -> str:
+    """repr() capped in length: names go into error messages and may be huge."""
+    text = repr(name)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# ---------------------------------------------------------------------- encode
+
+def encode(frame: Frame, value_dtype: str = "float32", limits: CodecLimits = CodecLimits()) -> bytes:
+    """Serialise `frame`; tensor values are sent as `value_dtype` ("float32"/"float16")."""
+    if value_dtype not in _DTYPES:
+        _fail("value_dtype", repr(value_dtype), "'float32' or 'float16'")
+    if not isinstance(frame, Frame):
+        _fail("frame", type(frame).__name__, "Frame")
+    parts = [_encode_header(frame.header), _encode_meta(frame.meta, limits)]
+    parts += _encode_tensors(frame.tensors, value_dtype, limits)
+    crc, size = 0, 4
+    for part in parts:
+        crc, size = zlib.crc32(part, crc), size + len(part)
+    if size > limits.max_frame_bytes:
+        _fail("frame size", f"{size} bytes", f"<= {limits.max_frame_bytes} (max_frame_bytes)")
+    parts.append(_U32.pack(crc))
+    return b"".join(parts)
+
+
+def _uint(value: Any, where: str, maximum: int) -> int:
+    if isinstance(value, bool):
+        _fail(where, repr(value), "an integer, not bool")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail(where, repr(value), "an integer")
+    if not 0 <= number <= maximum:
+        _fail(where, number, f"0 <= value <= {maximum}")
+    return number
+
+
+def _encode_text(value: Any, where: str, max_bytes: int) -> bytes:
+    if not isinstance(value, str):
+        _fail(where, type(value).__name__, "str")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:
+        _fail(where, repr(value), "text encodable as UTF-8")
+    if len(raw) > min(max_bytes, _U8_MAX):
+        _fail(where, f"{len(raw)} UTF-8 bytes", f"<= {min(max_bytes, _U8_MAX)} bytes")
+    return _U8.pack(len(raw)) + raw
+
+
+def _encode_header(header: Header) -> bytes:
+    if not isinstance(header, Header):
+        _fail("header", type(header).__name__, "Header")
+    try:
+        kind = Kind(header.kind)
+    except (ValueError, TypeError):
+        _fail("header.kind", repr(header.kind), f"one of {[int(k) for k in Kind]}")
+    fixed = _HEAD.pack(MAGIC, VERSION, kind, 0, _uint(header.round, "header.round", _U32_MAX),
+                       _uint(header.task, "header.task", _U32_MAX),
+                       _uint(header.sequence, "header.sequence", _U64_MAX))
+    return (fixed + _encode_text(header.federation, "header.federation", _U8_MAX)
+            + _encode_text(header.client, "header.client", _U8_MAX))
+
+
+def _encode_meta(meta: Any, limits: CodecLimits) -> bytes:
+    if not isinstance(meta, dict):
+        _fail("meta", type(meta).__name__, "dict")
+    for key in meta:
+        if not isinstance(key, str):
+            _fail("meta key", repr(key), "str")
+    try:
+        raw = json.dumps(meta, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise CodecError(f"meta: got unserialisable content ({exc}), expected finite JSON data") from exc
+    if len(raw) > min(limits.max_meta_bytes, _U32_MAX):
+        _fail("meta", f"{len(raw)} bytes of JSON", f"<= {limits.max_meta_bytes} (max_meta_bytes)")
+    return _U32.pack(len(raw)) + raw
+
+
+def _encode_tensors(tensors: Any, value_dtype: str, limits: CodecLimits) -> list[bytes]:
+    if not isinstance(tensors, dict):
+        _fail("tensors", type(tensors).__name__, "dict")
+    if len(tensors) > min(limits.max_tensors, _U16_MAX):
+        _fail("tensor count", len(tensors), f"<= {limits.max_tensors} (max_tensors)")
+    parts = [_U16.pack(len(tensors))]
+    for name, tensor in tensors.items():
+        where = f"tensors[{_short(name)}]"
+        if name == "":
+            _fail(f"{where} name", "''", "a non-empty name")
+        parts.append(_encode_text(name, f"{where} name", limits.max_name_bytes))
+        parts += _encode_tensor(tensor, where, value_dtype, limits)
+    return parts
+
+
+def _wire_values(values: np.ndarray, wire: np.dtype, where: str) -> bytes:
+    """Cast to the wire dtype, refusing NaN/Inf and float16 overflow."""
+    if values.dtype.kind not in "fiu":
+        _fail(f"{where}.dtype", values.dtype, "real numbers (float/int)")
+    if values.dtype.kind == "f":
+        _require_finite(values, f"{where}.values")
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = values.astype(wire)
+    overflow = ~np.isfinite(out)
+    if overflow.any():
+        i = int(np.flatnonzero(overflow)[0])
+        _fail(f"{where}.values", f"{values.reshape(-1)[i]} at flat index {i}",
+              f"|value| <= {np.finfo(wire).max} (overflows {wire.name})")
+    return out.tobytes()
+
+
+def _encode_tensor(tensor: Any, where: str, value_dtype: str, limits: CodecLimits) -> list[bytes]:
+    code, wire = _DTYPES[value_dtype]
+    if isinstance(tensor, np.ndarray):
+        shape = _check_shape(tensor.shape, f"{where}.shape")
+        _check_numel(shape, where, limits)
+        layout, data = DENSE, [_wire_values(tensor, wire, where)]
+    elif isinstance(tensor, SparseTensor):
+        tensor._validate(where)  # the arrays may have been mutated since construction
+        shape = tensor.shape
+        layout, data = _encode_sparse(tensor, _check_numel(shape, where, limits), wire, where)
+    else:
+        _fail(where, type(tensor).__name__, "np.ndarray or SparseTensor")
+    head = _TENSOR_HEAD.pack(layout, code, len(shape)) + struct.pack(f"<{len(shape)}I", *shape)
+    return [head, *data]
+
+
+def _encode_sparse(tensor: SparseTensor, numel: int, wire: np.dtype, where: str) -> tuple[int, list[bytes]]:
+    """Pick whichever of dense / index list / bitmap is smallest (ties: first listed)."""
+    values = _wire_values(tensor.values, wire, where)
+    nnz, width = tensor.nnz, (2 if numel <= _SMALL_NUMEL else 4)
+    sizes = {DENSE: numel * wire.itemsize, INDEX: 4 + nnz * width + len(values),
+             BITMAP: 4 + (numel + 7) // 8 + len(values)}
+    layout = min(sizes, key=sizes.__getitem__)
+    if layout == DENSE:
+        return DENSE, [_wire_values(tensor.to_dense(), wire, where)]
+    if layout == INDEX:
+        body = tensor.indices.astype("<u2" if width == 2 else "<u4").tobytes()
+    else:
+        mask = np.zeros(numel, dtype=bool)
+        mask[tensor.indices] = True
+        body = np.packbits(mask, bitorder="little").tobytes()
+    return layout, [_U32.pack(nnz), body, values]
+
+
+# ---------------------------------------------------------------------- decode
+
+class _Reader:
+    """Cursor over a memoryview; a short read becomes a CodecError naming the field."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._pos = view, 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self._view) - self._pos
+
+    def take(self, n: int, where: str) -> memoryview:
+        if n > self.remaining:
+            _fail(where, f"{self.remaining} bytes left at offset {self._pos}", f"{n} bytes")
+        chunk = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return chunk
+
+    def unpack(self, st: struct.Struct, where: str) -> tuple:
+        return st.unpack(self.take(st.size, where))
+
+    def uint(self, st: struct.Struct, where: str) -> int:
+        return self.unpack(st, where)[0]
+
+    def text(self, where: str, max_bytes: int = _U8_MAX) -> str:
+        n = self.uint(_U8, f"{where} length")
+        if n > max_bytes:
+            _fail(f"{where} length", n, f"<= {max_bytes} bytes")
+        return _utf8(self.take(n, where), where)
+
+    def array(self, dtype: str | np.dtype, count: int, where: str) -> np.ndarray:
+        dt = np.dtype(dtype)
+        return np.frombuffer(self.take(count * dt.itemsize, where), dtype=dt)
+
+
+def _utf8(raw: memoryview, where: str) -> str:
+    try:
+        return str(raw, "utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(where, f"invalid UTF-8 ({exc.reason} at byte {exc.start})", "valid UTF-8")
+
+
+def decode(data: bytes, limits: CodecLimits = CodecLimits()) -> Frame:
+    """Parse and fully validate one frame (size first, then CRC, then the body)."""
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError:
+        _fail("data", type(data).__name__, "a contiguous bytes-like object")
+    if len(view) > limits.max_frame_bytes:
+        _fail("frame size", f"{len(view)} bytes", f"<= {limits.max_frame_bytes} (max_frame_bytes)")
+    if len(view) < 4:
+        _fail("frame size", f"{len(view)} bytes", ">= 4 bytes (CRC32 trailer)")
+    stored, actual = _U32.unpack_from(view, len(view) - 4)[0], zlib.crc32(view[:-4])
+    if stored != actual:
+        _fail("checksum", f"0x{stored:08x}", f"0x{actual:08x} (CRC32 of the preceding bytes)")
+    reader = _Reader(view[:-4])
+    header = _decode_header(reader)
+    meta = _decode_meta(reader, limits)
+    tensors = _decode_tensors(reader, limits)
+    if reader.remaining:
+        _fail("trailing bytes", f"{reader.remaining} bytes after the tensor table", "0")
+    return Frame(header, meta, tensors)
+
+
+def _decode_header(reader: _Reader) -> Header:
+    magic, version, kind, flags, rnd, task, seq = reader.unpack(_HEAD, "header")
+    if magic != MAGIC:
+        _fail("header.magic", repr(magic), repr(MAGIC))
+    if version != VERSION:
+        _fail("header.version", version, f"{VERSION} (supported version)")
+    if kind not in {int(k) for k in Kind}:
+        _fail("header.kind", kind, f"one of {[int(k) for k in Kind]}")
+    if flags:
+        _fail("header.flags", f"0x{flags:04x}", "0 (no flags are defined in v1)")
+    federation, client = reader.text("header.federation"), reader.text("header.client")
+    return Header(Kind(kind), federation, rnd, task, client, seq)
+
+
+def _reject_constant(name: str) -> NoReturn:
+    _fail("meta", f"JSON constant {name}", "finite numbers")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        _fail("meta", f"number {text} (not finite as a float)", "finite numbers")
+    return number
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            _fail("meta key", repr(key), "unique keys in each JSON object")
+        out[key] = value
+    return out
+
+
+def _decode_meta(reader: _Reader, limits: CodecLimits) -> dict:
+    n = reader.uint(_U32, "meta length")
+    if n > limits.max_meta_bytes:
+        _fail("meta length", n, f"<= {limits.max_meta_bytes} (max_meta_bytes)")
+    text = _utf8(reader.take(n, "meta"), "meta")
+    try:
+        meta = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
+    except CodecError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        _fail("meta", f"invalid JSON ({exc})", "a JSON object")
+    if not isinstance(meta, dict):
+        _fail("meta", f"JSON {type(meta).__name__}", "a JSON object")
+    return meta
+
+
+def _decode_tensors(reader: _Reader, limits: CodecLimits) -> dict[str, Tensor]:
+    count = reader.uint(_U16, "tensor count")
+    if count > limits.max_tensors:
+        _fail("tensor count", count, f"<= {limits.max_tensors} (max_tensors)")
+    tensors: dict[str, Tensor] = {}
+    for i in range(count):
+        name = reader.text(f"tensor[{i}].name", min(limits.max_name_bytes, _U8_MAX))
+        if not name or name in tensors:
+            _fail(f"tensor[{i}].name", repr(name), "a non-empty name not used by an earlier tensor")
+        tensors[name] = _decode_tensor(reader, f"tensor[{i}] {_short(name)}", limits)
+    return tensors
+
+
+def _read_values(reader: _Reader, wire: np.dtype, count: int, where: str) -> np.ndarray:
+    raw = reader.array(wire, count, f"{where}.values")
+    _require_finite(raw, f"{where}.values")
+    return raw.astype(np.float32)  # a copy: the result never aliases the input buffer
+
+
+def _decode_tensor(reader: _Reader, where: str, limits: CodecLimits) -> Tensor:
+    layout, code, ndim = reader.unpack(_TENSOR_HEAD, where)
+    if layout not in (DENSE, INDEX, BITMAP):
+        _fail(f"{where}.layout", layout, _LAYOUTS)
+    if code not in _DTYPE_BY_CODE:
+        _fail(f"{where}.dtype", code, "1 (float32) or 2 (float16)")
+    if ndim > limits.max_ndim:
+        _fail(f"{where}.ndim", ndim, f"<= {limits.max_ndim} (max_ndim)")
+    shape = tuple(int(d) for d in reader.array("<u4", ndim, f"{where}.dims"))
+    if any(d < 1 for d in shape):
+        _fail(f"{where}.dims", shape, "every dim >= 1")
+    numel, wire = _check_numel(shape, where, limits), _DTYPE_BY_CODE[code]
+    if layout == DENSE:
+        return _read_values(reader, wire, numel, where).reshape(shape)
+    nnz = reader.uint(_U32, f"{where}.nnz")
+    if nnz > numel:
+        _fail(f"{where}.nnz", nnz, f"<= {numel} (numel)")
+    if layout == INDEX:
+        width = "<u2" if numel <= _SMALL_NUMEL else "<u4"
+        indices = reader.array(width, nnz, f"{where}.indices").astype(np.int64)
+        _check_indices(indices, numel, f"{where}.indices")
+    else:
+        bits = np.unpackbits(reader.array(np.uint8, (numel + 7) // 8, f"{where}.bitmap"), bitorder="little")
+        if bits[numel:].any():
+            _fail(f"{where}.bitmap", f"bits set beyond element {numel - 1}", "zero padding bits")
+        indices = np.flatnonzero(bits).astype(np.int64, copy=False)
+        if indices.size != nnz:
+            _fail(f"{where}.bitmap popcount", indices.size, f"{nnz} (nnz)")
+    return SparseTensor(shape, indices, _read_values(reader, wire, nnz, where))

