@@ -81,8 +81,8 @@ class AggregatorService:
             log.error("%s", exc)
             return ExitCode.NOT_ENOUGH_CLIENTS
         finally:
-            self._write_summary(time.monotonic() - started)
             self.link.close("stopped")
+            self._write_summary(time.monotonic() - started)
             self.runlog.close()
         return ExitCode.INTERRUPTED if self.stop.is_set() else ExitCode.OK
 
@@ -188,8 +188,6 @@ class AggregatorService:
         received = self._collect(last, kind=Kind.EVAL)
         self.runlog.round_summary(last - 1, self.fed.num_tasks - 1)
         log.info("final evaluation from %d/%d clients", len(received), len(self.cfg.expected_clients))
-        # Clear the retained FINISH so a later run of the same federation starts clean.
-        self.link.publish(topics.round_topic(self.fed.name), b"", retain=True).wait_for_publish(5)
 
     def _write_summary(self, duration: float) -> None:
         self.runlog.summary(method=self.fed.method, federation=self.fed.name,

@@ -41,18 +41,19 @@ class ClientDaemon:
         self.out_dir = Path(cfg.out_dir)
         self.data = load_client_data(cfg)
         self.input_dim = int(self.data.train[0].x.shape[1])
-        self.queue: queue.Queue[bytes] = queue.Queue()
+        self.queue: queue.Queue[tuple[bytes, int]] = queue.Queue()
         self.learner: Learner | None = None
         self.fed: FederationSpec | None = None
         self.task = -1
         self.done_round = -1
         self.sequence = 0
         self.rejected: dict[str, int] = {}
+        self.round_bytes_down: dict[int, int] = {}  # PUBLISH bytes of each round's announcement
         self.limits = CodecLimits()
         self.link = MqttLink(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
                              status_topic=topics.status_topic(cfg.federation, cfg.client_id),
                              subscriptions=[topics.round_topic(cfg.federation)],
-                             on_message=lambda t, p, n: self.queue.put(p))
+                             on_message=lambda t, p, n: self.queue.put((p, n)))
         torch.set_num_threads(cfg.threads)
 
     def run(self) -> ExitCode:
@@ -65,33 +66,41 @@ class ClientDaemon:
         try:
             while not finished and not self.stop.is_set():
                 try:
-                    payload = self.queue.get(timeout=POLL_S)
+                    payload, size = self.queue.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
-                finished = self._handle(payload)
+                finished = self._handle(payload, size)
         finally:
             self.link.close("stopped")
             self._write_wire_log()
         return ExitCode.OK if finished else ExitCode.INTERRUPTED
 
-    def _handle(self, payload: bytes) -> bool:
+    def _handle(self, payload: bytes, size: int) -> bool:
         """Act on one downlink message; True when the run is finished."""
         if not payload:
-            return False  # a cleared retained message
+            return False  # a deleted retained message
         try:
-            frame = self._check(payload)
-            if frame.header.kind is Kind.FINISH:
-                self._finish(frame)
-                return True
-            if frame.header.round > self.done_round:
-                self._round(frame)
+            frame, fed = self._check(payload)
+            if frame.header.kind is Kind.FINISH and self.done_round < 0:
+                log.info("ignoring the end of a run this device did not take part in")
+                return False
+            if frame.header.kind is Kind.ROUND and frame.header.round <= self.done_round:
+                return False  # a retained announcement seen again after a reconnect
+            self._load(frame, fed)
         except RejectedFrame as exc:
             reason = str(exc).split(":", 1)[0]
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
             log.warning("dropped downlink message: %s", exc)
+            return False
+        if frame.header.kind is Kind.FINISH:
+            self._finish(frame)
+            return True
+        self.round_bytes_down[frame.header.round] = size
+        self._round(frame)
         return False
 
-    def _check(self, payload: bytes) -> Frame:
+    def _check(self, payload: bytes) -> tuple[Frame, FederationSpec]:
+        """Validate a downlink frame without touching any state."""
         try:
             frame = decode(payload, self.limits)
         except CodecError as exc:
@@ -110,22 +119,22 @@ class ClientDaemon:
                                 f"this device's data has {self.input_dim}")
         if len(self.data.train) < fed.num_tasks:
             raise RejectedFrame(f"tasks: federation has {fed.num_tasks} tasks, this device has {len(self.data.train)}")
+        return frame, fed
+
+    def _load(self, frame: Frame, fed: FederationSpec) -> None:
+        """Create the learner on the first round, then merge the global tensors."""
         if self.fed is not None and to_dict(fed) != to_dict(self.fed):
             raise RejectedFrame("federation: settings changed during the run")
-        self._ensure_learner(fed)
-        try:
-            self.learner.load_global(frame.tensors)
-        except ValueError as exc:
-            raise RejectedFrame(f"tensors: {exc}") from None
-        return frame
-
-    def _ensure_learner(self, fed: FederationSpec) -> None:
         if self.learner is None:
             try:
                 self.learner = make_learner(fed, fed.model.made_config(self.input_dim), self.client_index)
             except ValueError as exc:
                 raise RejectedFrame(f"federation: {exc}") from None
             self.fed = fed
+        try:
+            self.learner.load_global(frame.tensors)
+        except ValueError as exc:
+            raise RejectedFrame(f"tensors: {exc}") from None
 
     @property
     def client_index(self) -> int:
@@ -167,6 +176,7 @@ class ClientDaemon:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.out_dir / "wire.json.tmp"
         tmp.write_text(json.dumps({"client": self.cfg.client_id, "rejected": self.rejected,
+                                   "round_bytes_down": self.round_bytes_down,
                                    **self.link.meter.snapshot()}, indent=2))
         os.replace(tmp, self.out_dir / "wire.json")
 

@@ -109,7 +109,8 @@ class SparseTensor:
         if values.dtype.kind not in "fiu":
             _fail("SparseTensor.values", f"dtype {values.dtype}", "real numbers")
         if values.dtype != np.float16:
-            values = values.astype(np.float32, copy=False)
+            with np.errstate(over="ignore"):  # overflow becomes inf, which encode() rejects
+                values = values.astype(np.float32, copy=False)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "indices", indices.astype(np.int64, copy=False))
         object.__setattr__(self, "values", values)
@@ -194,13 +195,13 @@ def _check_indices(indices: np.ndarray, numel: int, where: str) -> None:
     """Strictly increasing and inside [0, numel): what makes index order canonical."""
     if indices.size == 0:
         return
+    low, high = int(indices.min()), int(indices.max())  # range first: then np.diff cannot overflow
+    if low < 0 or high >= numel:
+        _fail(where, low if low < 0 else high, f"0 <= index < {numel} (numel)")
     steps = np.diff(indices)
     if (steps <= 0).any():
         i = int(np.argmax(steps <= 0)) + 1
         _fail(f"{where}[{i}]", int(indices[i]), f"> {int(indices[i - 1])} (strictly increasing)")
-    if indices[0] < 0 or indices[-1] >= numel:
-        bad = int(indices[0]) if indices[0] < 0 else int(indices[-1])
-        _fail(where, bad, f"0 <= index < {numel} (numel)")
 
 
 def _check_numel(shape: tuple[int, ...], where: str, limits: CodecLimits) -> int:
@@ -320,11 +321,14 @@ def _wire_values(values: np.ndarray, wire: np.dtype, where: str) -> bytes:
         _require_finite(values, f"{where}.values")
     with np.errstate(over="ignore", invalid="ignore"):
         out = values.astype(wire)
-    overflow = ~np.isfinite(out)
-    if overflow.any():
-        i = int(np.flatnonzero(overflow)[0])
-        _fail(f"{where}.values", f"{values.reshape(-1)[i]} at flat index {i}",
-              f"|value| <= {np.finfo(wire).max} (overflows {wire.name})")
+    limit = np.finfo(wire).max
+    # Finite floats within +-limit cannot overflow; the cheap max() skips a slow float16 isfinite.
+    if values.size and (values.dtype.kind != "f" or np.abs(values).max() > limit):
+        overflow = ~np.isfinite(out)
+        if overflow.any():
+            i = int(np.flatnonzero(overflow)[0])
+            _fail(f"{where}.values", f"{values.reshape(-1)[i]} at flat index {i}",
+                  f"|value| <= {limit} (overflows {wire.name})")
     return out.tobytes()
 
 
@@ -492,9 +496,11 @@ def _decode_tensors(reader: _Reader, limits: CodecLimits) -> dict[str, Tensor]:
 
 
 def _read_values(reader: _Reader, wire: np.dtype, count: int, where: str) -> np.ndarray:
-    raw = reader.array(wire, count, f"{where}.values")
-    _require_finite(raw, f"{where}.values")
-    return raw.astype(np.float32)  # a copy: the result never aliases the input buffer
+    # astype copies, so the result never aliases the input buffer; checking finiteness
+    # after widening to float32 is exact (float16 inf/nan stay inf/nan) and much faster.
+    values = reader.array(wire, count, f"{where}.values").astype(np.float32)
+    _require_finite(values, f"{where}.values")
+    return values
 
 
 def _decode_tensor(reader: _Reader, where: str, limits: CodecLimits) -> Tensor:
@@ -522,7 +528,7 @@ def _decode_tensor(reader: _Reader, where: str, limits: CodecLimits) -> Tensor:
         bits = np.unpackbits(reader.array(np.uint8, (numel + 7) // 8, f"{where}.bitmap"), bitorder="little")
         if bits[numel:].any():
             _fail(f"{where}.bitmap", f"bits set beyond element {numel - 1}", "zero padding bits")
-        indices = np.flatnonzero(bits).astype(np.int64, copy=False)
+        indices = np.flatnonzero(bits.view(bool)).astype(np.int64, copy=False)  # bool: 5x faster
         if indices.size != nnz:
             _fail(f"{where}.bitmap popcount", indices.size, f"{nnz} (nnz)")
     return SparseTensor(shape, indices, _read_values(reader, wire, nnz, where))

@@ -194,7 +194,8 @@ def test_sparse_tensor_api():
     with pytest.raises(CodecError, match="mask shape"):
         SparseTensor.from_dense(dense, mask=np.ones(3, bool))
     for shape, idx, vals in [((4,), [2, 1], [1, 1]), ((4,), [1, 1], [1, 1]), ((4,), [4], [1]),
-                             ((4,), [-1], [1]), ((4,), [1, 2], [1]), ((0, 4), [], []), ((4,), [0.5], [1])]:
+                             ((4,), [-1], [1]), ((4,), [1, 2], [1]), ((0, 4), [], []), ((4,), [0.5], [1]),
+                             ((4,), [2**62, -2**63], [1, 1])]:  # np.diff would wrap around here
         with pytest.raises(CodecError):
             SparseTensor(shape, idx, vals)
 
@@ -418,6 +419,8 @@ def test_encode_float16_overflow():
         encode(frame, "float16")
     with pytest.raises(CodecError, match="overflows float16"):
         encode(frame_with(t=SparseTensor((4,), [2], [-1e5])), "float16")
+    with pytest.raises(CodecError, match="overflows float16"):  # integers are checked too
+        encode(frame_with(t=np.array([1, 70000], np.int32)), "float16")
 
 
 def test_encode_mutated_sparse_tensor():

@@ -1,0 +1,35 @@
+"""Shared fixtures: a real Mosquitto broker per test on a free loopback port."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from support.mosquitto import Mosquitto  # noqa: E402
+
+
+@pytest.fixture
+def mosquitto(tmp_path: Path):
+    """A Mosquitto process started for this test and stopped after it."""
+    if shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists():
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto); .ci/run installs it")
+    broker = Mosquitto(tmp_path / "mosquitto")
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def run_fcl(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fcl_edge.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
