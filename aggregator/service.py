@@ -138,25 +138,29 @@ class AggregatorService:
             return
         who = topics.parse_status_topic(self.fed.name, item.topic)
         if who is not None:
-            self._on_status(who, item.payload)
+            self._on_status(who, item.payload, open_round)
             return
         client = topics.parse_update_topic(self.fed.name, item.topic)
         result = self.inbox.check(client, item.payload, item.packet_bytes, open_round, set(received), kind)
         if isinstance(result, Rejection):
-            log.warning("dropped message on %s: %s: %s", item.topic, result.reason, result.detail)
-            self.runlog.rejected(result.reason, result.detail, topic=item.topic, client=result.client,
-                                 open_round=open_round)
+            self._reject(item.topic, result, open_round)
             return
         received[result.client] = result
         if "eval" in result.frame.meta:
             self.runlog.evaluation(result.client, result.frame.meta["eval"])
 
-    def _on_status(self, who: str, payload: bytes) -> None:
+    def _reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
+        log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)
+        self.runlog.rejected(rejection.reason, rejection.detail, topic=topic, client=rejection.client,
+                             open_round=open_round)
+
+    def _on_status(self, who: str, payload: bytes, open_round: int) -> None:
         if who == topics.AGGREGATOR_ID or not payload:
             return
         status = parse_status(payload)
         if status is None:
-            self.runlog.rejected("status", "not a JSON status object", client=who)
+            self._reject(topics.status_topic(self.fed.name, who),
+                         Rejection("status", "not a JSON status object", who), open_round)
             return
         if status["state"] == "online":
             self.online.add(who)
