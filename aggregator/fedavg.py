@@ -21,13 +21,15 @@ def weighted_average(updates: Sequence[Update], previous: Mapping[str, np.ndarra
     """Sample-weighted FedAvg of ``updates`` over the tensors of ``previous``."""
     if not updates:
         raise ValueError("weighted_average: expected at least one update")
-    if any(not weight > 0 for _, weight in updates):
-        raise ValueError("weighted_average: expected positive weights")
+    weights = np.array([weight for _, weight in updates], dtype=np.float64)
+    if not np.all(np.isfinite(weights) & (weights > 0)):
+        raise ValueError(f"weighted_average: expected finite positive weights, got {weights.tolist()}")
+    weights = weights / weights.max()  # the mean is scale-free; this keeps the sums finite
     out = {}
     for name, base in previous.items():
         total = np.zeros(base.size, dtype=np.float64)
         weight_sum = np.zeros(base.size, dtype=np.float64)
-        for tensors, weight in updates:
+        for (tensors, _), weight in zip(updates, weights):
             tensor = tensors.get(name)
             if tensor is None:
                 continue

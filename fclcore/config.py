@@ -9,6 +9,7 @@ environment variable ``NAME`` at load time.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -80,7 +81,8 @@ def from_dict(cls: type[T], raw: Any, source: str, prefix: str = "") -> T:
     for key in raw:
         if key not in fields:
             known = ", ".join(sorted(fields))
-            raise ConfigError(f"{source}: {_join(prefix, str(key))}: unknown key (expected one of: {known})")
+            name = str(key) if str(key).isprintable() else repr(str(key))  # keep the error on one line
+            raise ConfigError(f"{source}: {_join(prefix, name)}: unknown key (expected one of: {known})")
     kwargs = {}
     for name, field in fields.items():
         key = _join(prefix, name)
@@ -147,13 +149,15 @@ def _scalar(tp: Any, value: Any, source: str, key: str) -> Any:
         return value
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
+    if tp is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
         try:  # YAML 1.1 reads "1e-3" as a string; accept it as the number it clearly is
-            return float(value)
+            number = float(value)
         except ValueError:
-            pass
+            number = None
+        if number is not None and math.isfinite(number):
+            return number
+        if number is not None:
+            raise ConfigError(f"{source}: {key}: expected a finite number, got {_describe(value)}")
     raise ConfigError(f"{source}: {key}: expected {_type_name(tp)}, got {_describe(value)}")
 
 

@@ -102,7 +102,11 @@ class RoundSpec:
 @dataclass
 class WireSpec:
     value_dtype: Literal["float32", "float16"] = "float32"
-    max_frame_mb: float = 64.0
+    max_frame_mb: float = 64.0  # frames above this are rejected on both sides
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_frame_mb <= 256:
+            raise ValueError(f"max_frame_mb: expected a size in (0, 256] MB, got {self.max_frame_mb}")
 
 
 @dataclass

@@ -30,6 +30,18 @@ QOS = 1
 MessageHandler = Callable[[str, bytes, int], None]  # (topic, payload, publish packet bytes)
 
 
+class _DropSocketGoneNoise(logging.Filter):
+    """paho 2.x logs "Client is not connected" at ERROR whenever its loop runs after a
+    disconnect, including a clean one; our on_disconnect already reports real losses."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Client is not connected")
+
+
+_PAHO_LOG = logging.getLogger("paho")
+_PAHO_LOG.addFilter(_DropSocketGoneNoise())
+
+
 class TransportError(RuntimeError):
     """The broker could not be reached or refused us."""
 
@@ -96,7 +108,7 @@ class MqttLink:
     def _make_client(self) -> mqtt.Client:
         client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
                              protocol=mqtt.MQTTv311, clean_session=True)
-        client.enable_logger(logging.getLogger("paho"))
+        client.enable_logger(_PAHO_LOG)
         if self.broker.username:
             client.username_pw_set(self.broker.username, self.broker.password)
         client.will_set(self.status_topic, _status_payload("dead"), qos=QOS, retain=True)
