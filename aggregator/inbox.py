@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, decode
 
+MAX_SAMPLES = 2**31 - 1  # a sample count is a FedAvg weight: it must stay a sane float
+
 
 @dataclass(frozen=True)
 class Rejection:
@@ -57,7 +59,8 @@ class Inbox:
         problem = self._content_problem(frame, kind)
         if problem is not None:
             return Rejection("content", problem, client)
-        return Update(client, frame, int(frame.meta.get("n_samples", 0)), packet_bytes, len(payload))
+        n_samples = frame.meta["n_samples"] if kind is Kind.UPDATE else 0
+        return Update(client, frame, n_samples, packet_bytes, len(payload))
 
     def _header_problem(self, frame: Frame, client: str, open_round: int, kind: Kind) -> Rejection | None:
         h = frame.header
@@ -78,13 +81,17 @@ class Inbox:
         meta = frame.meta
         if kind is Kind.UPDATE:
             n = meta.get("n_samples")
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                return f"meta.n_samples: expected a positive integer, got {n!r}"
+            if not _is_int(n) or not 1 <= n <= MAX_SAMPLES:
+                return f"meta.n_samples: expected an integer in [1, {MAX_SAMPLES}], got {n!r}"
             problem = self._tensor_problem(frame)
             if problem:
                 return problem
         if "eval" in meta:
-            return eval_problem(meta["eval"], self.num_tasks)
+            problem = eval_problem(meta["eval"], self.num_tasks)
+            if problem is None and meta["eval"]["round"] != frame.header.round - 1:
+                problem = (f"meta.eval.round: expected {frame.header.round - 1} (the round before this "
+                           f"frame's), got {meta['eval']['round']}")
+            return problem
         return None
 
     def _tensor_problem(self, frame: Frame) -> str | None:
@@ -104,10 +111,23 @@ def eval_problem(report: object, num_tasks: int) -> str | None:
     if not isinstance(report, dict):
         return f"meta.eval: expected a mapping, got {type(report).__name__}"
     rnd, task, nll = report.get("round"), report.get("task"), report.get("nll")
-    if not isinstance(rnd, int) or not isinstance(task, int) or not 0 <= task < num_tasks:
+    if not _is_int(rnd) or not _is_int(task) or not 0 <= task < num_tasks:
         return f"meta.eval: expected integer round and task in [0, {num_tasks}), got {rnd!r}, {task!r}"
     if not isinstance(nll, list) or len(nll) != task + 1:
         return f"meta.eval.nll: expected a list of {task + 1} numbers"
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in nll):
+    if not all(_is_finite_number(v) for v in nll):
         return "meta.eval.nll: expected finite numbers"
     return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
