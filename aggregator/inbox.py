@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
-from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, decode
+from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, Tensor, decode
 
 MAX_SAMPLES = 2**31 - 1  # a sample count is a FedAvg weight: it must stay a sane float
 
@@ -31,6 +32,26 @@ class Update:
     n_samples: int
     packet_bytes: int
     payload_bytes: int
+    tensors: Mapping[str, Tensor]  # as the strategy normalised them (full shapes)
+
+
+# The strategy's view of an update's tensors: full-shape tensors, or ValueError saying why not.
+Normalizer = Callable[[Frame], dict[str, Tensor]]
+
+
+def template_check(template: Mapping[str, tuple[int, ...]]) -> Normalizer:
+    """A normaliser that accepts exactly the tensors of ``template`` with those shapes."""
+    def normalize(frame: Frame) -> dict[str, Tensor]:
+        names = set(frame.tensors)
+        if names != set(template):
+            missing, extra = sorted(set(template) - names), sorted(names - set(template))
+            raise ValueError(f"tensors: missing {missing}, unexpected {extra}")
+        for name, tensor in frame.tensors.items():
+            shape = tuple(tensor.shape)
+            if shape != tuple(template[name]):
+                raise ValueError(f"{name}: expected shape {tuple(template[name])}, got {shape}")
+        return dict(frame.tensors)
+    return normalize
 
 
 @dataclass
@@ -39,7 +60,7 @@ class Inbox:
 
     federation: str
     clients: frozenset[str]
-    template: dict[str, tuple[int, ...]]  # tensor name -> shape
+    normalize: Normalizer  # from the strategy, for UPDATE frames
     num_tasks: int
     limits: CodecLimits = field(default_factory=CodecLimits)
 
@@ -59,8 +80,14 @@ class Inbox:
         problem = self._content_problem(frame, kind)
         if problem is not None:
             return Rejection("content", problem, client)
+        tensors: Mapping[str, Tensor] = {}
+        if kind is Kind.UPDATE:
+            try:
+                tensors = self.normalize(frame)
+            except ValueError as exc:
+                return Rejection("content", str(exc), client)
         n_samples = frame.meta["n_samples"] if kind is Kind.UPDATE else 0
-        return Update(client, frame, n_samples, packet_bytes, len(payload))
+        return Update(client, frame, n_samples, packet_bytes, len(payload), tensors)
 
     def _header_problem(self, frame: Frame, client: str, open_round: int, kind: Kind) -> Rejection | None:
         h = frame.header
@@ -83,26 +110,12 @@ class Inbox:
             n = meta.get("n_samples")
             if not _is_int(n) or not 1 <= n <= MAX_SAMPLES:
                 return f"meta.n_samples: expected an integer in [1, {MAX_SAMPLES}], got {n!r}"
-            problem = self._tensor_problem(frame)
-            if problem:
-                return problem
         if "eval" in meta:
             problem = eval_problem(meta["eval"], self.num_tasks)
             if problem is None and meta["eval"]["round"] != frame.header.round - 1:
                 problem = (f"meta.eval.round: expected {frame.header.round - 1} (the round before this "
                            f"frame's), got {meta['eval']['round']}")
             return problem
-        return None
-
-    def _tensor_problem(self, frame: Frame) -> str | None:
-        names = set(frame.tensors)
-        if names != set(self.template):
-            missing, extra = sorted(set(self.template) - names), sorted(names - set(self.template))
-            return f"tensors: missing {missing}, unexpected {extra}"
-        for name, tensor in frame.tensors.items():
-            shape = tuple(tensor.shape) if isinstance(tensor, SparseTensor) else tensor.shape
-            if shape != self.template[name]:
-                return f"{name}: expected shape {self.template[name]}, got {shape}"
         return None
 
 
@@ -115,7 +128,7 @@ def eval_problem(report: object, num_tasks: int) -> str | None:
         return f"meta.eval: expected integer round and task in [0, {num_tasks}), got {rnd!r}, {task!r}"
     if not isinstance(nll, list) or len(nll) != task + 1:
         return f"meta.eval.nll: expected a list of {task + 1} numbers"
-    if not all(_is_finite_number(v) for v in nll):
+    if not all(is_finite_number(v) for v in nll):
         return "meta.eval.nll: expected finite numbers"
     return None
 
@@ -124,7 +137,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_finite_number(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:

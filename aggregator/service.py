@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aggregator.inbox import Inbox, Rejection, Update
+from aggregator.inbox import Inbox, Rejection, Update, is_finite_number
 from aggregator.runlog import RunLog
 from aggregator.strategy import make_strategy
 from fclcore import topics
@@ -46,12 +46,12 @@ class AggregatorService:
         self.fed = cfg.federation
         self.stop = stop or threading.Event()
         self.made = self.fed.model.made_config(cfg.input_dim)
-        self.strategy = make_strategy(self.fed.method, self.made, self.fed.seed)
+        self.strategy = make_strategy(self.fed, self.made, cfg.expected_clients)
         self.global_params = self.strategy.initial_model()
         self.limits = CodecLimits(max_frame_bytes=int(self.fed.wire.max_frame_mb * 2**20))
-        self.inbox = Inbox(self.fed.name, frozenset(cfg.expected_clients), self.strategy.template(),
+        self.inbox = Inbox(self.fed.name, frozenset(cfg.expected_clients), self.strategy.normalize,
                            self.fed.num_tasks, self.limits)
-        self.dense_fp32_bytes = 4 * sum(int(np.prod(s)) for s in self.strategy.template().values())
+        self.dense_fp32_bytes = self.strategy.dense_fp32_bytes
         self.runlog = RunLog(cfg.out_dir)
         self.queue: queue.Queue[Incoming] = queue.Queue()
         self.online: set[str] = set()
@@ -100,21 +100,41 @@ class AggregatorService:
     # -- one round -------------------------------------------------------------------
     def _run_round(self, rnd: int) -> None:
         task = rnd // self.fed.rounds_per_task
+        knowledge = self._send_knowledge(task) if rnd % self.fed.rounds_per_task == 0 else {}
         for attempt in range(1, self.fed.rounds.max_attempts + 1):
             started = time.monotonic()
             down, payload_down = self._announce(Kind.ROUND, rnd, task, attempt)
             received = self._collect(rnd)
             if len(received) >= self._quorum():
                 self.global_params = self.strategy.aggregate(list(received.values()), self.global_params)
-                self._record_round(rnd, task, received, down, payload_down, attempt, time.monotonic() - started)
+                self._record_round(rnd, task, received, down, payload_down, attempt, time.monotonic() - started,
+                                   knowledge)
                 return
             log.warning("round %d attempt %d: %d updates, quorum %d; re-announcing",
                         rnd, attempt, len(received), self._quorum())
         raise NotEnoughClients(f"round {rnd} missed its quorum in {self.fed.rounds.max_attempts} attempts")
 
+    def _send_knowledge(self, task: int) -> dict[str, tuple[int, int]]:
+        """Publish each client's knowledge-base entries for ``task`` (retained, before the round)."""
+        if not self.strategy.uses_knowledge:
+            return {}
+        sizes = {}
+        for client, (meta, tensors) in self.strategy.knowledge_for(task).items():
+            self.sequence += 1
+            header = Header(Kind.KNOWLEDGE, self.fed.name, task * self.fed.rounds_per_task, task,
+                            topics.AGGREGATOR_ID, self.sequence)
+            payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
+            topic = topics.knowledge_topic(self.fed.name, client)
+            self.link.publish(topic, payload, retain=True, tag=f"knowledge:{task}")
+            sizes[client] = (publish_packet_bytes(topic, len(payload)), len(payload))
+            self.runlog.write("knowledge", task=task, client=client, entries=[e["id"] for e in meta["entries"]],
+                              bytes=sizes[client][0])
+        return sizes
+
     def _announce(self, kind: Kind, rnd: int, task: int, attempt: int = 1) -> tuple[int, int]:
         meta = {"federation": to_dict(self.fed), "input_dim": self.cfg.input_dim,
-                "total_rounds": self.fed.total_rounds, "attempt": attempt}
+                "total_rounds": self.fed.total_rounds, "attempt": attempt,
+                "knowledge": self.strategy.uses_knowledge}
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
         payload = encode(Frame(header, meta, self.global_params), self.fed.wire.value_dtype, self.limits)
@@ -169,16 +189,21 @@ class AggregatorService:
             log.info("client %s is %s", who, status["state"])
 
     def _record_round(self, rnd: int, task: int, received: dict[str, Update], down: int,
-                      payload_down: int, attempt: int, duration: float) -> None:
+                      payload_down: int, attempt: int, duration: float,
+                      knowledge: dict[str, tuple[int, int]]) -> None:
         for client in self.cfg.expected_clients:
             update = received.get(client)
             meta = update.frame.meta if update else {}
+            kb_bytes, kb_payload = knowledge.get(client, (0, 0))
             self.runlog.round_client(
                 rnd, task, client, up=update.packet_bytes if update else 0,
-                payload_up=update.payload_bytes if update else 0, down=down, payload_down=payload_down,
+                payload_up=update.payload_bytes if update else 0, down=down + kb_bytes,
+                payload_down=payload_down + kb_payload,
                 dense_fp32_up=self.dense_fp32_bytes if update else 0,
                 status="accepted" if update else "missing", n_samples=meta.get("n_samples"),
                 train_nll=meta.get("train_nll"), rejected_by_client=meta.get("rejected"))
+            if "attention" in meta:
+                self.runlog.write("attention", round=rnd, task=task, client=client, **_attention(meta["attention"]))
         self.runlog.write("round", round=rnd, task=task, attempt=attempt, accepted=len(received),
                           expected=len(self.cfg.expected_clients), duration_s=round(duration, 3))
         if rnd > 0:
@@ -201,3 +226,14 @@ class AggregatorService:
 
     def _quorum(self) -> int:
         return max(1, int(np.ceil(self.fed.rounds.quorum * len(self.cfg.expected_clients))))
+
+
+def _attention(report: object) -> dict:
+    """A client's attention report ({"entries": [ids], "alpha": [numbers]}), or nothing if malformed."""
+    if not isinstance(report, dict):
+        return {}
+    entries, alpha = report.get("entries"), report.get("alpha")
+    ok = (isinstance(entries, list) and isinstance(alpha, list) and len(entries) == len(alpha) <= 1024
+          and all(isinstance(e, str) for e in entries)
+          and all(is_finite_number(a) for a in alpha))
+    return {"entries": entries, "alpha": alpha} if ok else {}

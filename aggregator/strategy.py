@@ -1,8 +1,9 @@
 """Server-side halves of learning methods, registered under the scenario's ``method`` name.
 
-A strategy owns the global model's initial value and how accepted updates become the next
-global model.  Everything here is NumPy: methods that need server-side training import
-torch lazily in their own module.
+A strategy owns the global model's initial value, how an update's tensors are validated
+and expanded (``normalize``), how accepted updates become the next global model, and any
+per-client downlink at a task start (the knowledge base).  Everything here is NumPy:
+methods that need server-side training import torch lazily in their own module.
 """
 
 from __future__ import annotations
@@ -12,44 +13,64 @@ from typing import Callable, Sequence
 import numpy as np
 
 from aggregator.fedavg import weighted_average
-from aggregator.inbox import Update
+from aggregator.inbox import Update, template_check
+from fclcore.codec import Frame, Tensor
 from fclcore.made_spec import MadeConfig, init_params, param_shapes
+from fclcore.schema import FederationSpec
 
 STRATEGIES: dict[str, type["Strategy"]] = {}
 
 
-def register(name: str) -> Callable[[type["Strategy"]], type["Strategy"]]:
+def register(*names: str) -> Callable[[type["Strategy"]], type["Strategy"]]:
     def wrap(cls: type[Strategy]) -> type[Strategy]:
-        STRATEGIES[name] = cls
+        for name in names:
+            STRATEGIES[name] = cls
         return cls
     return wrap
 
 
-def make_strategy(method: str, made: MadeConfig, seed: int) -> "Strategy":
-    if method not in STRATEGIES:
-        raise ValueError(f"method: expected one of {sorted(STRATEGIES)}, got {method!r}")
-    return STRATEGIES[method](made, seed)
+def make_strategy(fed: FederationSpec, made: MadeConfig, clients: Sequence[str]) -> "Strategy":
+    import aggregator.decomposed  # noqa: F401  (registers the decomposed methods)
+    if fed.method not in STRATEGIES:
+        raise ValueError(f"method: expected one of {sorted(STRATEGIES)}, got {fed.method!r}")
+    return STRATEGIES[fed.method](fed, made, list(clients))
 
 
 class Strategy:
-    def __init__(self, made: MadeConfig, seed: int) -> None:
-        self.made = made
-        self.seed = seed
+    uses_knowledge = False  # True: clients wait for a knowledge frame at each task start
 
-    def template(self) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of the tensors a client uploads."""
-        return param_shapes(self.made)
+    def __init__(self, fed: FederationSpec, made: MadeConfig, clients: list[str]) -> None:
+        self.fed = fed
+        self.made = made
+        self.clients = clients
+        self.shapes = param_shapes(made)
+
+    @property
+    def dense_fp32_bytes(self) -> int:
+        """Bytes of one dense float32 upload of every trainable MADE tensor (the reference)."""
+        return 4 * sum(int(np.prod(s)) for s in self.shapes.values())
 
     def initial_model(self) -> dict[str, np.ndarray]:
-        return init_params(self.made, self.seed)
+        return init_params(self.made, self.fed.seed)
+
+    def normalize(self, frame: Frame) -> dict[str, Tensor]:
+        raise NotImplementedError
 
     def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def knowledge_for(self, task: int) -> dict[str, tuple[dict, dict[str, Tensor]]]:
+        """Per client: (meta, tensors) of its knowledge frame for ``task``."""
+        return {}
 
-@register("fedavg")
+
+@register("fedavg", "fedcl-finetune", "fedprox", "fedcurv", "fedcl-cumulative-replay")
 class FedAvg(Strategy):
-    """FedMADE: sample-weighted averaging of every trainable MADE tensor."""
+    """Sample-weighted averaging of every trainable MADE tensor; the baselines differ only on
+    the device (proximal term, EWC penalty, replay)."""
+
+    def normalize(self, frame: Frame) -> dict[str, Tensor]:
+        return template_check(self.shapes)(frame)
 
     def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return weighted_average([(u.frame.tensors, float(u.n_samples)) for u in updates], current)
+        return weighted_average([(u.tensors, float(u.n_samples)) for u in updates], current)

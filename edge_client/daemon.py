@@ -41,7 +41,7 @@ class ClientDaemon:
         self.out_dir = Path(cfg.out_dir)
         self.data = load_client_data(cfg)
         self.input_dim = int(self.data.train[0].x.shape[1])
-        self.queue: queue.Queue[tuple[bytes, int]] = queue.Queue()
+        self.queue: queue.Queue[tuple[str, bytes, int]] = queue.Queue()
         self.learner: Learner | None = None
         self.fed: FederationSpec | None = None
         self.task = -1
@@ -49,11 +49,15 @@ class ClientDaemon:
         self.sequence = 0
         self.rejected: dict[str, int] = {}
         self.round_bytes_down: dict[int, int] = {}  # PUBLISH bytes of each round's announcement
+        self.knowledge: dict[int, Frame] = {}  # task -> knowledge frame from the aggregator
+        self.knowledge_bytes: dict[int, int] = {}
+        self.pending: tuple[Frame, int] | None = None  # a round waiting for its task's knowledge
         self.limits = CodecLimits()
         self.link = MqttLink(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
                              status_topic=topics.status_topic(cfg.federation, cfg.client_id),
-                             subscriptions=[topics.round_topic(cfg.federation)],
-                             on_message=lambda t, p, n: self.queue.put((p, n)))
+                             subscriptions=[topics.round_topic(cfg.federation),
+                                            topics.knowledge_topic(cfg.federation, cfg.client_id)],
+                             on_message=lambda t, p, n: self.queue.put((t, p, n)))
         torch.set_num_threads(cfg.threads)
 
     def run(self) -> ExitCode:
@@ -66,36 +70,68 @@ class ClientDaemon:
         try:
             while not finished and not self.stop.is_set():
                 try:
-                    payload, size = self.queue.get(timeout=POLL_S)
+                    topic, payload, size = self.queue.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
-                finished = self._handle(payload, size)
+                finished = self._handle(topic, payload, size)
         finally:
             self.link.close("stopped")
             self._write_wire_log()
         return ExitCode.OK if finished else ExitCode.INTERRUPTED
 
-    def _handle(self, payload: bytes, size: int) -> bool:
+    def _handle(self, topic: str, payload: bytes, size: int) -> bool:
         """Act on one downlink message; True when the run is finished."""
         if not payload:
             return False  # a deleted retained message
         try:
-            frame, fed = self._check(payload)
-            if frame.header.kind is Kind.FINISH and self.done_round < 0:
-                log.info("ignoring the end of a run this device did not take part in")
-                return False
-            if frame.header.kind is Kind.ROUND and frame.header.round <= self.done_round:
-                return False  # a retained announcement seen again after a reconnect
-            self._load(frame, fed)
+            return self._act(topic, payload, size)
         except RejectedFrame as exc:
             reason = str(exc).split(":", 1)[0]
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
             log.warning("dropped downlink message: %s", exc)
             return False
-        if frame.header.kind is Kind.FINISH:
+
+    def _act(self, topic: str, payload: bytes, size: int) -> bool:
+        frame, fed = self._check(payload)
+        kind = frame.header.kind
+        if kind is Kind.KNOWLEDGE:
+            return self._on_knowledge(topic, frame, size)
+        if kind is Kind.FINISH and self.done_round < 0:
+            log.info("ignoring the end of a run this device did not take part in")
+            return False
+        if kind is Kind.ROUND and frame.header.round <= self.done_round:
+            return False  # a retained announcement seen again after a reconnect
+        self._load(frame, fed)
+        if kind is Kind.FINISH:
             self._finish(frame)
             return True
-        self.round_bytes_down[frame.header.round] = size
+        if self._needs_knowledge(frame):
+            self.pending = (frame, size)  # the knowledge frame is on its way on another topic
+            return False
+        return self._handle_round(frame, size)
+
+    def _needs_knowledge(self, frame: Frame) -> bool:
+        return (frame.meta.get("knowledge") is True and frame.header.task != self.task
+                and frame.header.task not in self.knowledge)
+
+    def _on_knowledge(self, topic: str, frame: Frame, size: int) -> bool:
+        if topic != topics.knowledge_topic(self.cfg.federation, self.cfg.client_id):
+            raise RejectedFrame(f"topic: knowledge frame on {topic}")
+        entries = frame.meta.get("entries")
+        if frame.meta.get("for_task") != frame.header.task or not isinstance(entries, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("id"), str) for e in entries):
+            raise RejectedFrame("knowledge: expected meta.for_task == task and a list of entries with ids")
+        self.knowledge[frame.header.task] = frame
+        self.knowledge_bytes[frame.header.task] = size
+        if self.pending is not None and not self._needs_knowledge(self.pending[0]):
+            pending, self.pending = self.pending, None
+            return self._handle_round(*pending)
+        return False
+
+    def _handle_round(self, frame: Frame, size: int) -> bool:
+        new_task = frame.header.task != self.task  # the task's knowledge frame counts for its first round
+        self.round_bytes_down[frame.header.round] = size + (self.knowledge_bytes.get(frame.header.task, 0)
+                                                            if new_task else 0)
         self._round(frame)
         return False
 
@@ -108,8 +144,10 @@ class ClientDaemon:
         h = frame.header
         if h.federation != self.cfg.federation or h.client != topics.AGGREGATOR_ID:
             raise RejectedFrame(f"sender: {h.client!r} of {h.federation!r} is not this federation's aggregator")
-        if h.kind not in (Kind.ROUND, Kind.FINISH):
+        if h.kind not in (Kind.ROUND, Kind.FINISH, Kind.KNOWLEDGE):
             raise RejectedFrame(f"kind: {h.kind.name} is not a downlink message")
+        if h.kind is Kind.KNOWLEDGE:
+            return frame, self.fed
         try:
             fed = from_dict(FederationSpec, frame.meta.get("federation"), "round message", "federation")
         except ConfigError as exc:
@@ -132,7 +170,7 @@ class ClientDaemon:
                 raise RejectedFrame(f"federation: {exc}") from None
             self.fed = fed
         try:
-            self.learner.load_global(frame.tensors)
+            self.learner.load_global(frame.tensors, frame.header.round)
         except ValueError as exc:
             raise RejectedFrame(f"tensors: {exc}") from None
 
@@ -144,12 +182,16 @@ class ClientDaemon:
         rnd, task = frame.header.round, frame.header.task
         report = self._evaluate(rnd - 1)
         if task != self.task:
-            self.learner.start_task(task)
+            try:
+                self.learner.start_task(task, self.knowledge.get(task))
+            except ValueError as exc:
+                raise RejectedFrame(f"knowledge: {exc}") from None
             self.task = task
-        n_samples, train_nll = self.learner.train_round(self.data.train[task], rnd)
+        n_samples, train_nll = self.learner.train_round(self.data.train[: task + 1], rnd)
+        task_end = (rnd + 1) % self.fed.rounds_per_task == 0
         meta = {"n_samples": n_samples, "train_nll": round(train_nll, 4), "eval": report,
-                "rejected": dict(self.rejected)}
-        self._publish(Kind.UPDATE, rnd, task, meta, self.learner.upload())
+                "rejected": dict(self.rejected), **self.learner.report(task_end)}
+        self._publish(Kind.UPDATE, rnd, task, meta, self.learner.upload(rnd, task_end))
         self.done_round = rnd
         log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
 

@@ -85,6 +85,7 @@ class Kind(enum.IntEnum):
     FINISH = 4  # aggregator -> clients: run finished (+ final tensors)
     STATUS = 5  # status messages
     ACK = 6  # aggregator -> client acknowledgement
+    KNOWLEDGE = 7  # aggregator -> one client: knowledge-base entries for its next task
 
 
 @dataclass(frozen=True)

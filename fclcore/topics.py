@@ -3,9 +3,10 @@
     fcl/<fed>/round              aggregator -> clients, retained: ROUND and FINISH frames
     fcl/<fed>/update/<client>    client -> aggregator: UPDATE and EVAL frames
     fcl/<fed>/status/<who>       retained JSON status, last-will "dead" ("aggregator" or a client id)
+    fcl/<fed>/kb/<client>        aggregator -> one client, retained: its knowledge-base entries
 
 A device's ACL can then grant it write access to its own ``update`` and ``status`` topics
-and read access to ``round`` only.
+and read access to ``round`` and its own ``kb`` topic only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def update_topic(fed: str, client: str) -> str:
 
 def status_topic(fed: str, who: str) -> str:
     return f"{ROOT}/{fed}/status/{who}"
+
+
+def knowledge_topic(fed: str, client: str) -> str:
+    return f"{ROOT}/{fed}/kb/{client}"
 
 
 def update_filter(fed: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggregator.inbox import Inbox, Rejection, Update, eval_problem
+from aggregator.inbox import Inbox, Rejection, Update, eval_problem, template_check
 from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, encode
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -20,7 +20,7 @@ GOOD_EVAL = {"round": OPEN - 1, "task": 1, "nll": [1.5, 2.5]}
 
 
 def make_inbox(**kw) -> Inbox:
-    return Inbox("fed", frozenset({"a", "b"}), dict(TEMPLATE), 2, **kw)
+    return Inbox("fed", frozenset({"a", "b"}), template_check(TEMPLATE), 2, **kw)
 
 
 def dense_tensors() -> dict:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from fclcore.codec import Tensor
+import numpy as np
+
+from fclcore.codec import Frame, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import MadeConfig
 from fclcore.schema import FederationSpec
@@ -12,9 +14,10 @@ from fclcore.schema import FederationSpec
 LEARNERS: dict[str, type["Learner"]] = {}
 
 
-def register(name: str) -> Callable[[type["Learner"]], type["Learner"]]:
+def register(*names: str) -> Callable[[type["Learner"]], type["Learner"]]:
     def wrap(cls: type[Learner]) -> type[Learner]:
-        LEARNERS[name] = cls
+        for name in names:
+            LEARNERS[name] = cls
         return cls
     return wrap
 
@@ -25,6 +28,11 @@ def make_learner(fed: FederationSpec, made: MadeConfig, client_index: int) -> "L
     return LEARNERS[fed.method](fed, made, client_index)
 
 
+def round_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (for per-client, per-round shuffling)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+
+
 class Learner:
     """One client's model and optimiser state across rounds and tasks."""
 
@@ -32,22 +40,34 @@ class Learner:
         self.fed = fed
         self.made = made
         self.client_index = client_index
+        self.task = -1
 
-    def load_global(self, tensors: dict[str, Tensor]) -> None:
+    def load_global(self, tensors: dict[str, Tensor], rnd: int) -> None:
         """Merge the aggregator's model; ValueError if names or shapes do not fit."""
         raise NotImplementedError
 
-    def start_task(self, task: int) -> None:
-        """Called once before the first round of each task."""
+    def start_task(self, task: int, knowledge: Frame | None) -> None:
+        """Called once before the first round of each task (with the knowledge frame, if any)."""
+        self.task = task
 
-    def train_round(self, data: Dataset, rnd: int) -> tuple[int, float]:
-        """Local training for round ``rnd``; returns (samples used, mean train NLL)."""
+    def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
+        """Local training for round ``rnd``; ``train[i]`` is task i's data for i <= current task.
+
+        Returns (samples used, mean train NLL)."""
         raise NotImplementedError
 
-    def upload(self) -> dict[str, Tensor]:
-        """The tensors to send for this round."""
+    def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
+        """The tensors to send for this round (``task_end``: the last round of a task)."""
         raise NotImplementedError
+
+    def report(self, task_end: bool) -> dict:
+        """Extra JSON metadata for this round's upload."""
+        return {}
 
     def evaluate(self, tests: Sequence[Dataset]) -> list[float]:
-        """Mean test NLL (nats per sample) of the served model on each dataset."""
+        """Mean test NLL (nats per sample) of the served model on each task's test data."""
+        raise NotImplementedError
+
+    def served_params(self) -> dict[str, np.ndarray]:
+        """Plain MADE parameters of what the device serves now (for export)."""
         raise NotImplementedError

@@ -1,4 +1,12 @@
-"""FedMADE: every MADE tensor is trained locally and averaged by the aggregator."""
+"""FedMADE and the FedAvg-family baselines: every MADE tensor is trained and averaged.
+
+* ``fedavg`` / ``fedcl-finetune``: plain local training on the current task;
+* ``fedprox``: + mu/2 ||w - w_global||^2 (Li et al. 2020);
+* ``fedcurv``: + an EWC penalty sum_i lambda/2 F_i (w - w_i*)^2 with the diagonal Fisher of
+  each finished task computed on local data (FedCurv shares such penalties; here each
+  device keeps its own, i.e. federated EWC);
+* ``fedcl-cumulative-replay``: trains on the union of every task seen so far (upper bound).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from edge_client.learners.base import Learner, register
-from fclcore.codec import SparseTensor, Tensor
+from edge_client.learners.base import Learner, register, round_seed
+from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import MadeConfig, order_schedule
 from fclcore.models.made import MADE
@@ -17,13 +25,15 @@ from fclcore.schema import FederationSpec
 EVAL_BATCH = 1024
 
 
-@register("fedavg")
+@register("fedavg", "fedcl-finetune", "fedprox", "fedcurv", "fedcl-cumulative-replay")
 class FedAvgMade(Learner):
     def __init__(self, fed: FederationSpec, made: MadeConfig, client_index: int) -> None:
         super().__init__(fed, made, client_index)
         torch.manual_seed(fed.seed)
         self.model = MADE(made)
         self.optimizer = self._new_optimizer()
+        self.global_params: list[torch.Tensor] = []
+        self.fisher: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (F_i, w_i*) per task
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         train = self.fed.train
@@ -31,42 +41,75 @@ class FedAvgMade(Learner):
             return torch.optim.SGD(self.model.parameters(), lr=train.lr)
         return torch.optim.Adam(self.model.parameters(), lr=train.lr)
 
-    def load_global(self, tensors: dict[str, Tensor]) -> None:
+    def load_global(self, tensors: dict[str, Tensor], rnd: int) -> None:
         dense = {k: v.to_dense() if isinstance(v, SparseTensor) else v for k, v in tensors.items()}
         self.model.set_params(dense)
+        self.global_params = [p.detach().clone() for p in self.model.parameters()]
 
-    def start_task(self, task: int) -> None:
+    def start_task(self, task: int, knowledge: Frame | None) -> None:
+        super().start_task(task, knowledge)
         self.optimizer = self._new_optimizer()  # stale moments from the last task only hurt
 
-    def train_round(self, data: Dataset, rnd: int) -> tuple[int, float]:
-        train = self.fed.train
-        seed = np.random.SeedSequence([self.fed.seed, self.client_index, rnd]).generate_state(1)[0]
-        generator = torch.Generator().manual_seed(int(seed))
-        x = torch.from_numpy(data.x)
+    def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
+        spec = self.fed.train
+        data = np.concatenate([d.x for d in train]) if self.fed.method == "fedcl-cumulative-replay" else train[-1].x
+        x = torch.from_numpy(data)
+        generator = torch.Generator().manual_seed(round_seed(self.fed.seed, self.client_index, rnd))
         self.model.train()
         losses, step = [], 0
-        for _ in range(train.local_epochs):
-            for batch in torch.randperm(len(x), generator=generator).split(train.batch_size):
+        for _ in range(spec.local_epochs):
+            for batch in torch.randperm(len(x), generator=generator).split(spec.batch_size):
                 self.model.set_order(order_schedule(self.made, rnd, step))
-                loss = self.model.nll(x[batch]).mean()
+                nll = self.model.nll(x[batch]).mean()
+                loss = nll + self._penalty()
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
-                losses.append(loss.item())
+                losses.append(nll.item())
                 step += 1
         self.model.set_order(0)  # the served order
+        if self.fed.method == "fedcurv" and (rnd + 1) % self.fed.rounds_per_task == 0:
+            self.fisher.append(self._fisher(train[-1]))  # this task's anchor, before it is averaged away
         return len(x), float(np.mean(losses))
 
-    def upload(self) -> dict[str, Tensor]:
+    def _penalty(self) -> torch.Tensor | float:
+        params = list(self.model.parameters())
+        total: torch.Tensor | float = 0.0
+        if self.fed.method == "fedprox" and self.global_params:
+            mu = self.fed.options.prox_mu
+            total = total + mu / 2 * sum(((p - g) ** 2).sum() for p, g in zip(params, self.global_params))
+        if self.fed.method == "fedcurv":
+            lam = self.fed.options.ewc_lambda
+            for fisher, anchor in self.fisher:
+                total = total + lam / 2 * sum((f * (p - a) ** 2).sum() for p, f, a in zip(params, fisher, anchor))
+        return total
+
+    def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
         return self.model.get_params()
+
+    def _fisher(self, data: Dataset, max_samples: int = 512) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Diagonal empirical Fisher of the NLL on up to ``max_samples`` local samples."""
+        x = torch.from_numpy(data.x[:max_samples])
+        fisher = [torch.zeros_like(p) for p in self.model.parameters()]
+        for i in range(0, len(x), 32):
+            self.model.zero_grad(set_to_none=True)
+            self.model.nll(x[i:i + 32]).mean().backward()
+            for f, p in zip(fisher, self.model.parameters()):
+                f += p.grad.detach() ** 2 * len(x[i:i + 32]) / len(x)
+        return fisher, [p.detach().clone() for p in self.model.parameters()]
 
     @torch.no_grad()
     def evaluate(self, tests: Sequence[Dataset]) -> list[float]:
         self.model.eval()
         self.model.set_order(0)
-        out = []
-        for data in tests:
-            x = torch.from_numpy(data.x)
-            total = sum(self.model.nll(x[i:i + EVAL_BATCH]).sum().item() for i in range(0, len(x), EVAL_BATCH))
-            out.append(round(total / len(x), 4))
-        return out
+        return [mean_nll(lambda x: self.model.nll(x), d) for d in tests]
+
+    def served_params(self) -> dict[str, np.ndarray]:
+        return self.model.get_params()
+
+
+def mean_nll(nll, data: Dataset) -> float:
+    """Mean per-sample NLL over ``data`` in batches."""
+    x = torch.from_numpy(data.x)
+    total = sum(nll(x[i:i + EVAL_BATCH]).sum().item() for i in range(0, len(x), EVAL_BATCH))
+    return round(total / len(x), 4)

@@ -1,0 +1,118 @@
+"""ConFedMADE and FedWeIT-MADE on the server: masked sparse FedAvg of B*sigmoid(m) and a
+knowledge base of task-adaptive parameters (Algorithms 1-2 of the ConFedMADE paper).
+
+Uploads of the base arrive packed (``fclcore.masked_upload``): for ``confedmade`` the
+positions are the round's MADE mask (derived here from the seed, never sent) intersected
+with the units the client kept; each element is averaged over the clients that sent it.
+The last update of a task also carries ``kb:<weight>`` tensors, the client's thresholded
+A_t, which become knowledge-base entries handed to other clients at the next task start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from aggregator.fedavg import weighted_average
+from aggregator.inbox import Update
+from aggregator.strategy import Strategy, register
+from fclcore.codec import Frame, Tensor
+from fclcore.made_spec import made_masks, mask_for_param
+from fclcore.masked_upload import UNITS, unpack
+from fclcore.orders import upload_order
+
+KB_PREFIX = "kb:"
+
+
+@dataclass(frozen=True)
+class KnowledgeEntry:
+    client: str
+    task: int
+    tensors: dict[str, Tensor]  # weight name -> thresholded A (full shape)
+
+    @property
+    def entry_id(self) -> str:
+        return f"{self.client}/t{self.task}"
+
+
+@register("confedmade", "fedweit-made", "fedweit-made-star")
+class DecomposedStrategy(Strategy):
+    uses_knowledge = True
+
+    def __init__(self, fed, made, clients) -> None:
+        super().__init__(fed, made, clients)
+        self.mask_restricted = fed.method == "confedmade"
+        self.weights = [n for n in self.shapes if n.endswith(".weight")]
+        self.knowledge: list[KnowledgeEntry] = []
+
+    def is_task_end(self, rnd: int) -> bool:
+        return (rnd + 1) % self.fed.rounds_per_task == 0
+
+    def normalize(self, frame: Frame) -> dict[str, Tensor]:
+        rnd = frame.header.round
+        masks = made_masks(self.made, upload_order(self.made, self.fed.options, rnd)) if self.mask_restricted else None
+        out: dict[str, Tensor] = {}
+        expected = set()
+        for name, shape in self.shapes.items():
+            if name.endswith(".bias"):
+                out[name] = _dense(frame.tensors, name, shape)
+                expected.add(name)
+                continue
+            out[name] = unpack(name, frame.tensors, shape, mask_for_param(masks, name) if masks else None)
+            expected |= {name, name + UNITS}
+            if self.is_task_end(rnd):
+                out[KB_PREFIX + name] = _full_shape(frame.tensors, KB_PREFIX + name, shape)
+                expected.add(KB_PREFIX + name)
+        extra = sorted(set(frame.tensors) - expected)
+        if extra:
+            raise ValueError(f"tensors: unexpected {extra}")
+        return out
+
+    def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        base = [({k: v for k, v in u.tensors.items() if not k.startswith(KB_PREFIX)}, float(u.n_samples))
+                for u in updates]
+        merged = weighted_average(base, current)
+        rnd = updates[0].frame.header.round
+        if self.is_task_end(rnd):
+            task = rnd // self.fed.rounds_per_task
+            for u in sorted(updates, key=lambda u: u.client):
+                kb = {k[len(KB_PREFIX):]: v for k, v in u.tensors.items() if k.startswith(KB_PREFIX)}
+                self.knowledge.append(KnowledgeEntry(u.client, task, kb))
+        return merged
+
+    def knowledge_for(self, task: int) -> dict[str, tuple[dict, dict[str, Tensor]]]:
+        out = {}
+        for index, client in enumerate(self.clients):
+            chosen = self._select(client, index, task)
+            tensors = {f"{e.entry_id}|{name}": t for e in chosen for name, t in e.tensors.items()}
+            meta = {"for_task": task, "entries": [{"id": e.entry_id, "client": e.client, "task": e.task}
+                                                  for e in chosen]}
+            out[client] = (meta, tensors)
+        return out
+
+    def _select(self, client: str, index: int, task: int) -> list[KnowledgeEntry]:
+        """Entries of other clients' earlier tasks, by the configured policy."""
+        pool = [e for e in self.knowledge if e.client != client and e.task < task]
+        opts = self.fed.options
+        if opts.kb_policy == "recent":
+            pool = sorted(pool, key=lambda e: (e.task, e.client))[-opts.kb_k:]
+        elif opts.kb_policy == "random" and len(pool) > opts.kb_k:
+            rng = np.random.default_rng((self.fed.seed, task, index))
+            pool = [pool[i] for i in sorted(rng.choice(len(pool), opts.kb_k, replace=False))]
+        return pool
+
+
+def _dense(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    t = tensors.get(name)
+    if not isinstance(t, np.ndarray) or t.shape != tuple(shape):
+        raise ValueError(f"{name}: expected a dense tensor of shape {tuple(shape)}")
+    return t
+
+
+def _full_shape(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> Tensor:
+    t = tensors.get(name)
+    if t is None or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)} at the end of a task")
+    return t

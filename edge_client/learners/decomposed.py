@@ -1,0 +1,205 @@
+"""ConFedMADE and FedWeIT-MADE on the device (ConFedMADE paper, eq. 5-6, Algorithms 1-2).
+
+Loss for task t (eq. 6, as specified for this toolkit):
+
+    NLL + lambda1 * sum_{i<=t} |A_i * M|_1 + lambda2 * sum_{i<t} ||dB * sigmoid(m_i) + dA_i||^2
+
+with M the *current* MADE mask (the reference code used the build-time mask), dB and dA_i
+the change since the start of the task.  The methods differ in three switches:
+
+* ``confedmade``: masks synchronised by seed, M inside the L1 term, uploads restricted to
+  the round's MADE mask;
+* ``fedweit-made-star``: synchronised masks, FedWeIT's unmasked L1, unmasked uploads;
+* ``fedweit-made``: the naive combination: every client draws its own MADE masks.
+
+Each round the device uploads B * sigmoid(m_t) on the kept units (the ``keep_units`` share
+ranked by sigmoid(m_t)) and, for confedmade, inside the MADE mask; it merges the average
+back as B <- G / sigmoid(m_t) on exactly the entries it sent, so its effective base equals
+the federation's.  At the end of a task it sends A_t, thresholded, for the knowledge base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from edge_client.learners.base import Learner, register, round_seed
+from edge_client.learners.fedavg import mean_nll
+from fclcore.codec import Frame, SparseTensor, Tensor
+from fclcore.data import Dataset
+from fclcore.made_spec import MadeConfig, made_masks, mask_for_param
+from fclcore.masked_upload import pack, selection
+from fclcore.models.decomposed_made import DecomposedMADE
+from fclcore.orders import step_order, upload_order
+from fclcore.schema import FederationSpec
+
+MIN_GATE = 0.05  # bound on 1/sigmoid(m) when merging, so a nearly closed unit cannot blow up B
+KB_PREFIX = "kb:"
+
+
+@register("confedmade", "fedweit-made", "fedweit-made-star")
+class DecomposedLearner(Learner):
+    def __init__(self, fed: FederationSpec, made: MadeConfig, client_index: int) -> None:
+        if fed.method == "fedweit-made":  # independent masks: the naive combination
+            made = dataclasses.replace(made, mask_seed=made.mask_seed + 7919 * (client_index + 1))
+        super().__init__(fed, made, client_index)
+        self.opts = fed.options
+        self.masked = fed.method == "confedmade"
+        torch.manual_seed(fed.seed)
+        self.model = DecomposedMADE(made)
+        self.sent: dict[str, np.ndarray] = {}  # layer prefix -> entries uploaded last round
+        self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # B, A_i at task start
+        self.entries: list[list[str]] = []  # knowledge-base entry ids per task
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- federation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def load_global(self, tensors: dict[str, Tensor], rnd: int) -> None:
+        layers = self.model.layers
+        for prefix, layer in layers.items():
+            names = [f"{prefix}.weight"] + ([f"{prefix}.bias"] if layer.bias is not None else [])
+            for name in names:
+                if name not in tensors:
+                    raise ValueError(f"{name}: missing from the global model")
+                value = tensors[name].to_dense() if isinstance(tensors[name], SparseTensor) else tensors[name]
+                target = layer.weight if name.endswith("weight") else layer.bias
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        for prefix, layer in layers.items():
+            g = torch.from_numpy(_dense(tensors[f"{prefix}.weight"]))
+            if layer.bias is not None:
+                layer.bias.copy_(torch.from_numpy(_dense(tensors[f"{prefix}.bias"])))
+            if self.task < 0:
+                layer.weight.copy_(g)  # first contact: the global model is the base
+                continue
+            sent = torch.from_numpy(self.sent.get(prefix, np.zeros(g.shape, bool)))
+            gate = torch.sigmoid(layer.unit_logits[self.task]).clamp_min(MIN_GATE)[:, None]  # (out, 1)
+            layer.weight.copy_(torch.where(sent, g / gate, layer.weight))
+
+    def start_task(self, task: int, knowledge: Frame | None) -> None:
+        kb, ids = self._knowledge(knowledge)  # validate before any state changes
+        super().start_task(task, knowledge)
+        self.anchor = {p: (l.weight.detach().clone(), [a.detach().clone() for a in l.adaptive])
+                       for p, l in self.model.layers.items()}
+        self.model.add_task(kb, self.opts.mask_init, self.opts.lambda3)
+        self.entries.append(ids)
+        for layer in self.model.layers.values():  # earlier tasks' masks and attention are frozen
+            for i in range(task):
+                layer.unit_logits[i].requires_grad_(False)
+                layer.attention[i].requires_grad_(False)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(trainable, lr=self.fed.train.lr)
+
+    def _knowledge(self, frame: Frame | None) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """Stack the frame's entries per layer: prefix -> (n_kb, out, in)."""
+        ids = [e["id"] for e in (frame.meta.get("entries", []) if frame else [])]
+        out = {}
+        for prefix, layer in self.model.layers.items():
+            stack = []
+            for entry in ids:
+                t = frame.tensors.get(f"{entry}|{prefix}.weight")
+                if t is None or tuple(t.shape) != tuple(layer.weight.shape):
+                    raise ValueError(f"knowledge entry {entry}: missing or misshaped {prefix}.weight")
+                stack.append(torch.from_numpy(_dense(t)))
+            out[prefix] = torch.stack(stack) if stack else torch.zeros((0, *layer.weight.shape))
+        return out, ids
+
+    # -- training ------------------------------------------------------------------------
+    def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
+        x = torch.from_numpy(train[-1].x)
+        generator = torch.Generator().manual_seed(round_seed(self.fed.seed, self.client_index, rnd))
+        self.model.train()
+        losses, step = [], 0
+        for _ in range(self.fed.train.local_epochs):
+            for batch in torch.randperm(len(x), generator=generator).split(self.fed.train.batch_size):
+                self.model.set_order(step_order(self.made, self.opts, rnd, step))
+                nll = self.model.nll(x[batch], self.task).mean()
+                loss = nll + self._regularizer()
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                losses.append(nll.item())
+                step += 1
+        return len(x), float(np.mean(losses))
+
+    def _regularizer(self) -> torch.Tensor:
+        total = torch.zeros(())
+        t = self.task
+        for prefix, layer in self.model.layers.items():
+            mask = layer.mask if self.masked else 1.0
+            total = total + self.opts.lambda1 * sum((a * mask).abs().sum() for a in layer.adaptive)
+            if t == 0 or self.opts.lambda2 == 0:
+                continue
+            base0, adaptive0 = self.anchor[prefix]
+            d_base = layer.weight - base0  # (out, in)
+            for i in range(t):
+                drift = d_base * torch.sigmoid(layer.unit_logits[i])[:, None] + (layer.adaptive[i] - adaptive0[i])
+                total = total + self.opts.lambda2 * (drift ** 2).sum()
+        return total
+
+    # -- upload --------------------------------------------------------------------------
+    @torch.no_grad()
+    def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
+        masks = made_masks(self.made, upload_order(self.made, self.opts, rnd)) if self.masked else None
+        out: dict[str, Tensor] = {}
+        for prefix, layer in self.model.layers.items():
+            gate = torch.sigmoid(layer.unit_logits[self.task])  # (out,)
+            units = _top_units(gate.numpy(), self.opts.keep_units)
+            made_mask = mask_for_param(masks, f"{prefix}.weight") if masks else None
+            effective = (layer.weight * gate[:, None]).numpy()
+            out.update(pack(f"{prefix}.weight", effective, made_mask, units))
+            self.sent[prefix] = np.array(selection(made_mask, units) & np.ones(effective.shape, bool))
+            if layer.bias is not None:
+                out[f"{prefix}.bias"] = layer.bias.numpy().copy()
+            if task_end:
+                adaptive = layer.adaptive[self.task].numpy().copy()
+                adaptive[np.abs(adaptive) < self.opts.kb_threshold] = 0.0
+                out[f"{KB_PREFIX}{prefix}.weight"] = SparseTensor.from_dense(adaptive)
+        return out
+
+    def report(self, task_end: bool) -> dict:
+        """At a task end: the learned attention over the knowledge-base entries (mean over layers)."""
+        ids = self.entries[self.task] if self.task >= 0 else []
+        if not task_end or not ids:
+            return {}
+        alpha = torch.stack([layer.attention[self.task].detach() for layer in self.model.layers.values()])
+        return {"attention": {"entries": ids, "alpha": [round(float(a), 5) for a in alpha.mean(0)]}}
+
+    # -- serving -------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, tests: Sequence[Dataset]) -> list[float]:
+        """Task i is scored with task i's composition (task-incremental, as in FedWeIT)."""
+        self.model.eval()
+        self.model.set_order(0)
+        if self.task < 0:  # before any task: the shared base alone
+            return [mean_nll(lambda x: _base_nll(self.model, x), d) for d in tests]
+        return [mean_nll(lambda x, i=i: self.model.nll(x, min(i, self.task)), d) for i, d in enumerate(tests)]
+
+    def served_params(self) -> dict[str, np.ndarray]:
+        return self.model.composed_params(max(self.task, 0)) if self.task >= 0 else {}
+
+
+def _top_units(gate: np.ndarray, share: float) -> np.ndarray:
+    """The ``share`` of units with the largest sigmoid(m) (ranked by the gate, not raw m)."""
+    keep = max(1, int(round(share * gate.size)))
+    units = np.zeros(gate.size, dtype=bool)
+    units[np.argsort(-gate, kind="stable")[:keep]] = True
+    return units
+
+
+def _dense(t: Tensor) -> np.ndarray:
+    return t.to_dense() if isinstance(t, SparseTensor) else np.asarray(t, dtype=np.float32)
+
+
+def _base_nll(model: DecomposedMADE, x: torch.Tensor) -> torch.Tensor:
+    """NLL of the plain base (no task yet): W = B under the current mask."""
+    h = x
+    for layer in model.hidden:
+        h = torch.relu(torch.nn.functional.linear(h, layer.weight * layer.mask, layer.bias))
+    logits = torch.nn.functional.linear(h, model.output.weight * model.output.mask, model.output.bias)
+    if model.direct is not None:
+        logits = logits + torch.nn.functional.linear(x, model.direct.weight * model.direct.mask)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, x, reduction="none").sum(1)

@@ -1,0 +1,369 @@
+"""Export a served MADE to a self-describing ONNX file (opset 17), verified before it is published.
+
+The graph is built directly with ``onnx.helper`` (no tracing, no dynamo exporter):
+
+    x (batch, D) -> [MatMul(W_l^T * M_l^T) -> Add(b_l) -> Relu] per hidden layer
+                 -> MatMul(W_out^T * M_out^T) -> Add(b_out) [-> Add(MatMul(x, W_dir^T * M_dir^T))] -> logits
+
+The masks of the given order are multiplied into the weights, which are stored transposed
+(``(in, out)``, as MatMul wants them) under the names ``<layer>.masked_weight_t``.  Masked
+entries are exact zeros, which int8 dynamic quantisation (symmetric weights) keeps exact.
+
+torch is imported lazily, only for the parity check against ``fclcore.models.made.MADE``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from export import _meta
+from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
+from fclcore.made_spec import MadeConfig, input_order, made_masks, mask_for_param, param_shapes
+
+__all__ = ["ServedModel", "ExportError", "build_onnx", "export_served_model", "int8_path_for",
+           "PARITY_TOL", "OPSET"]
+
+OPSET = 17
+IR_VERSION = 8  # the IR version that introduced opset 17: readable by older device runtimes
+PARITY_TOL = 1e-5
+_PARITY_RANDOM_ROWS = 64
+
+
+class ExportError(RuntimeError):
+    """The model could not be exported, or the exported file failed verification."""
+
+
+@dataclass(frozen=True, eq=False)
+class ServedModel:
+    """The plain MADE weights a device serves, plus where they came from.
+
+    ``params`` are already composed by the learning method (e.g. ``B*sigmoid(m) + A + sum
+    alpha*A_kb``) and keyed like ``param_shapes(made)``; they are validated and stored as
+    read-only float32 copies.
+    """
+
+    made: MadeConfig
+    params: dict[str, np.ndarray]
+    order_index: int
+    method: str
+    task: int
+    binarize: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.made, MadeConfig):
+            raise ValueError(f"made must be a MadeConfig, got {type(self.made).__name__}")
+        for name, minimum in (("order_index", 0), ("task", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        if not isinstance(self.method, str) or not self.method.strip():
+            raise ValueError(f"method must be a non-empty string, got {self.method!r}")
+        if not isinstance(self.binarize, str):
+            raise ValueError(f"binarize must be a string, got {self.binarize!r}")
+        if not isinstance(self.params, dict):
+            raise ValueError(f"params must be a dict of arrays, got {type(self.params).__name__}")
+        expected = param_shapes(self.made)
+        missing = [n for n in expected if n not in self.params]
+        unexpected = [n for n in self.params if n not in expected]
+        if missing or unexpected:
+            raise ValueError(f"parameter names mismatch: missing {missing}, unexpected {unexpected}")
+        params = {}
+        for name, shape in expected.items():
+            a = np.asarray(self.params[name])
+            if a.dtype == object or not np.issubdtype(a.dtype, np.floating):
+                raise ValueError(f"parameter {name!r} must be a float array, got dtype {a.dtype}")
+            if a.shape != shape:
+                raise ValueError(f"parameter {name!r}: expected shape {shape}, got {a.shape}")
+            a = np.array(a, dtype=np.float32, order="C", copy=True)
+            if not np.isfinite(a).all():
+                raise ValueError(f"parameter {name!r} contains NaN or infinite values")
+            a.flags.writeable = False
+            params[name] = a
+        object.__setattr__(self, "params", params)
+
+    @property
+    def order_k(self) -> int:
+        """The order index reduced modulo ``num_orders`` (the masks that get baked in)."""
+        return self.order_index % self.made.num_orders
+
+
+def _base_metadata(model: ServedModel, toolkit_version: str) -> dict[str, Any]:
+    cfg = model.made
+    return {
+        "format": _meta.FORMAT,
+        "method": model.method,
+        "task": model.task,
+        "input_dim": cfg.input_dim,
+        "hidden_sizes": list(cfg.hidden_sizes),
+        "direct": cfg.direct,
+        "mask_seed": cfg.mask_seed,
+        "natural_order": cfg.natural_order,
+        "num_orders": cfg.num_orders,
+        "order_index": model.order_k,
+        "input_order": [int(v) for v in input_order(cfg, model.order_k)],
+        "binarize": model.binarize,
+        "toolkit_version": str(toolkit_version),
+        "quantization": "none",
+    }
+
+
+def _seal(proto: onnx.ModelProto, metadata: dict[str, Any]) -> onnx.ModelProto:
+    """Set the ``fcl.*`` metadata (``metadata`` without the hashes) and both hashes, in place.
+
+    Initializers are first rewritten with ``raw_data`` (quantisers sometimes use typed
+    fields) so the runtime can hash exactly what it reads.  The integrity hash is computed on
+    the serialisation with a placeholder value of the same length, then patched in, so the
+    final bytes differ from the hashed ones only inside that value.
+    """
+    inits = list(proto.graph.initializer)
+    for i, t in enumerate(inits):
+        if t.data_location != TensorProto.DEFAULT:
+            raise ExportError(f"initializer {t.name!r} uses external data")
+        if not t.HasField("raw_data") or len(t.float_data) or len(t.int32_data) or len(t.int64_data):
+            proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t), t.name))
+    digest = weights_digest((t.name, t.data_type, list(t.dims), t.raw_data) for t in proto.graph.initializer)
+    props = _meta.encode(metadata)
+    props[_meta.PREFIX + "weights_sha256"] = digest
+    props[INTEGRITY_KEY] = PLACEHOLDER.decode()
+    helper.set_model_props(proto, props)
+    data = proto.SerializeToString()
+    span = parse_model(data).metadata_spans[INTEGRITY_KEY]
+    whole = integrity_digest(data, span)
+    for entry in proto.metadata_props:
+        if entry.key == INTEGRITY_KEY:
+            entry.value = whole
+    return proto
+
+
+def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
+    """The opset-17 graph ``x (batch, D) float32 -> logits (batch, D)`` with masks baked in, sealed."""
+    cfg = model.made
+    d = cfg.input_dim
+    masks = made_masks(cfg, model.order_k)
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+
+    def masked_t(name: str) -> np.ndarray:
+        w = model.params[name] * mask_for_param(masks, name)  # (out, in), exactly as MaskedLinear
+        return np.ascontiguousarray(w.T, dtype=np.float32)  # (in, out) for MatMul
+
+    h = "x"
+    for i in range(len(cfg.hidden_sizes)):
+        layer = f"hidden.{i}"
+        inits.append(numpy_helper.from_array(masked_t(f"{layer}.weight"), f"{layer}.masked_weight_t"))
+        inits.append(numpy_helper.from_array(model.params[f"{layer}.bias"].copy(), f"{layer}.bias"))
+        nodes.append(helper.make_node("MatMul", [h, f"{layer}.masked_weight_t"], [f"{layer}.matmul"], name=f"{layer}.matmul"))
+        nodes.append(helper.make_node("Add", [f"{layer}.matmul", f"{layer}.bias"], [f"{layer}.pre"], name=f"{layer}.add"))
+        nodes.append(helper.make_node("Relu", [f"{layer}.pre"], [f"{layer}.out"], name=f"{layer}.relu"))
+        h = f"{layer}.out"
+    inits.append(numpy_helper.from_array(masked_t("output.weight"), "output.masked_weight_t"))
+    inits.append(numpy_helper.from_array(model.params["output.bias"].copy(), "output.bias"))
+    nodes.append(helper.make_node("MatMul", [h, "output.masked_weight_t"], ["output.matmul"], name="output.matmul"))
+    out_name = "output.pre" if cfg.direct else "logits"
+    nodes.append(helper.make_node("Add", ["output.matmul", "output.bias"], [out_name], name="output.add"))
+    if cfg.direct:
+        inits.append(numpy_helper.from_array(masked_t("direct.weight"), "direct.masked_weight_t"))
+        nodes.append(helper.make_node("MatMul", ["x", "direct.masked_weight_t"], ["direct.matmul"], name="direct.matmul"))
+        nodes.append(helper.make_node("Add", ["output.pre", "direct.matmul"], ["logits"], name="direct.add"))
+
+    graph = helper.make_graph(
+        nodes, "fcl_made",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", d])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", d])],
+        initializer=inits,
+        doc_string=f"MADE D={d} hidden={list(cfg.hidden_sizes)} direct={cfg.direct} order_index={model.order_k}: "
+                   "x in {0,1}^D -> Bernoulli logits of p(x_d=1 | x_<d), <d in fcl.input_order",
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
+                              producer_name="fcl-edge", producer_version=str(toolkit_version))
+    onnx.checker.check_model(proto)
+    return _seal(proto, _base_metadata(model, toolkit_version))
+
+
+def _torch_logits(model: ServedModel, x: np.ndarray) -> np.ndarray:
+    """Reference logits from the torch MADE with the same params and order (torch imported here only)."""
+    import torch
+
+    from fclcore.models.made import MADE
+
+    net = MADE(model.made)
+    net.set_params(dict(model.params))
+    net.set_order(model.order_k)
+    net.eval()
+    with torch.no_grad():
+        return net(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
+
+
+def int8_path_for(path: str | os.PathLike) -> Path:
+    """``model.onnx`` -> ``model.int8.onnx`` (same directory)."""
+    p = Path(path)
+    stem = p.name[: -len(".onnx")] if p.name.endswith(".onnx") else p.name
+    return p.with_name(stem + ".int8.onnx")
+
+
+def _temp_path(path: Path) -> Path:
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.onnx")
+    os.close(fd)
+    return Path(name)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _parity_inputs(model: ServedModel, parity_inputs: np.ndarray | None) -> tuple[np.ndarray, str]:
+    d = model.made.input_dim
+    if parity_inputs is None:
+        rng = np.random.default_rng(0)
+        return (rng.random((_PARITY_RANDOM_ROWS, d)) < 0.5).astype(np.float32), f"random_binary:{_PARITY_RANDOM_ROWS}"
+    a = np.asarray(parity_inputs)
+    if a.ndim != 2 or a.shape[1] != d or a.shape[0] == 0:
+        raise ExportError(f"parity_inputs must have shape (N >= 1, {d}), got {a.shape}")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isin(a, (0.0, 1.0)).all():
+        raise ExportError("parity_inputs must contain only 0 and 1")
+    return a, f"parity_inputs:{a.shape[0]}"
+
+
+def _load_verified(path: Path, what: str) -> Any:
+    from export.runtime import MadeRuntime, ModelFileError
+
+    try:
+        return MadeRuntime.load(path)
+    except ModelFileError as exc:
+        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
+
+
+def export_served_model(model: ServedModel, path: str | os.PathLike, *, parity_inputs: np.ndarray | None = None,
+                        int8: bool = False, toolkit_version: str = "0.1.0") -> dict[str, Any]:
+    """Write ``model`` as ONNX to ``path`` atomically, after verifying the written bytes.
+
+    The file is written to a temporary file in the same directory, loaded back with the
+    torch-free runtime (metadata + hashes), and its logits on ``parity_inputs`` (default: 64
+    seeded random binary rows) compared with the torch MADE; only if ``max |onnx - torch| <=
+    1e-5`` is it moved over ``path`` with ``os.replace``.  With ``int8`` a weight-int8 copy
+    ``<stem>.int8.onnx`` is made with onnxruntime's ``quantize_dynamic``; its mean NLL change
+    vs fp32 on the same inputs is stored in its metadata (``fcl.int8_nll_delta``).  Both
+    files are published only if both pass.  Raises :class:`ExportError`.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ExportError(f"output directory {path.parent} does not exist")
+    x, x_desc = _parity_inputs(model, parity_inputs)
+    proto = build_onnx(model, toolkit_version)
+    temps: list[Path] = []
+    try:
+        tmp = _temp_path(path)
+        temps.append(tmp)
+        _write(tmp, proto.SerializeToString())
+        rt = _load_verified(tmp, "fp32")
+        expected = _base_metadata(model, toolkit_version)
+        wrong = [k for k, v in expected.items() if rt.metadata.get(k) != v]
+        if wrong:
+            raise ExportError(f"exported metadata does not round-trip: {wrong}")
+        got = rt.logits(x)
+        ref = _torch_logits(model, x)
+        err = float(np.max(np.abs(got.astype(np.float64) - ref.astype(np.float64))))
+        if not err <= PARITY_TOL:  # also catches NaN
+            raise ExportError(f"parity check failed: max |onnx - torch| logit error {err:.3g} > {PARITY_TOL:g} "
+                              f"on {x.shape[0]} rows ({x_desc}); {path} left unchanged")
+        report: dict[str, Any] = {
+            "path": str(path), "bytes": tmp.stat().st_size, "max_abs_err": err,
+            "sha256": rt.metadata["weights_sha256"], "parity_rows": int(x.shape[0]), "parity_data": x_desc,
+        }
+        publish = [(tmp, path)]
+        if int8:
+            q_path = int8_path_for(path)
+            q_tmp = _temp_path(q_path)
+            temps.append(q_tmp)
+            report.update(_export_int8(rt, tmp, q_tmp, q_path, x, x_desc, expected))
+            publish.append((q_tmp, q_path))
+        report["file_sha256"] = _file_sha256(tmp)
+        for src, dst in publish:
+            os.replace(src, dst)
+        _fsync_dir(path.parent)
+        return report
+    finally:
+        for t in temps:
+            try:
+                t.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+class _DropPreprocessHint(logging.Filter):
+    """The quantiser always suggests shape-inference pre-processing; MADE graphs need none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pre-processing before quantization" not in record.getMessage()
+
+
+def _export_int8(fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.ndarray, x_desc: str,
+                 metadata: dict[str, Any]) -> dict[str, Any]:
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from export.runtime import session_options
+
+    root = logging.getLogger()
+    quiet, hint = logging.NullHandler(), _DropPreprocessHint()
+    root.addHandler(quiet)  # keeps logging.warning() inside the quantiser from calling basicConfig()
+    root.addFilter(hint)
+    try:
+        quantize_dynamic(fp32_tmp, q_tmp, weight_type=QuantType.QInt8, per_channel=False)
+    except Exception as exc:
+        raise ExportError(f"int8 quantisation failed: {exc}") from exc
+    finally:
+        root.removeFilter(hint)
+        root.removeHandler(quiet)
+    proto = onnx.load(q_tmp)
+    # Measure the NLL change before sealing (row by row: activation scales are per tensor).
+    sess = ort.InferenceSession(proto.SerializeToString(), sess_options=session_options(),
+                                providers=["CPUExecutionProvider"])
+    z_q = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(x.shape[0])]).astype(np.float64)
+    nll_q = -(x * z_q - np.logaddexp(0.0, z_q)).sum(axis=1)
+    nll_f = -fp32_rt.log_likelihood(x)
+    delta = float(np.mean(nll_q - nll_f))
+    if not np.isfinite(delta):
+        raise ExportError("int8 model produces non-finite log-likelihoods")
+    meta = dict(metadata, quantization="int8-dynamic", int8_nll_delta=delta, int8_eval=x_desc)
+    _write(q_tmp, _seal(proto, meta).SerializeToString())
+    rt = _load_verified(q_tmp, "int8")
+    check = float(np.max(np.abs(-rt.log_likelihood(x) - nll_q)))
+    if check > 1e-3:
+        raise ExportError(f"sealed int8 model disagrees with the measured one by {check:.3g} nats")
+    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
+    return {"int8_path": str(q_path), "int8_bytes": size_q, "int8_size_ratio": size_q / size_fp32,
+            "int8_nll_delta": delta, "int8_sha256": rt.metadata["weights_sha256"]}

@@ -1,0 +1,383 @@
+"""Torch-free inference runtime for exported MADE models (numpy + onnxruntime + json only).
+
+This is what runs on a device: it never imports torch, onnx, yaml or paho.  A model file is
+validated completely before onnxruntime sees it -- protobuf structure, ``fcl.*`` metadata,
+the weights hash and the whole-file integrity hash (see ``export._proto``) -- so a
+truncated, corrupted, foreign or tampered file is rejected with :class:`ModelFileError`
+and a one-line message naming the path.
+
+Semantics (binary MADE, Germain et al. 2015): ``logits[:, d]`` is the Bernoulli logit of
+``p(x_d = 1 | x_<d)`` where ``<d`` means "earlier in ``order``" (``metadata["input_order"]``).
+
+int8 models (``fcl.quantization = int8-dynamic``) quantise activations with one scale per
+*tensor*, so a row's result would depend on the other rows of the batch (and, through the
+scale, slightly on later inputs).  The runtime therefore evaluates int8 models one row at a
+time; fp32 models run batched.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from export import _meta
+from export._proto import INTEGRITY_KEY, ProtoError, integrity_digest, parse_model, weights_digest
+
+__all__ = ["ModelFileError", "InputError", "MadeRuntime", "ModelWatcher", "load_inputs", "parse_row",
+           "session_options"]
+
+log = logging.getLogger("fcl.export.runtime")
+
+MAX_MODEL_BYTES = 1 << 31  # protobuf's 2 GiB limit; anything larger is not a single-file ONNX model
+
+
+class ModelFileError(ValueError):
+    """A model file that must not be served: unreadable, not ONNX, bad metadata, hash mismatch."""
+
+
+class InputError(ValueError):
+    """Inference inputs with the wrong shape, type or values."""
+
+
+def session_options(intra_op_threads: int | None = 1, cpu_mem_arena: bool = False,
+                    mem_pattern: bool = False) -> ort.SessionOptions:
+    """onnxruntime options tuned for a small device (see benchmarks/results/inference.md).
+
+    One intra-op thread is fastest for batch-1 MADE and keeps the thread pool's stacks out of
+    the RSS; the CPU memory arena and memory patterns trade RSS for speed on repeated shapes.
+    ``None`` threads = onnxruntime's default (one per physical core).
+    """
+    so = ort.SessionOptions()
+    if intra_op_threads is not None:
+        so.intra_op_num_threads = int(intra_op_threads)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.enable_cpu_mem_arena = bool(cpu_mem_arena)
+    so.enable_mem_pattern = bool(mem_pattern)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3  # errors only: quantised models warn about nothing useful
+    return so
+
+
+def _read(path: str) -> tuple[bytes, tuple[int, int, int]]:
+    """Read the whole file through one descriptor; return bytes and its (inode, mtime_ns, size)."""
+    try:
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if st.st_size > MAX_MODEL_BYTES:
+                raise ModelFileError(f"{path}: {st.st_size} bytes is too large for a single-file ONNX model")
+            data = fh.read(MAX_MODEL_BYTES + 1)
+            after = os.fstat(fh.fileno())
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: no such model file") from None
+    except IsADirectoryError:
+        raise ModelFileError(f"{path}: is a directory, not a model file") from None
+    except OSError as exc:
+        raise ModelFileError(f"{path}: cannot read model file: {exc.strerror or exc}") from None
+    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+    if (after.st_mtime_ns, after.st_size) != (st.st_mtime_ns, st.st_size) or len(data) != st.st_size:
+        raise ModelFileError(f"{path}: file changed while being read (writers must use os.replace)")
+    return data, key
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return np.exp(-np.logaddexp(0.0, -z))
+
+
+class MadeRuntime:
+    """A validated, loaded MADE model.  Create with :meth:`load`."""
+
+    def __init__(self, session: ort.InferenceSession, metadata: dict[str, Any], path: str,
+                 stat_key: tuple[int, int, int] | None = None) -> None:
+        self._session = session
+        self.metadata = metadata
+        self.path = path
+        self.input_dim: int = metadata["input_dim"]
+        self.order = np.asarray(metadata["input_order"], dtype=np.int64)
+        self.quantized = metadata["quantization"] != "none"
+        self.stat_key = stat_key
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, intra_op_threads: int | None = 1, cpu_mem_arena: bool = False,
+             mem_pattern: bool = False) -> "MadeRuntime":
+        """Read, validate and load ``path``; raise :class:`ModelFileError` with a one-line reason."""
+        path = os.fspath(path)
+        data, key = _read(path)
+        return cls.from_bytes(data, path, stat_key=key,
+                              options=session_options(intra_op_threads, cpu_mem_arena, mem_pattern))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: str = "<bytes>", *, stat_key: tuple[int, int, int] | None = None,
+                   options: ort.SessionOptions | None = None) -> "MadeRuntime":
+        """Validate and load model bytes (the same checks as :meth:`load`)."""
+        if len(data) == 0:
+            raise ModelFileError(f"{path}: empty file")
+        try:
+            parsed = parse_model(data)
+        except ProtoError as exc:
+            raise ModelFileError(f"{path}: not a valid ONNX model file ({exc}); truncated or corrupted?") from None
+        if not parsed.has_graph:
+            raise ModelFileError(f"{path}: not an ONNX model (no graph)")
+        try:
+            meta = _meta.parse(parsed.metadata)
+        except _meta.MetadataError as exc:
+            raise ModelFileError(f"{path}: {exc}") from None
+        got = weights_digest((t.name, t.data_type, t.dims, t.raw) for t in parsed.initializers)
+        if got != meta["weights_sha256"]:
+            raise ModelFileError(f"{path}: weights hash mismatch (metadata {meta['weights_sha256'][:12]}..., "
+                                 f"weights {got[:12]}...): tampered or corrupted")
+        try:
+            whole = integrity_digest(data, parsed.metadata_spans[INTEGRITY_KEY])
+        except ProtoError as exc:
+            raise ModelFileError(f"{path}: {exc}") from None
+        if whole != meta["integrity_sha256"]:
+            raise ModelFileError(f"{path}: file integrity hash mismatch: modified or corrupted after export")
+        try:
+            session = ort.InferenceSession(data, sess_options=options or session_options(),
+                                           providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises several private exception types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelFileError(f"{path}: onnxruntime cannot load the model: {first[:200]}") from None
+        d = meta["input_dim"]
+        ins, outs = session.get_inputs(), session.get_outputs()
+        if len(ins) != 1 or ins[0].name != "x" or ins[0].type != "tensor(float)":
+            raise ModelFileError(f"{path}: expected one float input 'x', got "
+                                 + ", ".join(f"{i.name}:{i.type}" for i in ins))
+        if len(ins[0].shape) != 2 or ins[0].shape[1] != d:
+            raise ModelFileError(f"{path}: input 'x' has shape {ins[0].shape}, metadata says input_dim {d}")
+        if len(outs) != 1 or outs[0].name != "logits" or len(outs[0].shape) != 2 or outs[0].shape[1] != d:
+            raise ModelFileError(f"{path}: expected one output 'logits' of shape [batch, {d}], got "
+                                 + ", ".join(f"{o.name}{o.shape}" for o in outs))
+        return cls(session, meta, path, stat_key)
+
+    # ---------------------------------------------------------------- inference
+    def _check(self, x: Any, binary: bool) -> np.ndarray:
+        a = np.asarray(x)
+        if a.dtype == object or not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+            raise InputError(f"x must be a numeric array, got dtype {a.dtype}")
+        if a.ndim != 2 or a.shape[1] != self.input_dim:
+            raise InputError(f"x must have shape (N, {self.input_dim}), got {a.shape}")
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise InputError("x contains NaN or infinite values")
+        if binary and not np.isin(a, (0.0, 1.0)).all():
+            raise InputError("x must contain only 0 and 1")
+        return a
+
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[0] == 0:
+            return np.zeros((0, self.input_dim), dtype=np.float32)
+        if self.quantized:  # per-tensor activation scales: never let rows of a batch influence each other
+            return np.concatenate([self._session.run(None, {"x": x[i:i + 1]})[0] for i in range(x.shape[0])])
+        return self._session.run(None, {"x": x})[0]
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Bernoulli logits (N, D) float32 for real-valued x (N, D)."""
+        return self._run(self._check(x, binary=False))
+
+    def log_likelihood(self, x: np.ndarray) -> np.ndarray:
+        """log p(x) per sample in nats, shape (N,) float64; x must be {0,1} of shape (N, D)."""
+        a = self._check(x, binary=True)
+        z = self._run(a).astype(np.float64)
+        # log sigmoid(z) if x=1, log sigmoid(-z) if x=0  ==  x*z - softplus(z)
+        return (a * z - np.logaddexp(0.0, z)).sum(axis=1)
+
+    def conditionals(self, x: np.ndarray) -> np.ndarray:
+        """p(x_d = 1 | x_<d) for every d (order = ``self.order``), shape (N, D) float64; x in {0,1}."""
+        return _sigmoid(self._run(self._check(x, binary=True)).astype(np.float64))
+
+    def sample(self, n: int, seed: int) -> np.ndarray:
+        """``n`` samples (n, D) float32 in {0,1}, drawn one dimension at a time in ``self.order``.
+
+        Deterministic in ``seed`` (numpy ``default_rng``).
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise InputError(f"n must be an int >= 0, got {n!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise InputError(f"seed must be an int >= 0, got {seed!r}")
+        rng = np.random.default_rng(int(seed))
+        x = np.zeros((int(n), self.input_dim), dtype=np.float32)
+        for d in self.order:
+            p = _sigmoid(self._run(x)[:, d].astype(np.float64))
+            x[:, d] = rng.random(int(n)) < p
+        return x
+
+    def describe(self) -> dict[str, Any]:
+        """Identity of the loaded model, for logs and JSON answers."""
+        m = self.metadata
+        return {"path": self.path, "method": m["method"], "task": m["task"], "order_index": m["order_index"],
+                "quantization": m["quantization"], "weights_sha256": m["weights_sha256"]}
+
+
+class ModelWatcher:
+    """Serve the model at ``path`` and swap in a new one when the file changes.
+
+    A change is noticed from ``os.stat`` (inode, mtime_ns, size), at most every ``interval``
+    seconds, by :meth:`current` itself (``interval=0``: on every call) or by a background
+    thread (:meth:`start`).  A new file is validated completely before it replaces the
+    current model; a file that fails is logged and the previous model is kept (it is retried
+    only when the file changes again).  Writers must use ``os.replace`` (the exporter does),
+    so a reader opens either the old or the new file, never a half-written one; an in-place
+    writer is caught by the hashes and, via ``fstat``, by a size/mtime change during the read.
+
+    :meth:`current` is thread-safe; the returned runtime stays valid after a swap, so a
+    request that started on the old model finishes on it.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, interval: float = 1.0, **load_kwargs: Any) -> None:
+        self.path = os.fspath(path)
+        self.interval = float(interval)
+        self._load_kwargs = load_kwargs
+        self._lock = threading.Lock()
+        self._reload_lock = threading.Lock()
+        self._model = MadeRuntime.load(self.path, **load_kwargs)  # the first model must be valid
+        self._failed_key: tuple[int, int, int] | None = None
+        self._last_check = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.generation = 0  # number of successful swaps
+        self.errors = 0  # number of rejected files
+        self.last_error: str | None = None
+
+    def current(self) -> MadeRuntime:
+        """The model to use for the next request (checks the file first if ``interval`` elapsed)."""
+        if self._thread is None and time.monotonic() - self._last_check >= self.interval:
+            self.poll()
+        with self._lock:
+            return self._model
+
+    def poll(self) -> bool:
+        """Check the file now; return True if a new model was swapped in."""
+        if not self._reload_lock.acquire(blocking=False):
+            return False  # another thread is already reloading; keep serving the current model
+        try:
+            self._last_check = time.monotonic()
+            try:
+                st = os.stat(self.path)
+            except OSError as exc:
+                msg = f"{self.path}: cannot stat model file: {exc.strerror or exc}"
+                if msg != self.last_error:
+                    log.warning("%s; keeping the current model", msg)
+                    self.errors += 1
+                    self.last_error = msg
+                return False
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            with self._lock:
+                current_key = self._model.stat_key
+            if key == current_key or key == self._failed_key:
+                return False
+            try:
+                model = MadeRuntime.load(self.path, **self._load_kwargs)
+            except ModelFileError as exc:
+                self._failed_key = key
+                self.errors += 1
+                self.last_error = str(exc)
+                log.warning("rejected new model file, keeping the current model: %s", exc)
+                return False
+            with self._lock:
+                self._model = model
+                self.generation += 1
+            self._failed_key = None
+            log.info("swapped in model %s (method %s, task %s, weights %s...)", self.path,
+                     model.metadata["method"], model.metadata["task"], model.metadata["weights_sha256"][:12])
+            return True
+        finally:
+            self._reload_lock.release()
+
+    def start(self) -> "ModelWatcher":
+        """Poll from a daemon thread every ``interval`` seconds (then :meth:`current` never stats)."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="fcl-model-watcher", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(max(self.interval, 0.01)):
+            try:
+                self.poll()
+            except Exception:  # never let the watcher thread die silently
+                log.exception("model watcher poll failed")
+
+    def __enter__(self) -> "ModelWatcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _validate_inputs(a: np.ndarray, input_dim: int, where: str, binary: bool) -> np.ndarray:
+    if a.dtype == object or not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+        raise InputError(f"{where}: expected numbers, got dtype {a.dtype}")
+    if a.ndim == 1 and a.shape[0] == input_dim:
+        a = a[None, :]
+    if a.ndim != 2 or a.shape[1] != input_dim:
+        raise InputError(f"{where}: expected shape (N, {input_dim}), got {a.shape}")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(a).all():
+        raise InputError(f"{where}: contains NaN or infinite values")
+    if binary and not np.isin(a, (0.0, 1.0)).all():
+        bad = np.argwhere(~np.isin(a, (0.0, 1.0)))[0]
+        raise InputError(f"{where}: values must be 0 or 1 (row {bad[0]}, column {bad[1]} is {a[bad[0], bad[1]]:g})")
+    return a
+
+
+def _parse_csv(text: str, input_dim: int, where: str, binary: bool) -> np.ndarray:
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        return np.zeros((0, input_dim), dtype=np.float32)
+    try:
+        a = np.loadtxt(io.StringIO("\n".join(lines)), delimiter=",", ndmin=2, dtype=np.float64)
+    except ValueError as exc:
+        raise InputError(f"{where}: not numeric CSV: {str(exc).splitlines()[0][:160]}") from None
+    return _validate_inputs(a, input_dim, where, binary)
+
+
+def parse_row(line: str, input_dim: int, *, binary: bool = True) -> np.ndarray:
+    """One CSV line -> (1, input_dim) float32 (used by ``fcl infer --watch``)."""
+    return _parse_csv(line, input_dim, "input line", binary).reshape(-1, input_dim)
+
+
+def load_inputs(source: str, input_dim: int, *, binary: bool = True) -> np.ndarray:
+    """Inputs (N, input_dim) float32 from ``.npy`` (no pickles), ``.csv`` (numeric) or ``-`` (CSV on stdin).
+
+    A single row of length ``input_dim`` is accepted as N = 1.  With ``binary`` (the default,
+    as every MADE operation needs it) values must be 0 or 1.  Raises :class:`InputError`.
+    """
+    if source == "-":
+        return _parse_csv(sys.stdin.read(), input_dim, "stdin", binary)
+    low = source.lower()
+    try:
+        if low.endswith(".npy"):
+            try:
+                a = np.load(source, allow_pickle=False)
+            except ValueError as exc:  # object arrays, bad header
+                raise InputError(f"{source}: not a plain numeric .npy file: {str(exc).splitlines()[0][:160]}") from None
+            if not isinstance(a, np.ndarray):
+                raise InputError(f"{source}: expected one array in a .npy file")
+            return _validate_inputs(a, input_dim, source, binary)
+        if low.endswith(".csv"):
+            with open(source, encoding="utf-8") as fh:
+                text = fh.read()
+            return _parse_csv(text, input_dim, source, binary)
+    except FileNotFoundError:
+        raise InputError(f"{source}: no such input file") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{source}: CSV input is not UTF-8 text") from None
+    except (OSError, EOFError) as exc:
+        raise InputError(f"{source}: cannot read input: {getattr(exc, 'strerror', None) or exc}") from None
+    raise InputError(f"{source}: unsupported input; use a .npy file, a .csv file or - for CSV on stdin")

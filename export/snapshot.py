@@ -1,0 +1,121 @@
+"""``served.npz``: the snapshot of a served model that the client daemon writes next to its model.
+
+Format (numpy ``.npz``, never pickled):
+
+* one float array per MADE parameter, named exactly as ``param_shapes(made)``
+  (``hidden.0.weight``, ..., ``output.bias``, ``direct.weight``), already composed by the
+  learning method;
+* ``__meta__``: a unicode string array (0-d or one element) holding one JSON object::
+
+      {"format": "fcl-served/1",
+       "input_dim": 64, "hidden_sizes": [128], "direct": true, "natural_order": true,
+       "num_orders": 1, "mask_seed": 0,                 # the MadeConfig fields
+       "order_index": 0, "method": "fedavg", "task": 1, "binarize": "value>7"}
+
+  (the MadeConfig fields may also be nested under ``"made"``).
+
+``save_snapshot`` writes atomically (temp file in the same directory + ``os.replace``);
+``load_snapshot`` reads with ``allow_pickle=False`` and validates names, shapes and values.
+numpy only: no torch, no onnx.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fclcore.made_spec import MadeConfig
+
+__all__ = ["SnapshotError", "save_snapshot", "load_snapshot", "SNAPSHOT_FORMAT"]
+
+SNAPSHOT_FORMAT = "fcl-served/1"
+META_KEY = "__meta__"
+_MADE_FIELDS = tuple(f.name for f in dataclasses.fields(MadeConfig))
+_OTHER_FIELDS = ("order_index", "method", "task", "binarize")
+
+
+class SnapshotError(ValueError):
+    """A served-model snapshot that cannot be used; the message names the file and the problem."""
+
+
+def save_snapshot(model: Any, path: str | os.PathLike) -> None:
+    """Write ``model`` (an ``export.onnx_made.ServedModel``) to ``path`` atomically."""
+    path = Path(path)
+    meta = {"format": SNAPSHOT_FORMAT}
+    meta.update({f: getattr(model.made, f) for f in _MADE_FIELDS})
+    meta["hidden_sizes"] = list(model.made.hidden_sizes)
+    meta.update({f: getattr(model, f) for f in _OTHER_FIELDS})
+    arrays = {name: np.asarray(a, dtype=np.float32) for name, a in model.params.items()}
+    if META_KEY in arrays:
+        raise SnapshotError(f"parameter name {META_KEY!r} is reserved")
+    arrays[META_KEY] = np.array(json.dumps(meta))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _meta(raw: np.ndarray, where: str) -> dict[str, Any]:
+    if raw.dtype.kind != "U" or raw.size != 1:
+        raise SnapshotError(f"{where}: {META_KEY} must be one JSON string, got dtype {raw.dtype} shape {raw.shape}")
+    try:
+        meta = json.loads(str(raw.reshape(())))
+    except ValueError:
+        raise SnapshotError(f"{where}: {META_KEY} is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise SnapshotError(f"{where}: {META_KEY} must be a JSON object")
+    if "format" in meta and meta["format"] != SNAPSHOT_FORMAT:
+        raise SnapshotError(f"{where}: snapshot format {meta['format']!r}, expected {SNAPSHOT_FORMAT!r}")
+    return meta
+
+
+def load_snapshot(path: str | os.PathLike) -> Any:
+    """Read and validate a snapshot; return an ``export.onnx_made.ServedModel``.  Raises SnapshotError."""
+    from export.onnx_made import ServedModel  # numpy + onnx; deferred so this module stays numpy-only
+
+    where = os.fspath(path)
+    try:
+        npz = np.load(where, allow_pickle=False)
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise SnapshotError(f"{where}: not an .npz archive (a single .npy array?)")
+        with npz:
+            names = list(npz.files)
+            if META_KEY not in names:
+                raise SnapshotError(f"{where}: no {META_KEY} entry (not a served-model snapshot)")
+            meta = _meta(npz[META_KEY], where)
+            arrays = {n: npz[n] for n in names if n != META_KEY}
+    except SnapshotError:
+        raise
+    except FileNotFoundError:
+        raise SnapshotError(f"{where}: no such snapshot file") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+        # allow_pickle=False raises ValueError for object arrays; truncated zips raise BadZipFile/EOFError.
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SnapshotError(f"{where}: cannot read snapshot: {msg[:200]}") from None
+    made_meta = meta.get("made", meta)
+    if not isinstance(made_meta, dict):
+        raise SnapshotError(f"{where}: 'made' must be a JSON object")
+    missing = [f for f in _MADE_FIELDS if f not in made_meta] + [f for f in _OTHER_FIELDS if f not in meta]
+    if missing:
+        raise SnapshotError(f"{where}: {META_KEY} is missing {missing}")
+    try:
+        cfg = MadeConfig(**{f: made_meta[f] for f in _MADE_FIELDS})
+        return ServedModel(made=cfg, params=arrays, order_index=meta["order_index"], method=meta["method"],
+                           task=meta["task"], binarize=meta["binarize"])
+    except (TypeError, ValueError) as exc:
+        raise SnapshotError(f"{where}: {exc}") from None

@@ -1,0 +1,121 @@
+"""MADE with FedWeIT-style decomposed weights (ConFedMADE, eq. 5).
+
+For task i every masked layer uses
+
+    W_i = B * sigmoid(m_i)[:, None] + A_i + sum_j alpha_i[j] * K_i[j]      (then * MADE mask)
+
+B (``weight``) and the bias are the shared base that is federated; m_i (one logit per
+output unit), A_i and alpha_i are task-specific and stay on the device; K_i are the
+knowledge-base entries (other clients' A) the device received for task i, frozen.
+The sigmoid is applied inside forward, so the task loss trains m (a FedWeIT reference bug
+computed it outside the graph).  Base parameter names equal plain MADE's, so the
+aggregator, the wire and the export share one naming.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fclcore.made_spec import MadeConfig, input_order, made_masks
+
+
+class DecomposedLinear(nn.Module):
+    def __init__(self, n_in: int, n_out: int, bias: bool = True) -> None:
+        super().__init__()
+        bound = 1.0 / np.sqrt(n_in)
+        self.weight = nn.Parameter(torch.empty(n_out, n_in).uniform_(-bound, bound))  # B (out, in)
+        self.bias = nn.Parameter(torch.empty(n_out).uniform_(-bound, bound)) if bias else None
+        self.unit_logits = nn.ParameterList()  # m_i (out,) per task
+        self.adaptive = nn.ParameterList()  # A_i (out, in) per task
+        self.attention = nn.ParameterList()  # alpha_i (n_kb_i,) per task
+        self.knowledge: list[Tensor] = []  # K_i (n_kb_i, out, in) per task, frozen
+        self.register_buffer("mask", torch.ones(n_out, n_in), persistent=False)
+
+    def add_task(self, knowledge: Tensor, mask_init: float, lambda3: float) -> None:
+        """Start a task: fresh m, A = B / lambda3, alpha = 0 over the given entries."""
+        n_out = self.weight.shape[0]
+        self.unit_logits.append(nn.Parameter(torch.full((n_out,), float(mask_init))))
+        self.adaptive.append(nn.Parameter(self.weight.detach().clone() / lambda3))
+        self.attention.append(nn.Parameter(torch.zeros(knowledge.shape[0])))
+        self.knowledge.append(knowledge.detach())
+
+    def composed(self, task: int) -> Tensor:
+        w = self.weight * torch.sigmoid(self.unit_logits[task])[:, None] + self.adaptive[task]  # (out, in)
+        if self.knowledge[task].shape[0]:
+            w = w + torch.einsum("k,koi->oi", self.attention[task], self.knowledge[task])
+        return w
+
+    def forward(self, x: Tensor, task: int) -> Tensor:
+        return F.linear(x, self.composed(task) * self.mask, self.bias)
+
+
+class DecomposedMADE(nn.Module):
+    """x (B, D) in {0,1} -> logits (B, D) for a given task, autoregressive in the current order."""
+
+    def __init__(self, cfg: MadeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        sizes = (cfg.input_dim, *cfg.hidden_sizes)
+        self.hidden = nn.ModuleList(DecomposedLinear(i, o) for i, o in zip(sizes[:-1], sizes[1:]))
+        self.output = DecomposedLinear(sizes[-1], cfg.input_dim)
+        self.direct = DecomposedLinear(cfg.input_dim, cfg.input_dim, bias=False) if cfg.direct else None
+        self.order_index = -1
+        self.set_order(0)
+
+    @property
+    def layers(self) -> dict[str, DecomposedLinear]:
+        """Layer by parameter prefix, in param_shapes order."""
+        out = {f"hidden.{i}": layer for i, layer in enumerate(self.hidden)}
+        out["output"] = self.output
+        if self.direct is not None:
+            out["direct"] = self.direct
+        return out
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.output.adaptive)
+
+    def set_order(self, order_index: int) -> None:
+        """Switch order, recomputing every mask (hidden, output and direct)."""
+        k = int(order_index) % self.cfg.num_orders
+        if k == self.order_index:
+            return
+        masks = made_masks(self.cfg, k)
+        for layer, m in zip(self.hidden, masks.hidden):
+            layer.mask.copy_(torch.from_numpy(m))
+        self.output.mask.copy_(torch.from_numpy(masks.output))
+        if self.direct is not None:
+            self.direct.mask.copy_(torch.from_numpy(masks.direct))
+        self.order = input_order(self.cfg, k)
+        self.order_index = k
+
+    def add_task(self, knowledge: dict[str, Tensor], mask_init: float, lambda3: float) -> None:
+        """``knowledge[prefix]`` is (n_kb, out, in) for each layer (n_kb may be 0)."""
+        for prefix, layer in self.layers.items():
+            layer.add_task(knowledge[prefix], mask_init, lambda3)
+
+    def forward(self, x: Tensor, task: int) -> Tensor:
+        h = x  # (B, D)
+        for layer in self.hidden:
+            h = F.relu(layer(h, task))  # (B, H_l)
+        logits = self.output(h, task)  # (B, D)
+        if self.direct is not None:
+            logits = logits + self.direct(x, task)
+        return logits
+
+    def nll(self, x: Tensor, task: int) -> Tensor:
+        """Per-sample NLL in nats, shape (B,)."""
+        return F.binary_cross_entropy_with_logits(self(x, task), x, reduction="none").sum(dim=1)
+
+    @torch.no_grad()
+    def composed_params(self, task: int) -> dict[str, np.ndarray]:
+        """Plain MADE parameters of task ``task`` (for serving and ONNX export)."""
+        out = {}
+        for prefix, layer in self.layers.items():
+            out[f"{prefix}.weight"] = layer.composed(task).numpy().astype(np.float32)
+            if layer.bias is not None:
+                out[f"{prefix}.bias"] = layer.bias.detach().numpy().astype(np.float32, copy=True)
+        return out
