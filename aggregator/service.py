@@ -106,7 +106,8 @@ class AggregatorService:
             down, payload_down = self._announce(Kind.ROUND, rnd, task, attempt)
             received = self._collect(rnd)
             if len(received) >= self._quorum():
-                self.global_params = self.strategy.aggregate(list(received.values()), self.global_params)
+                updates = [received[c] for c in sorted(received)]  # arrival order must not change the sums
+                self.global_params = self.strategy.aggregate(updates, self.global_params)
                 self._record_round(rnd, task, received, down, payload_down, attempt, time.monotonic() - started,
                                    knowledge)
                 return

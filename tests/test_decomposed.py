@@ -1,0 +1,184 @@
+"""ConFedMADE / FedWeIT-MADE pieces: decomposed model, masked uploads, merge, knowledge base."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator.decomposed import DecomposedStrategy
+from aggregator.fedavg import weighted_average
+from aggregator.inbox import Update
+from edge_client.learners.decomposed import DecomposedLearner
+from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
+from fclcore.data import Dataset
+from fclcore.made_spec import MadeConfig, input_degrees, input_order, made_masks, mask_for_param
+from fclcore.masked_upload import pack, unpack
+from fclcore.models.decomposed_made import DecomposedMADE
+from fclcore.orders import upload_order
+from fclcore.schema import FederationSpec, MethodOptions, ModelSpec, TrainSpec
+
+D = 10
+
+
+def _fed(method: str = "confedmade", **options) -> FederationSpec:
+    return FederationSpec(name="t", method=method, num_tasks=3, rounds_per_task=2,
+                          model=ModelSpec(hidden_sizes=[24], num_orders=3, mask_seed=3),
+                          train=TrainSpec(batch_size=8, lr=0.01),
+                          options=MethodOptions(order_per="round", keep_units=0.5, **options))
+
+
+def _made(fed: FederationSpec) -> MadeConfig:
+    return fed.model.made_config(D)
+
+
+def _data(seed: int, n: int = 40) -> Dataset:
+    rng = np.random.default_rng(seed)
+    return Dataset((rng.random((n, D)) > 0.5).astype(np.float32), np.zeros(n, np.int64))
+
+
+def _random_knowledge(model: DecomposedMADE, n: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {p: torch.randn((n, *l.weight.shape), generator=g) for p, l in model.layers.items()}
+
+
+@pytest.mark.parametrize("n_kb", [0, 3])
+@pytest.mark.parametrize("orders", [[0], [1, 2, 0], [2, 1]])
+def test_autoregressive_with_knowledge_entries(n_kb, orders):
+    cfg = MadeConfig(input_dim=D, hidden_sizes=(32, 32), num_orders=3, mask_seed=5, natural_order=False)
+    torch.manual_seed(0)
+    model = DecomposedMADE(cfg)
+    model.add_task(_random_knowledge(model, n_kb, 1), mask_init=1.0, lambda3=2.0)
+    model.add_task(_random_knowledge(model, n_kb, 2), mask_init=0.5, lambda3=3.0)
+    with torch.no_grad():
+        for layer in model.layers.values():
+            for a in list(layer.attention) + list(layer.adaptive):
+                a.add_(torch.randn_like(a))
+    for k in orders:
+        model.set_order(k)
+        deg = input_degrees(input_order(cfg, k))
+        for task in (0, 1):
+            x = torch.rand(D)
+            jac = torch.autograd.functional.jacobian(lambda v: model(v[None], task)[0], x)  # (D out, D in)
+            forbidden = deg[None, :] >= deg[:, None]
+            assert torch.all(jac[torch.from_numpy(forbidden)] == 0), (k, task)
+            assert torch.count_nonzero(jac[torch.from_numpy(~forbidden)]) > 0
+
+
+def test_pack_unpack_round_trip_and_errors():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(6, 5)).astype(np.float32)
+    mask = (rng.random((6, 5)) > 0.5).astype(np.float32)
+    units = np.array([1, 0, 1, 1, 0, 0], bool)
+    tensors = pack("w", values, mask, units)
+    sparse = unpack("w", tensors, (6, 5), mask)
+    expected = np.where(units[:, None] & (mask > 0), values, 0)
+    np.testing.assert_array_equal(sparse.to_dense(), expected)
+    with pytest.raises(ValueError, match="values"):
+        unpack("w", {**tensors, "w": tensors["w"][:-1]}, (6, 5), mask)
+    with pytest.raises(ValueError, match="units"):
+        unpack("w", {**tensors, "w#units": np.full(6, 2.0, np.float32)}, (6, 5), mask)
+    with pytest.raises(ValueError, match="expected tensors"):
+        unpack("w", {"w": tensors["w"]}, (6, 5), mask)
+
+
+def _learner(client: int, fed: FederationSpec, strategy: DecomposedStrategy) -> DecomposedLearner:
+    learner = DecomposedLearner(fed, _made(fed), client)
+    learner.load_global(strategy.initial_model(), 0)
+    return learner
+
+
+def _update(client: str, rnd: int, tensors: dict, strategy: DecomposedStrategy, n: int = 40) -> Update:
+    """Through the codec, as on the wire, then the aggregator's normaliser."""
+    frame = decode(encode(Frame(Header(Kind.UPDATE, "t", rnd, 0, client, 1), {"n_samples": n}, tensors), "float16"))
+    return Update(client, frame, n, 0, 0, strategy.normalize(frame))
+
+
+@pytest.mark.parametrize("rnd", [0, 1, 4])
+def test_no_uploaded_element_lies_outside_the_made_mask(rnd):
+    fed = _fed()
+    strategy = DecomposedStrategy(fed, _made(fed), ["c0"])
+    learner = _learner(0, fed, strategy)
+    learner.start_task(0, None)
+    learner.train_round([_data(0)], rnd)
+    task_end = (rnd + 1) % fed.rounds_per_task == 0
+    update = _update("c0", rnd, learner.upload(rnd, task_end=task_end), strategy)
+    assert any(n.startswith("kb:") for n in update.tensors) == task_end
+    masks = made_masks(_made(fed), upload_order(_made(fed), fed.options, rnd))
+    for name, tensor in update.tensors.items():
+        if name.endswith(".weight") and not name.startswith("kb:"):  # kb entries are the whole A_t
+            mask = mask_for_param(masks, name).ravel()
+            assert isinstance(tensor, SparseTensor) and np.all(mask[tensor.indices] == 1), name
+            kept_rows = np.unique(tensor.indices // tensor.shape[1])
+            assert len(kept_rows) <= round(0.5 * tensor.shape[0])  # keep_units = 0.5
+
+
+def test_upload_is_gated_base_and_merge_restores_it():
+    """One client: aggregate(upload) then merge gives back the same base (B <- G / sigmoid(m))."""
+    fed = _fed()
+    strategy = DecomposedStrategy(fed, _made(fed), ["c0"])
+    learner = _learner(0, fed, strategy)
+    learner.start_task(0, None)
+    learner.train_round([_data(0)], 0)
+    before = {p: l.weight.detach().clone() for p, l in learner.model.layers.items()}
+    gates = {p: torch.sigmoid(l.unit_logits[0]).detach() for p, l in learner.model.layers.items()}
+    global_model = strategy.initial_model()
+    frame_tensors = learner.upload(0, task_end=False)
+    sparse = strategy.normalize(Frame(Header(Kind.UPDATE, "t", 0, 0, "c0", 1), {}, frame_tensors))
+    for prefix in before:
+        t = sparse[f"{prefix}.weight"]
+        expected = (before[prefix] * gates[prefix][:, None]).numpy().ravel()[t.indices]
+        np.testing.assert_allclose(t.values, expected, rtol=1e-6)
+    merged = weighted_average([(sparse, 1.0)], global_model)
+    learner.load_global(merged, 1)
+    for prefix, layer in learner.model.layers.items():
+        torch.testing.assert_close(layer.weight.detach(), before[prefix], rtol=1e-5, atol=1e-6)
+
+
+def test_knowledge_base_round_trip_through_the_wire():
+    fed = _fed(kb_threshold=0.01)
+    strategy = DecomposedStrategy(fed, _made(fed), ["c0", "c1"])
+    learners = [_learner(i, fed, strategy) for i in range(2)]
+    for rnd in range(fed.rounds_per_task):  # task 0 for both clients
+        updates = []
+        for i, learner in enumerate(learners):
+            if rnd == 0:
+                learner.start_task(0, None)
+            learner.train_round([_data(i)], rnd)
+            updates.append(_update(f"c{i}", rnd, learner.upload(rnd, task_end=rnd == 1), strategy))
+        merged = strategy.aggregate(updates, strategy.initial_model())
+        for learner in learners:
+            learner.load_global(merged, rnd + 1)
+    sent_a = {p: l.adaptive[0].detach().numpy().copy() for p, l in learners[1].model.layers.items()}
+    meta, tensors = strategy.knowledge_for(1)["c0"]
+    assert [e["id"] for e in meta["entries"]] == ["c1/t0"]  # only the other client's entry
+    wire = decode(encode(Frame(Header(Kind.KNOWLEDGE, "t", 2, 1, "aggregator", 9), meta, tensors)))
+    learners[0].start_task(1, wire)
+    for prefix, layer in learners[0].model.layers.items():
+        expected = np.where(np.abs(sent_a[prefix]) < 0.01, 0, sent_a[prefix]).astype(np.float16)  # sent as fp16
+        np.testing.assert_array_equal(layer.knowledge[1][0].numpy(), expected.astype(np.float32))
+        assert layer.attention[1].shape == (1,) and layer.unit_logits[0].requires_grad is False
+
+
+@pytest.mark.parametrize("policy,k,expected", [("all", 1, 4), ("recent", 2, 2), ("random", 2, 2)])
+def test_knowledge_selection_policies(policy, k, expected):
+    fed = _fed(kb_policy=policy, kb_k=k)
+    strategy = DecomposedStrategy(fed, _made(fed), ["a", "b", "c"])
+    from aggregator.decomposed import KnowledgeEntry
+    strategy.knowledge = [KnowledgeEntry(c, t, {}) for t in range(2) for c in "abc"]
+    chosen = strategy.knowledge_for(2)["a"][0]["entries"]
+    assert len(chosen) == expected  # "all" ignores k: b and c, tasks 0 and 1
+    assert all(e["client"] != "a" for e in chosen)
+    if policy == "recent":
+        assert [e["task"] for e in chosen] == [1, 1]
+
+
+def test_fedweit_made_draws_independent_masks():
+    fed = dataclasses.replace(_fed(), method="fedweit-made")
+    a, b = (DecomposedLearner(fed, _made(fed), i) for i in range(2))
+    assert not torch.equal(a.model.output.mask, b.model.output.mask)
+    star = dataclasses.replace(_fed(), method="fedweit-made-star")
+    c, d = (DecomposedLearner(star, _made(star), i) for i in range(2))
+    assert torch.equal(c.model.output.mask, d.model.output.mask)
