@@ -120,7 +120,8 @@ class Inbox:
 
 
 def eval_problem(report: object, num_tasks: int) -> str | None:
-    """An evaluation report is {"round": int, "task": int, "nll": [finite float] * (task + 1)}."""
+    """An evaluation report is {"round": int, "task": int, "nll": [finite float or null] * (task + 1)},
+    with the current task's entry present (earlier tasks are only scored after a task ends)."""
     if not isinstance(report, dict):
         return f"meta.eval: expected a mapping, got {type(report).__name__}"
     rnd, task, nll = report.get("round"), report.get("task"), report.get("nll")
@@ -128,8 +129,8 @@ def eval_problem(report: object, num_tasks: int) -> str | None:
         return f"meta.eval: expected integer round and task in [0, {num_tasks}), got {rnd!r}, {task!r}"
     if not isinstance(nll, list) or len(nll) != task + 1:
         return f"meta.eval.nll: expected a list of {task + 1} numbers"
-    if not all(is_finite_number(v) for v in nll):
-        return "meta.eval.nll: expected finite numbers"
+    if not all(v is None or is_finite_number(v) for v in nll) or nll[task] is None:
+        return "meta.eval.nll: expected finite numbers (null only for earlier tasks)"
     return None
 
 

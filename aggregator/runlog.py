@@ -103,7 +103,7 @@ class RunLog:
             report = self.evals.get(client, {}).get((t + 1) * rounds_per_task - 1)
             if report is None:
                 return None
-            rows.append(report["nll"])
+            rows.append([np.nan if v is None else v for v in report["nll"]])
         return loss_matrix(rows)
 
     def close(self) -> None:

@@ -196,15 +196,18 @@ class ClientDaemon:
         log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
 
     def _finish(self, frame: Frame) -> None:
-        report = self._evaluate(frame.header.round - 1)
+        report = self._evaluate(frame.header.round - 1, everything=True)
         self._publish(Kind.EVAL, frame.header.round, frame.header.task,
                       {"eval": report, "rejected": dict(self.rejected)}, {}).wait_for_publish(10)
         log.info("run finished; final NLL per task %s", report["nll"])
 
-    def _evaluate(self, rnd: int) -> dict:
-        """Held-out NLL of the loaded model on every task seen up to round ``rnd``."""
+    def _evaluate(self, rnd: int, everything: bool = False) -> dict:
+        """Held-out NLL of the loaded model after round ``rnd``: on every task seen so far after
+        a task's last round (the continual metrics) or when asked, else on the current task."""
         task = max(0, rnd) // self.fed.rounds_per_task
-        return {"round": rnd, "task": task, "nll": self.learner.evaluate(self.data.test[: task + 1])}
+        full = everything or (rnd + 1) % self.fed.rounds_per_task == 0
+        tests = [d if full or i == task else None for i, d in enumerate(self.data.test[: task + 1])]
+        return {"round": rnd, "task": task, "nll": self.learner.evaluate(tests)}
 
     def _publish(self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict):
         self.sequence += 1

@@ -404,3 +404,9 @@ def test_eval_must_describe_the_previous_rounds_model(eval_round):
     data = payload(meta={"n_samples": 3, "eval": {"round": eval_round, "task": 0, "nll": [1.0]}})
     result = check(data)
     assert isinstance(result, Rejection) and result.reason == "content" and "eval.round" in result.detail
+
+
+@pytest.mark.parametrize("nll,ok", [([None, 2.0], True), ([1.0, None], False), ([None, None], False)])
+def test_eval_may_skip_earlier_tasks_but_not_the_current_one(nll, ok):
+    problem = eval_problem({"round": 3, "task": 1, "nll": nll}, num_tasks=2)
+    assert (problem is None) == ok

@@ -64,8 +64,8 @@ class Learner:
         """Extra JSON metadata for this round's upload."""
         return {}
 
-    def evaluate(self, tests: Sequence[Dataset]) -> list[float]:
-        """Mean test NLL (nats per sample) of the served model on each task's test data."""
+    def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
+        """Mean test NLL (nats per sample) on each task's test data; None where no data is given."""
         raise NotImplementedError
 
     def served_params(self) -> dict[str, np.ndarray]:

@@ -91,7 +91,7 @@ class DecomposedLearner(Learner):
                 layer.unit_logits[i].requires_grad_(False)
                 layer.attention[i].requires_grad_(False)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(trainable, lr=self.fed.train.lr)
+        self.optimizer = torch.optim.Adam(trainable, lr=self.fed.train.lr, fused=True)
 
     def _knowledge(self, frame: Frame | None) -> tuple[dict[str, torch.Tensor], list[str]]:
         """Stack the frame's entries per layer: prefix -> (n_kb, out, in)."""
@@ -170,7 +170,7 @@ class DecomposedLearner(Learner):
 
     # -- serving -------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, tests: Sequence[Dataset]) -> list[float]:
+    def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
         """Task i is scored with task i's composition (task-incremental, as in FedWeIT)."""
         self.model.eval()
         self.model.set_order(0)

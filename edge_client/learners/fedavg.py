@@ -39,7 +39,7 @@ class FedAvgMade(Learner):
         train = self.fed.train
         if train.optimizer == "sgd":
             return torch.optim.SGD(self.model.parameters(), lr=train.lr)
-        return torch.optim.Adam(self.model.parameters(), lr=train.lr)
+        return torch.optim.Adam(self.model.parameters(), lr=train.lr, fused=True)
 
     def load_global(self, tensors: dict[str, Tensor], rnd: int) -> None:
         dense = {k: v.to_dense() if isinstance(v, SparseTensor) else v for k, v in tensors.items()}
@@ -99,17 +99,19 @@ class FedAvgMade(Learner):
         return fisher, [p.detach().clone() for p in self.model.parameters()]
 
     @torch.no_grad()
-    def evaluate(self, tests: Sequence[Dataset]) -> list[float]:
+    def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
         self.model.eval()
         self.model.set_order(0)
-        return [mean_nll(lambda x: self.model.nll(x), d) for d in tests]
+        return [mean_nll(self.model.nll, d) for d in tests]
 
     def served_params(self) -> dict[str, np.ndarray]:
         return self.model.get_params()
 
 
-def mean_nll(nll, data: Dataset) -> float:
-    """Mean per-sample NLL over ``data`` in batches."""
+def mean_nll(nll, data: Dataset | None) -> float | None:
+    """Mean per-sample NLL over ``data`` in batches (None for no data)."""
+    if data is None:
+        return None
     x = torch.from_numpy(data.x)
     total = sum(nll(x[i:i + EVAL_BATCH]).sum().item() for i in range(0, len(x), EVAL_BATCH))
     return round(total / len(x), 4)
