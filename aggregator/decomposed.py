@@ -43,7 +43,7 @@ class DecomposedStrategy(Strategy):
 
     def __init__(self, fed, made, clients) -> None:
         super().__init__(fed, made, clients)
-        self.mask_restricted = fed.method == "confedmade"
+        self.mask_restricted = fed.method == "confedmade" and fed.options.upload_made_mask
         self.weights = [n for n in self.shapes if n.endswith(".weight")]
         self.knowledge: list[KnowledgeEntry] = []
 

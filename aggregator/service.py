@@ -202,7 +202,8 @@ class AggregatorService:
                 payload_down=payload_down + kb_payload,
                 dense_fp32_up=self.dense_fp32_bytes if update else 0,
                 status="accepted" if update else "missing", n_samples=meta.get("n_samples"),
-                train_nll=meta.get("train_nll"), rejected_by_client=meta.get("rejected"))
+                train_nll=_number(meta.get("train_nll")), rejected_by_client=_counts(meta.get("rejected")),
+                base_values=_count(meta.get("base_values")))
             if "attention" in meta:
                 self.runlog.write("attention", round=rnd, task=task, client=client, **_attention(meta["attention"]))
         self.runlog.write("round", round=rnd, task=task, attempt=attempt, accepted=len(received),
@@ -238,3 +239,19 @@ def _attention(report: object) -> dict:
           and all(isinstance(e, str) for e in entries)
           and all(is_finite_number(a) for a in alpha))
     return {"entries": entries, "alpha": alpha} if ok else {}
+
+
+def _number(value: object) -> float | None:
+    return float(value) if is_finite_number(value) else None
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else None
+
+
+def _counts(value: object) -> dict[str, int] | None:
+    """A client's {reason: count} report, or None if it is anything else (it goes into metrics)."""
+    if not isinstance(value, dict) or len(value) > 32:
+        return None
+    clean = {k: _count(v) for k, v in value.items() if isinstance(k, str) and len(k) <= 64}
+    return clean if len(clean) == len(value) and None not in clean.values() else None

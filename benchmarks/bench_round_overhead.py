@@ -14,9 +14,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from aggregator.service import AggregatorService  # noqa: E402
+from fcl_edge.broker import MosquittoProcess  # noqa: E402
 from fclcore import topics  # noqa: E402
 from fclcore.codec import Frame, Header, Kind, decode, encode  # noqa: E402
 from fclcore.schema import (AggregatorConfig, BrokerSpec, FederationSpec, ModelSpec, RoundSpec,  # noqa: E402
@@ -62,23 +60,6 @@ class EchoClient:
         self.link.publish(topics.update_topic(FED, self.cid), out)
         if kind is Kind.EVAL:
             self.done.set()
-
-
-def start_mosquitto(workdir: Path) -> tuple[subprocess.Popen, int]:
-    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    conf = workdir / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\n")
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, port
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("mosquitto did not start")
 
 
 def run(args: argparse.Namespace, out_dir: Path, url: str) -> dict:
@@ -131,17 +112,12 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/round_overhead.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        proc = None
-        url = args.broker
-        if url is None:
-            proc, port = start_mosquitto(Path(tmp))
-            url = f"mqtt://127.0.0.1:{port}"
+        broker = None if args.broker else MosquittoProcess(Path(tmp) / "broker").start()
         try:
-            result = run(args, Path(tmp) / "run", url)
+            result = run(args, Path(tmp) / "run", args.broker or broker.url)
         finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait()
+            if broker is not None:
+                broker.stop()
     result["machine"] = {"platform": platform.platform(), "machine": platform.machine(),
                          "cpus": os.cpu_count(), "python": platform.python_version()}
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv])

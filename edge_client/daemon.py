@@ -189,9 +189,10 @@ class ClientDaemon:
             self.task = task
         n_samples, train_nll = self.learner.train_round(self.data.train[: task + 1], rnd)
         task_end = (rnd + 1) % self.fed.rounds_per_task == 0
+        tensors = self.learner.upload(rnd, task_end)
         meta = {"n_samples": n_samples, "train_nll": round(train_nll, 4), "eval": report,
                 "rejected": dict(self.rejected), **self.learner.report(task_end)}
-        self._publish(Kind.UPDATE, rnd, task, meta, self.learner.upload(rnd, task_end))
+        self._publish(Kind.UPDATE, rnd, task, meta, tensors)
         self.done_round = rnd
         log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
 

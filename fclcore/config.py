@@ -45,7 +45,33 @@ def load_config(cls: type[T], path: str | os.PathLike, overrides: typing.Sequenc
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = _resolve_extends(raw, Path(path), source, depth=0)
     return from_dict(cls, apply_overrides(raw, overrides, source), source)
+
+
+def _resolve_extends(raw: dict, path: Path, source: str, depth: int) -> dict:
+    """``extends: other.yaml`` (relative to this file) loads that file first; keys here win."""
+    if "extends" not in raw:
+        return raw
+    parent_name = raw.pop("extends")
+    if not isinstance(parent_name, str) or depth >= 8:
+        raise ConfigError(f"{source}: extends: expected a file name (at most 8 levels), got {parent_name!r}")
+    parent_path = path.parent / parent_name
+    try:
+        parent = yaml.safe_load(parent_path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{source}: extends: cannot load {parent_path}: {exc}") from None
+    if not isinstance(parent, dict):
+        raise ConfigError(f"{source}: extends: {parent_path} is not a mapping")
+    return _deep_merge(_resolve_extends(parent, parent_path, source, depth + 1), raw)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = _deep_copy(base)
+    for key, value in top.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else _deep_copy(value)
+    return out
 
 
 def apply_overrides(raw: dict, overrides: typing.Sequence[str], source: str = "--set") -> dict:

@@ -84,6 +84,7 @@ class MethodOptions:
     lambda3: float = 10.0  # A_t starts as B / lambda3
     mask_init: float = 2.0  # initial unit-mask logit m (sigmoid(2) = 0.88)
     keep_units: float = 1.0  # share of output units (ranked by sigmoid(m)) whose base goes up each round
+    upload_made_mask: bool = True  # confedmade: restrict uploads to the round's MADE mask (ablation switch)
     kb_threshold: float = 1e-3  # |A_t| below this is not sent to the knowledge base
     kb_policy: Literal["all", "recent", "random"] = "all"  # which entries a client gets (Algorithm 2 line 6)
     kb_k: int = 4  # entries per client for the recent/random policies

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +226,14 @@ def test_load_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ------------------------------------------------------------------ hot swap
+def _wait_until(predicate, timeout: float = 20.0, pause: float = 0.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        if pause:
+            time.sleep(pause)
+
+
 def test_hot_swap_under_concurrent_reads(tmp_path: Path) -> None:
     models = [served(seed=s) for s in range(3)]
     x = binary(32, 12, seed=1)
@@ -254,16 +263,14 @@ def test_hot_swap_under_concurrent_reads(tmp_path: Path) -> None:
     seen = set()
     for i in [1, 2, 0, 2, 1]:
         export_served_model(models[i], path)
-        while watcher.current().metadata["task"] != i:  # task == seed: identifies the model
-            pass
+        _wait_until(lambda: watcher.current().metadata["task"] == i)  # task == seed: identifies the model
         seen.add(i)
     # A corrupted replacement (atomically renamed in) is rejected; the previous model keeps serving.
+    rejected_before = watcher.errors  # read before the swap: a reader thread may notice it first
     bad = tmp_path / "bad.tmp"
     bad.write_bytes(b"garbage")
     os.replace(bad, path)
-    rejected_before = watcher.errors
-    while watcher.errors == rejected_before:
-        watcher.current()
+    _wait_until(lambda: watcher.current() is not None and watcher.errors > rejected_before)
     assert watcher.current().metadata["task"] == 1 and "not a valid ONNX" in watcher.last_error
     stop.set()
     for t in threads:
@@ -286,11 +293,7 @@ def test_watcher_background_thread_and_invalid_first_model(tmp_path: Path) -> No
     export_served_model(served(seed=0), path)
     with ModelWatcher(path, interval=0.02).start() as watcher:
         export_served_model(served(seed=1), path)
-        for _ in range(500):
-            if watcher.current().metadata["task"] == 1:
-                break
-            threading.Event().wait(0.01)
-        assert watcher.current().metadata["task"] == 1
+        _wait_until(lambda: watcher.current().metadata["task"] == 1, pause=0.01)
 
 
 # ------------------------------------------------------------------ fcl infer (torch-free subprocess)

@@ -47,13 +47,15 @@ class DecomposedLearner(Learner):
             made = dataclasses.replace(made, mask_seed=made.mask_seed + 7919 * (client_index + 1))
         super().__init__(fed, made, client_index)
         self.opts = fed.options
-        self.masked = fed.method == "confedmade"
+        self.masked = fed.method == "confedmade"  # M in the L1 term
+        self.restrict_upload = self.masked and fed.options.upload_made_mask
         torch.manual_seed(fed.seed)
         self.model = DecomposedMADE(made)
         self.sent: dict[str, np.ndarray] = {}  # layer prefix -> entries uploaded last round
         self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # B, A_i at task start
         self.entries: list[list[str]] = []  # knowledge-base entry ids per task
         self.optimizer: torch.optim.Optimizer | None = None
+        self.values_sent = 0
 
     # -- federation ----------------------------------------------------------------------
     @torch.no_grad()
@@ -143,8 +145,9 @@ class DecomposedLearner(Learner):
     # -- upload --------------------------------------------------------------------------
     @torch.no_grad()
     def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
-        masks = made_masks(self.made, upload_order(self.made, self.opts, rnd)) if self.masked else None
+        masks = made_masks(self.made, upload_order(self.made, self.opts, rnd)) if self.restrict_upload else None
         out: dict[str, Tensor] = {}
+        self.values_sent = 0
         for prefix, layer in self.model.layers.items():
             gate = torch.sigmoid(layer.unit_logits[self.task])  # (out,)
             units = _top_units(gate.numpy(), self.opts.keep_units)
@@ -152,6 +155,7 @@ class DecomposedLearner(Learner):
             effective = (layer.weight * gate[:, None]).numpy()
             out.update(pack(f"{prefix}.weight", effective, made_mask, units))
             self.sent[prefix] = np.array(selection(made_mask, units) & np.ones(effective.shape, bool))
+            self.values_sent += int(self.sent[prefix].sum())
             if layer.bias is not None:
                 out[f"{prefix}.bias"] = layer.bias.numpy().copy()
             if task_end:
@@ -161,12 +165,14 @@ class DecomposedLearner(Learner):
         return out
 
     def report(self, task_end: bool) -> dict:
-        """At a task end: the learned attention over the knowledge-base entries (mean over layers)."""
+        """Base weight values in this upload; at a task end also the learned attention over the
+        knowledge-base entries (mean over layers)."""
+        out = {"base_values": self.values_sent}
         ids = self.entries[self.task] if self.task >= 0 else []
-        if not task_end or not ids:
-            return {}
-        alpha = torch.stack([layer.attention[self.task].detach() for layer in self.model.layers.values()])
-        return {"attention": {"entries": ids, "alpha": [round(float(a), 5) for a in alpha.mean(0)]}}
+        if task_end and ids:
+            alpha = torch.stack([layer.attention[self.task].detach() for layer in self.model.layers.values()])
+            out["attention"] = {"entries": ids, "alpha": [round(float(a), 5) for a in alpha.mean(0)]}
+        return out
 
     # -- serving -------------------------------------------------------------------------
     @torch.no_grad()

@@ -18,7 +18,8 @@ import torch
 from edge_client.learners.base import Learner, register, round_seed
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
-from fclcore.made_spec import MadeConfig, order_schedule
+from fclcore.made_spec import MadeConfig
+from fclcore.orders import step_order
 from fclcore.models.made import MADE
 from fclcore.schema import FederationSpec
 
@@ -59,7 +60,7 @@ class FedAvgMade(Learner):
         losses, step = [], 0
         for _ in range(spec.local_epochs):
             for batch in torch.randperm(len(x), generator=generator).split(spec.batch_size):
-                self.model.set_order(order_schedule(self.made, rnd, step))
+                self.model.set_order(step_order(self.made, self.fed.options, rnd, step))
                 nll = self.model.nll(x[batch]).mean()
                 loss = nll + self._penalty()
                 self.optimizer.zero_grad(set_to_none=True)

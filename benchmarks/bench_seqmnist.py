@@ -1,0 +1,133 @@
+"""Sequential MNIST: every method through the same harness (ConFedMADE paper, Tables 3-4).
+
+Runs ``fcl simulate configs/scenarios/seqmnist_<method>.yaml`` for each method through a
+Mosquitto broker it starts, and writes ``benchmarks/results/seqmnist.json`` and
+``seqmnist.md``: per method avg_nll, forgetting, upload ratios against a dense float32
+FedAvg of the same model, and minutes; with ``--ablation`` also a Table-4-like list of
+ConFedMADE's communication steps.
+
+    python benchmarks/bench_seqmnist.py                       # full protocol, all methods
+    python benchmarks/bench_seqmnist.py --rounds-per-task 10  # shorter, same protocol otherwise
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fcl_edge.broker import MosquittoProcess  # noqa: E402
+
+METHODS = ["confedmade", "fedweit-made-star", "fedweit-made", "fedprox", "fedcurv", "fedcl-finetune",
+           "fedcl-cumulative-replay", "cl-finetune"]
+ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
+    ("B*sigmoid(m), all entries, float32", ["federation.options.upload_made_mask=false",
+                                            "federation.options.keep_units=1.0", "federation.wire.value_dtype=float32"]),
+    ("+ MADE mask (positions from the seed)", ["federation.options.keep_units=1.0",
+                                               "federation.wire.value_dtype=float32"]),
+    ("+ unit mask (35% of units by sigmoid(m))", ["federation.wire.value_dtype=float32"]),
+    ("+ float16 values", []),
+]
+
+
+def scenario(method: str) -> Path:
+    return ROOT / "configs" / "scenarios" / f"seqmnist_{method.replace('-', '_')}.yaml"
+
+
+def run_one(name: str, path: Path, overrides: list[str], out: Path, broker: str) -> dict:
+    cmd = [sys.executable, "-m", "fcl_edge.cli", "simulate", str(path), "--out", str(out), "--broker", broker,
+           "--set", f"federation.name=seqmnist-{name.replace(' ', '')[:40].replace('*', '').replace('(', '')}"]
+    for item in overrides:
+        cmd += ["--set", item]
+    started = time.monotonic()
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    minutes = (time.monotonic() - started) / 60
+    if result.returncode != 0:
+        raise SystemExit(f"{name} failed ({result.returncode}): {result.stderr[-2000:]}")
+    return measure(out, minutes)
+
+
+def measure(out: Path, minutes: float) -> dict:
+    summary = json.loads((out / "summary.json").read_text())
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [e for e in events if e["event"] == "round_client" and e["status"] == "accepted"]
+    per_upload = summary["bytes"]["dense_fp32_up_total"] / max(1, len(rows))
+    r = summary["rounds_per_task"]
+    regular = [e for e in rows if (e["round"] + 1) % r != 0]
+    base_values = [e["base_values"] for e in regular if e.get("base_values") is not None]
+    out_row = {
+        "avg_nll": summary["final"]["avg_nll"],
+        "forgetting": summary["final"]["forgetting"],
+        "upload_ratio_vs_dense_fp32": round(summary["bytes"]["up_total"] / summary["bytes"]["dense_fp32_up_total"], 4),
+        "upload_ratio_regular_rounds": round(sum(e["bytes_up"] for e in regular) / (per_upload * len(regular)), 4),
+        "minutes": round(minutes, 2),
+        "rounds_per_task": r,
+        "clients": summary["clients"],
+    }
+    if base_values:
+        out_row["share_of_B_uploaded"] = round(sum(base_values) / (len(base_values) * per_upload / 4), 4)
+    return out_row
+
+
+def markdown(results: dict, ablation: list[dict], meta: dict) -> str:
+    lines = [f"# Sequential MNIST ({meta['rounds_per_task']} rounds per task)", "",
+             f"Machine: {meta['machine']['platform']}, {meta['machine']['cpus']} cores. "
+             f"Command: `{meta['command']}`", "",
+             "| method | avg NLL | forgetting | upload / dense fp32 (all rounds) | (regular rounds) | minutes |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, r in sorted(results.items(), key=lambda kv: kv[1]["avg_nll"]):
+        lines.append(f"| {name} | {r['avg_nll']:.2f} | {r['forgetting']:.2f} | {r['upload_ratio_vs_dense_fp32']:.3f} "
+                     f"| {r['upload_ratio_regular_rounds']:.3f} | {r['minutes']:.1f} |")
+    if ablation:
+        lines += ["", "## ConFedMADE communication steps (Table 4)", "",
+                  "| step | share of B uploaded | upload / dense fp32 (regular rounds) | avg NLL |",
+                  "|---|---:|---:|---:|"]
+        for row in ablation:
+            lines.append(f"| {row['step']} | {row.get('share_of_B_uploaded', float('nan')):.3f} | "
+                         f"{row['upload_ratio_regular_rounds']:.3f} | {row['avg_nll']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--rounds-per-task", type=int, help="override the protocol's 50 rounds per task")
+    parser.add_argument("--ablation", action="store_true", help="also run ConFedMADE's communication steps")
+    parser.add_argument("--runs", default=str(ROOT / "runs" / "seqmnist"), help="where run directories go")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "seqmnist"))
+    args = parser.parse_args()
+    common = [f"federation.rounds_per_task={args.rounds_per_task}"] if args.rounds_per_task else []
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = MosquittoProcess(Path(tmp)).start()
+        try:
+            results, ablation = {}, []
+            for method in args.methods:
+                results[method] = run_one(method, scenario(method), common, Path(args.runs) / method, broker.url)
+                print(f"{method}: {results[method]}", flush=True)
+            for i, (step, overrides) in enumerate(ABLATION if args.ablation else []):
+                row = run_one(f"ablation{i}", scenario("confedmade"), common + overrides,
+                              Path(args.runs) / f"ablation{i}", broker.url)
+                ablation.append({"step": step, **row})
+                print(f"{step}: {row}", flush=True)
+        finally:
+            broker.stop()
+    meta = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "command": " ".join(["python", *sys.argv]),
+            "rounds_per_task": args.rounds_per_task or 50}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps({**meta, "methods": results, "ablation": ablation}, indent=2) + "\n")
+    Path(args.out + ".md").write_text(markdown(results, ablation, meta))
+    print(markdown(results, ablation, meta))
+
+
+if __name__ == "__main__":
+    main()
