@@ -59,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.set_defaults(run=_client)
 
+    p = sub.add_parser("report", help="plots and a table from one or more run directories",
+                       description="Write NLL-per-task, bytes-per-round and attention plots plus a markdown "
+                                   "table for run directories (or a directory holding several runs).")
+    p.add_argument("runs", nargs="+", help="run directories written by fcl simulate or the aggregator")
+    p.add_argument("--out", help="where to write the report (default: RUN/report for one run, else ./report)")
+    p.set_defaults(run=_report)
+
     p = sub.add_parser("broker", help="run the embedded MQTT broker (demo use; run Mosquitto in production)",
                        description="Run an embedded amqtt broker on a loopback port.")
     p.add_argument("--host", default="127.0.0.1")
@@ -91,6 +98,14 @@ def _client(args: argparse.Namespace) -> int:
     except DataError as exc:
         print(f"fcl: error: {args.config}: data: {exc}", file=sys.stderr)
         return int(ExitCode.BAD_INPUT)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from fcl_edge.report import report
+    out = args.out or (f"{args.runs[0]}/report" if len(args.runs) == 1 else "report")
+    for path in report(args.runs, out):
+        print(path)
+    return int(ExitCode.OK)
 
 
 def _broker(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ def continual_metrics(n: np.ndarray) -> dict:
     forgetting = [n[last, i] - np.nanmin(n[i:last, i]) for i in range(last)]
     return {
         "avg_nll": _num(np.nanmean(n[last, : last + 1])),
+        "avg_nll_per_task": [_num(np.nanmean(n[t, : t + 1])) for t in range(last + 1)],
         "forgetting": _num(np.mean(forgetting)) if forgetting else 0.0,
         "base_nll": [_num(n[t, 0]) for t in range(last + 1)],
         "new_nll": [_num(n[t, t]) for t in range(last + 1)],
@@ -42,7 +43,7 @@ def mean_metrics(per_client: dict[str, dict]) -> dict:
     out = {}
     for key in ("avg_nll", "forgetting"):
         out[key] = _num(np.mean([c[key] for c in clients]))
-    for key in ("base_nll", "new_nll"):
+    for key in ("avg_nll_per_task", "base_nll", "new_nll"):
         out[key] = [_num(np.mean(v)) for v in zip(*(c[key] for c in clients))]
     return out
 

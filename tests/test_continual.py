@@ -26,7 +26,9 @@ A = [[2.0, NAN, NAN],
      [2.2, 3.4, 1.8]]
 # avg_nll    = (2.2 + 3.4 + 1.8) / 3 = 7.4 / 3 = 2.46666... -> 2.4667
 # forgetting = mean(2.2 - min(2.0, 2.5), 3.4 - min(3.0)) = mean(0.2, 0.4) = 0.3
-A_METRICS = {"avg_nll": 2.4667, "forgetting": 0.3, "base_nll": [2.0, 2.5, 2.2], "new_nll": [2.0, 3.0, 1.8]}
+# avg after each task: 2.0 ; (2.5 + 3.0) / 2 = 2.75 ; 2.4667
+A_METRICS = {"avg_nll": 2.4667, "forgetting": 0.3, "base_nll": [2.0, 2.5, 2.2], "new_nll": [2.0, 3.0, 1.8],
+             "avg_nll_per_task": [2.0, 2.75, 2.4667]}
 
 # Example B: the best earlier value of task 0 is after task 1 (not right after task 0), and
 # task 1 improves after training task 2 (negative forgetting = backward transfer).
@@ -35,15 +37,19 @@ B = [[5.0, NAN, NAN],
      [4.5, 5.0, 3.0]]
 # avg_nll    = (4.5 + 5.0 + 3.0) / 3 = 12.5 / 3 = 4.16666... -> 4.1667
 # forgetting = mean(4.5 - min(5.0, 4.0), 5.0 - min(6.0)) = mean(0.5, -1.0) = -0.25
-B_METRICS = {"avg_nll": 4.1667, "forgetting": -0.25, "base_nll": [5.0, 4.0, 4.5], "new_nll": [5.0, 6.0, 3.0]}
+# avg after each task: 5.0 ; (4.0 + 6.0) / 2 = 5.0 ; 4.1667
+B_METRICS = {"avg_nll": 4.1667, "forgetting": -0.25, "base_nll": [5.0, 4.0, 4.5], "new_nll": [5.0, 6.0, 3.0],
+             "avg_nll_per_task": [5.0, 5.0, 4.1667]}
 
 
 def assert_metrics(got: dict, expected: dict) -> None:
-    assert set(got) == {"avg_nll", "forgetting", "base_nll", "new_nll"}
+    assert set(got) == {"avg_nll", "forgetting", "base_nll", "new_nll", "avg_nll_per_task"}
+    assert got["avg_nll_per_task"][-1] == got["avg_nll"]
     for key in ("avg_nll", "forgetting"):
         assert got[key] == pytest.approx(expected[key], abs=1e-9), key
-    for key in ("base_nll", "new_nll"):
-        assert got[key] == pytest.approx(expected[key], abs=1e-9), key
+    for key in ("base_nll", "new_nll", "avg_nll_per_task"):
+        if key in expected:
+            assert got[key] == pytest.approx(expected[key], abs=1e-9), key
 
 
 @pytest.mark.parametrize("rows, expected", [(A, A_METRICS), (B, B_METRICS)], ids=["A", "B"])

@@ -1,0 +1,143 @@
+"""``fcl report``: plots of one run or of several runs side by side.
+
+Given run directories (each with summary.json and metrics.jsonl) or a directory of them,
+writes PNGs and a markdown summary:
+
+* ``nll_per_task.png``: average, base (task 0) and new-task NLL after each task, one line
+  per run (the ConFedMADE paper's Figure 3);
+* ``bytes_per_round.png``: bytes up and down per round, summed over clients;
+* ``attention_<run>.png``: the learned attention alpha of each (client, task) over the
+  knowledge-base entries it received (the paper's Figure 4), for methods that have one;
+* ``report.md``: the final numbers in a table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+def find_runs(paths: Sequence[str]) -> dict[str, Path]:
+    """Run name -> directory, for run directories or directories that contain them."""
+    runs = {}
+    for raw in paths:
+        path = Path(raw)
+        if (path / "summary.json").exists():
+            runs[path.name] = path
+        else:
+            runs.update({p.parent.name: p.parent for p in sorted(path.glob("*/summary.json"))})
+    if not runs:
+        raise FileNotFoundError(f"no summary.json in {', '.join(paths)} or their subdirectories")
+    return runs
+
+
+def load_run(path: Path) -> tuple[dict, list[dict]]:
+    summary = json.loads((path / "summary.json").read_text())
+    events = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return summary, events
+
+
+def report(paths: Sequence[str], out: str) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = {name: load_run(path) for name, path in find_runs(paths).items()}
+    written = [_nll_per_task(runs, out_dir), _bytes_per_round(runs, out_dir)]
+    written += [p for name, (_, events) in runs.items() if (p := _attention(name, events, out_dir))]
+    written.append(_table(runs, out_dir))
+    return written
+
+
+def _nll_per_task(runs: dict, out_dir: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharex=True)
+    for name, (summary, _) in runs.items():
+        final = _recomputed(summary)
+        for ax, key in zip(axes, ("avg_nll_per_task", "base_nll", "new_nll")):
+            values = final.get(key) or []
+            ax.plot(range(len(values)), values, marker="o", label=name)
+    for ax, title in zip(axes, ("average over tasks seen", "base task (task 0)", "newest task")):
+        ax.set_title(title)
+        ax.set_xlabel("after task")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test NLL (nats)")
+    axes[-1].legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out_dir / "nll_per_task.png")
+
+
+def _bytes_per_round(runs: dict, out_dir: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharex=True)
+    for name, (_, events) in runs.items():
+        up, down = defaultdict(int), defaultdict(int)
+        for e in events:
+            if e.get("event") == "round_client":
+                up[e["round"]] += e["bytes_up"]
+                down[e["round"]] += e["bytes_down"]
+        rounds = sorted(up)
+        axes[0].plot(rounds, [up[r] / 1e6 for r in rounds], label=name)
+        axes[1].plot(rounds, [down[r] / 1e6 for r in rounds], label=name)
+    for ax, title in zip(axes, ("uploaded per round (all clients)", "downloaded per round (all clients)")):
+        ax.set_title(title)
+        ax.set_xlabel("round")
+        ax.set_ylabel("MB (MQTT PUBLISH bytes)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out_dir / "bytes_per_round.png")
+
+
+def _attention(name: str, events: list[dict], out_dir: Path) -> Path | None:
+    rows = [e for e in events if e.get("event") == "attention" and e.get("entries")]
+    if not rows:
+        return None
+    import matplotlib.pyplot as plt
+    entries = sorted({x for e in rows for x in e["entries"]})
+    labels = [f"{e['client']} t{e['task']}" for e in rows]
+    grid = np.full((len(rows), len(entries)), np.nan)
+    for i, e in enumerate(rows):
+        for entry, a in zip(e["entries"], e["alpha"]):
+            grid[i, entries.index(entry)] = a
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.45 * len(entries)), max(3.0, 1.5 + 0.3 * len(rows))))
+    image = ax.imshow(grid, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(entries)), entries, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xlabel("knowledge-base entry (client/task)")
+    ax.set_title(f"{name}: attention alpha", fontsize=10)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    return _save(fig, out_dir / f"attention_{name}.png")
+
+
+def _table(runs: dict, out_dir: Path) -> Path:
+    lines = ["| run | method | avg NLL | forgetting | bytes up | bytes down | dense fp32 up |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, (s, _) in runs.items():
+        b, f = s["bytes"], s.get("final", {})
+        lines.append(f"| {name} | {s['method']} | {f.get('avg_nll')} | {f.get('forgetting')} | {b['up_total']:,} | "
+                     f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} |")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _recomputed(summary: dict) -> dict:
+    """Client-averaged metrics recomputed from the stored n[t][i] matrices."""
+    from fclcore.continual import continual_metrics, mean_metrics
+    per_client = {c: continual_metrics(np.array(v["nll_matrix"], dtype=float))
+                  for c, v in summary.get("final", {}).get("per_client", {}).items()}
+    return mean_metrics(per_client)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path

@@ -1,0 +1,38 @@
+"""fcl report turns run directories into PNG plots and a table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import run_fcl
+
+
+def _fake_run(path: Path, method: str, nll_offset: float) -> None:
+    path.mkdir(parents=True)
+    matrix = [[10 + nll_offset, None], [12 + nll_offset, 11 + nll_offset]]
+    summary = {"method": method, "clients": 1, "tasks": 2, "rounds": 4,
+               "bytes": {"up_total": 100, "down_total": 200, "dense_fp32_up_total": 400},
+               "final": {"avg_nll": 11.5 + nll_offset, "forgetting": 2.0, "per_client": {"c0": {"nll_matrix": matrix}}}}
+    (path / "summary.json").write_text(json.dumps(summary))
+    events = [{"event": "round_client", "round": r, "client": "c0", "task": r // 2, "bytes_up": 25,
+               "bytes_down": 50} for r in range(4)]
+    events.append({"event": "attention", "round": 3, "task": 1, "client": "c0", "entries": ["c1/t0"], "alpha": [0.3]})
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+
+
+def test_report_writes_plots_and_table(tmp_path: Path) -> None:
+    _fake_run(tmp_path / "runs" / "a", "confedmade", 0.0)
+    _fake_run(tmp_path / "runs" / "b", "fedcl-finetune", 3.0)
+    result = run_fcl("report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"))
+    assert result.returncode == 0, result.stderr
+    for name in ("nll_per_task.png", "bytes_per_round.png", "attention_a.png"):
+        data = (tmp_path / "rep" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    table = (tmp_path / "rep" / "report.md").read_text()
+    assert "| a | confedmade | 11.5 |" in table and "| b | fedcl-finetune | 14.5 |" in table
+
+
+def test_report_on_a_directory_without_runs_fails_cleanly(tmp_path: Path) -> None:
+    result = run_fcl("report", str(tmp_path))
+    assert result.returncode == 2 and "no summary.json" in result.stderr
