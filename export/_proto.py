@@ -27,10 +27,17 @@ Reference: https://protobuf.dev/programming-guides/encoding/ and onnx/onnx.proto
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Iterable, Iterator
+
+try:  # CPython's built-in SHA-256: hashlib would load OpenSSL, ~4 MB of RSS on a device
+    from _sha256 import sha256  # Python <= 3.11
+except ImportError:  # pragma: no cover - depends on the interpreter
+    try:
+        from _sha2 import sha256  # Python >= 3.12
+    except ImportError:
+        from hashlib import sha256
 
 INTEGRITY_KEY = "fcl.integrity_sha256"
 PLACEHOLDER = b"0" * 64
@@ -186,7 +193,7 @@ def parse_model(data: bytes | memoryview) -> ParsedModel:
 
 def weights_digest(initializers: Iterable[tuple[str, int, Iterable[int], bytes | memoryview]]) -> str:
     """SHA-256 hex of ``(name, data_type, dims, raw_data)`` records, in name order (see module doc)."""
-    h = hashlib.sha256()
+    h = sha256()
     for name, data_type, dims, raw in sorted(initializers, key=lambda r: r[0]):
         h.update(name.encode("utf-8") + b"\0")
         h.update(str(int(data_type)).encode() + b"\0")
@@ -202,7 +209,7 @@ def integrity_digest(data: bytes | memoryview, span: tuple[int, int]) -> str:
     if b - a != len(PLACEHOLDER):
         raise ProtoError(f"{INTEGRITY_KEY} must be {len(PLACEHOLDER)} characters")
     buf = memoryview(data)
-    h = hashlib.sha256()
+    h = sha256()
     h.update(buf[:a])
     h.update(PLACEHOLDER)
     h.update(buf[b:])
