@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from edge_client.learners import Learner, make_learner
+from edge_client.serving import ServedModelWriter
 from fclcore import topics
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import ConfigError, from_dict, to_dict
@@ -53,6 +54,7 @@ class ClientDaemon:
         self.knowledge_bytes: dict[int, int] = {}
         self.pending: tuple[Frame, int] | None = None  # a round waiting for its task's knowledge
         self.limits = CodecLimits()
+        self.serving = ServedModelWriter(self.out_dir, cfg.data.dataset, cfg.serve.int8)
         self.link = MqttLink(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
                              status_topic=topics.status_topic(cfg.federation, cfg.client_id),
                              subscriptions=[topics.round_topic(cfg.federation),
@@ -181,6 +183,7 @@ class ClientDaemon:
     def _round(self, frame: Frame) -> None:
         rnd, task = frame.header.round, frame.header.task
         report = self._evaluate(rnd - 1)
+        self._serve(after_round=rnd - 1, task_ended=task != self.task and self.task >= 0)
         if task != self.task:
             try:
                 self.learner.start_task(task, self.knowledge.get(task))
@@ -198,9 +201,18 @@ class ClientDaemon:
 
     def _finish(self, frame: Frame) -> None:
         report = self._evaluate(frame.header.round - 1, everything=True)
+        self._serve(after_round=frame.header.round - 1, task_ended=True)
         self._publish(Kind.EVAL, frame.header.round, frame.header.task,
                       {"eval": report, "rejected": dict(self.rejected)}, {}).wait_for_publish(10)
         log.info("run finished; final NLL per task %s", report["nll"])
+
+    def _serve(self, after_round: int, task_ended: bool) -> None:
+        """Export the merged model after a task (or every round, if so configured)."""
+        every = self.cfg.serve.every
+        if after_round < 0 or every == "never" or (every == "task" and not task_ended):
+            return
+        task = after_round // self.fed.rounds_per_task
+        self.serving.write(self.learner, task, self.data.test[task].x)
 
     def _evaluate(self, rnd: int, everything: bool = False) -> dict:
         """Held-out NLL of the loaded model after round ``rnd``: on every task seen so far after

@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from fclcore.config import ConfigError
+from fclcore.errors import ConfigError
 from fclcore.exitcodes import ExitCode
 
 log = logging.getLogger("fcl")
@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="client YAML (see configs/services/client.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.set_defaults(run=_client)
+
+    from export.cli import add_export_parser, add_infer_parser
+    add_export_parser(sub)
+    add_infer_parser(sub)
 
     p = sub.add_parser("report", help="plots and a table from one or more run directories",
                        description="Write NLL-per-task, bytes-per-round and attention plots plus a markdown "

@@ -19,13 +19,11 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from fclcore.errors import ConfigError
+
 T = TypeVar("T")
 
 _ENV_REF = re.compile(r"^\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}$")
-
-
-class ConfigError(ValueError):
-    """A configuration file or override is invalid; the message is one line."""
 
 
 def load_config(cls: type[T], path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> T:

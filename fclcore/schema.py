@@ -215,6 +215,14 @@ class ClientDataSpec:
 
 
 @dataclass
+class ServeSpec:
+    """When the device re-exports the model it serves (out_dir/model.onnx)."""
+
+    every: Literal["task", "round", "never"] = "task"
+    int8: bool = False  # also write model.int8.onnx (dynamic int8 weights)
+
+
+@dataclass
 class ClientConfig:
     client_id: str
     federation: str
@@ -222,6 +230,7 @@ class ClientConfig:
     out_dir: str = "runs/client"
     broker: BrokerSpec = field(default_factory=BrokerSpec)
     threads: int = 1  # torch intra-op threads; keep small on shared-core devices
+    serve: ServeSpec = field(default_factory=ServeSpec)
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")

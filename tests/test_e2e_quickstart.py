@@ -83,3 +83,27 @@ def test_metered_bytes_match_an_independent_count(quickstart_run):
     agg = summary["meter"]
     assert agg["up"]["bytes"] == counter.publish_bytes(f"fcl-{FED}-aggregator", "up")
     assert agg["down"]["bytes"] == counter.publish_bytes(f"fcl-{FED}-aggregator", "down")
+
+
+def test_served_models_answer_without_torch_and_match_the_final_evaluation(quickstart_run, tmp_path):
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from fclcore.data import load_digits
+
+    out, _, summary, _, _ = quickstart_run
+    _, test = load_digits(seed=0)
+    task1 = test.x[np.isin(test.y, [5, 6, 7, 8, 9])]  # the quickstart's second task
+    np.save(tmp_path / "task1.npy", task1)
+    blocked = "import sys; sys.modules['torch'] = None; from fcl_edge.cli import main; sys.exit(main())"
+    for cid in summary["client_ids"]:
+        model = out / "clients" / cid / "model.onnx"
+        result = subprocess.run([sys.executable, "-c", blocked, "infer", str(model), "--op", "loglik",
+                                 "--input", str(tmp_path / "task1.npy")], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        answer = json.loads(result.stdout)
+        assert answer["model"]["task"] == 1 and answer["n"] == len(task1)
+        final_nll = summary["final"]["per_client"][cid]["nll_matrix"][1][1]
+        assert -answer["mean_log_likelihood"] == pytest.approx(final_nll, abs=2e-3)
