@@ -84,8 +84,7 @@ class DecomposedLearner(Learner):
     def start_task(self, task: int, knowledge: Frame | None) -> None:
         kb, ids = self._knowledge(knowledge)  # validate before any state changes
         super().start_task(task, knowledge)
-        self.anchor = {p: (l.weight.detach().clone(), [a.detach().clone() for a in l.adaptive])
-                       for p, l in self.model.layers.items()}
+        self.anchor = {p: _snapshot(l) for p, l in self.model.layers.items()}
         self.model.add_task(kb, self.opts.mask_init, self.opts.lambda3)
         self.entries.append(ids)
         for layer in self.model.layers.values():  # earlier tasks' masks and attention are frozen
@@ -135,11 +134,14 @@ class DecomposedLearner(Learner):
             total = total + self.opts.lambda1 * sum((a * mask).abs().sum() for a in layer.adaptive)
             if t == 0 or self.opts.lambda2 == 0:
                 continue
-            base0, adaptive0 = self.anchor[prefix]
+            base0, adaptive0, bias0, offsets0 = self.anchor[prefix]
             d_base = layer.weight - base0  # (out, in)
             for i in range(t):
                 drift = d_base * torch.sigmoid(layer.unit_logits[i])[:, None] + (layer.adaptive[i] - adaptive0[i])
                 total = total + self.opts.lambda2 * (drift ** 2).sum()
+                if layer.bias is not None:  # the task's bias b + c_i is held the same way
+                    bias_drift = (layer.bias - bias0) + (layer.bias_offsets[i] - offsets0[i])
+                    total = total + self.opts.lambda2 * (bias_drift ** 2).sum()
         return total
 
     # -- upload --------------------------------------------------------------------------
@@ -186,6 +188,13 @@ class DecomposedLearner(Learner):
 
     def served_params(self) -> dict[str, np.ndarray]:
         return self.model.composed_params(max(self.task, 0)) if self.task >= 0 else {}
+
+
+def _snapshot(layer) -> tuple:
+    """B, A_i, b and c_i at a task start: the anchor of the drift penalty."""
+    bias = layer.bias.detach().clone() if layer.bias is not None else None
+    return (layer.weight.detach().clone(), [a.detach().clone() for a in layer.adaptive], bias,
+            [c.detach().clone() for c in layer.bias_offsets])
 
 
 def _top_units(gate: np.ndarray, share: float) -> np.ndarray:

@@ -3,10 +3,13 @@
 For task i every masked layer uses
 
     W_i = B * sigmoid(m_i)[:, None] + A_i + sum_j alpha_i[j] * K_i[j]      (then * MADE mask)
+    b_i = b + c_i
 
-B (``weight``) and the bias are the shared base that is federated; m_i (one logit per
-output unit), A_i and alpha_i are task-specific and stay on the device; K_i are the
-knowledge-base entries (other clients' A) the device received for task i, frozen.
+B (``weight``) and the bias b are the shared base that is federated; m_i (one logit per
+output unit), A_i, alpha_i and the bias offset c_i are task-specific and stay on the
+device; K_i are the knowledge-base entries (other clients' A) the device received for
+task i, frozen.  The paper decomposes weights only; in a MADE the output biases are the
+per-pixel marginals, which move with every new task, so they get a task-specific part too.
 The sigmoid is applied inside forward, so the task loss trains m (a FedWeIT reference bug
 computed it outside the graph).  Base parameter names equal plain MADE's, so the
 aggregator, the wire and the export share one naming.
@@ -31,6 +34,7 @@ class DecomposedLinear(nn.Module):
         self.unit_logits = nn.ParameterList()  # m_i (out,) per task
         self.adaptive = nn.ParameterList()  # A_i (out, in) per task
         self.attention = nn.ParameterList()  # alpha_i (n_kb_i,) per task
+        self.bias_offsets = nn.ParameterList()  # c_i (out,) per task (empty without a bias)
         self.knowledge: list[Tensor] = []  # K_i (n_kb_i, out, in) per task, frozen
         self.register_buffer("mask", torch.ones(n_out, n_in), persistent=False)
 
@@ -41,6 +45,8 @@ class DecomposedLinear(nn.Module):
         self.adaptive.append(nn.Parameter(self.weight.detach().clone() / lambda3))
         self.attention.append(nn.Parameter(torch.zeros(knowledge.shape[0])))
         self.knowledge.append(knowledge.detach())
+        if self.bias is not None:
+            self.bias_offsets.append(nn.Parameter(torch.zeros(n_out)))
 
     def composed(self, task: int) -> Tensor:
         w = self.weight * torch.sigmoid(self.unit_logits[task])[:, None] + self.adaptive[task]  # (out, in)
@@ -48,8 +54,11 @@ class DecomposedLinear(nn.Module):
             w = w + torch.einsum("k,koi->oi", self.attention[task], self.knowledge[task])
         return w
 
+    def composed_bias(self, task: int) -> Tensor | None:
+        return None if self.bias is None else self.bias + self.bias_offsets[task]
+
     def forward(self, x: Tensor, task: int) -> Tensor:
-        return F.linear(x, self.composed(task) * self.mask, self.bias)
+        return F.linear(x, self.composed(task) * self.mask, self.composed_bias(task))
 
 
 class DecomposedMADE(nn.Module):
@@ -117,5 +126,5 @@ class DecomposedMADE(nn.Module):
         for prefix, layer in self.layers.items():
             out[f"{prefix}.weight"] = layer.composed(task).numpy().astype(np.float32)
             if layer.bias is not None:
-                out[f"{prefix}.bias"] = layer.bias.detach().numpy().astype(np.float32, copy=True)
+                out[f"{prefix}.bias"] = layer.composed_bias(task).numpy().astype(np.float32)
         return out
