@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--ablation", action="store_true", help="also run ConFedMADE's communication steps")
     parser.add_argument("--runs", default=str(ROOT / "runs" / "seqmnist"), help="where run directories go")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "seqmnist"))
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other methods already in OUT.json (same rounds per task) and replace these")
     args = parser.parse_args()
     common = [f"federation.rounds_per_task={args.rounds_per_task}"] if args.rounds_per_task else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,6 +125,14 @@ def main() -> None:
     meta = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
             "command": " ".join(["python", *sys.argv]),
             "rounds_per_task": args.rounds_per_task or 50}
+    previous = Path(args.out + ".json")
+    if args.update and previous.exists():
+        old = json.loads(previous.read_text())
+        if old["rounds_per_task"] != meta["rounds_per_task"]:
+            raise SystemExit(f"--update: {previous} has {old['rounds_per_task']} rounds per task, not {meta['rounds_per_task']}")
+        results = {**old["methods"], **results}
+        ablation = ablation or old.get("ablation", [])
+        meta["command"] = old["command"] + " ; then " + meta["command"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({**meta, "methods": results, "ablation": ablation}, indent=2) + "\n")
     Path(args.out + ".md").write_text(markdown(results, ablation, meta))
