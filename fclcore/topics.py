@@ -51,16 +51,16 @@ def status_filter(fed: str) -> str:
 
 def parse_update_topic(fed: str, topic: str) -> str | None:
     """The client id of an update topic of this federation, or None."""
-    prefix = f"{ROOT}/{fed}/update/"
-    if not topic.startswith(prefix):
-        return None
-    cid = topic[len(prefix):]
-    return cid if _ID.match(cid) else None
+    return _last_level(f"{ROOT}/{fed}/update/", topic)
 
 
-def parse_status_topic(fed: str, topic: str) -> str | None:
-    prefix = f"{ROOT}/{fed}/status/"
+def parse_status_topic(fed: str, who_topic: str) -> str | None:
+    """Who a status topic of this federation is about, or None."""
+    return _last_level(f"{ROOT}/{fed}/status/", who_topic)
+
+
+def _last_level(prefix: str, topic: str) -> str | None:
     if not topic.startswith(prefix):
         return None
-    who = topic[len(prefix):]
-    return who if _ID.match(who) else None
+    rest = topic[len(prefix):]
+    return rest if _ID.match(rest) else None
