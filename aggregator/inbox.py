@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, Tensor, decode
+from fclcore.codec import CodecError, CodecLimits, Frame, Kind, Tensor, decode
 
 MAX_SAMPLES = 2**31 - 1  # a sample count is a FedAvg weight: it must stay a sane float
 

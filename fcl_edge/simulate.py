@@ -85,7 +85,7 @@ def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrid
 def _start_broker(broker: str | None, out_dir: Path) -> tuple[subprocess.Popen | None, str]:
     if broker:
         try:
-            host, port = parse_broker_url(broker)
+            parse_broker_url(broker)
         except ValueError as exc:
             raise ConfigError(f"--broker: {exc}") from None
         return None, broker

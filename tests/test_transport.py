@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -10,7 +9,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from fclcore.schema import BrokerSpec
-from fclcore.transport import MqttLink, TransportError, WireMeter, parse_status, publish_packet_bytes
+from fclcore.transport import MqttLink, TransportError, parse_status, publish_packet_bytes
 from support.mqtt_counter import MqttCounter
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
 
 from fclcore.codec import Frame, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import MadeConfig
+from fclcore.orders import step_order
 from fclcore.schema import FederationSpec
 
 LEARNERS: dict[str, type["Learner"]] = {}
@@ -41,6 +43,7 @@ class Learner:
         self.made = made
         self.client_index = client_index
         self.task = -1
+        self.optimizer: torch.optim.Optimizer | None = None  # set by the method
 
     def load_global(self, tensors: dict[str, Tensor], rnd: int) -> None:
         """Merge the aggregator's model; ValueError if names or shapes do not fit."""
@@ -55,6 +58,26 @@ class Learner:
 
         Returns (samples used, mean train NLL)."""
         raise NotImplementedError
+
+    def local_epochs(self, model: torch.nn.Module, x: torch.Tensor, rnd: int,
+                     loss: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The shared local loop: shuffling seeded by (seed, client, round), the MADE order of
+        each step from the synchronised schedule, one optimiser step per mini-batch.
+
+        ``loss(batch)`` returns (mean NLL, NLL + regularisers); the mean NLL is returned."""
+        generator = torch.Generator().manual_seed(round_seed(self.fed.seed, self.client_index, rnd))
+        model.train()
+        losses, step = [], 0
+        for _ in range(self.fed.train.local_epochs):
+            for batch in torch.randperm(len(x), generator=generator).split(self.fed.train.batch_size):
+                model.set_order(step_order(self.made, self.fed.options, rnd, step))
+                nll, total = loss(x[batch])
+                self.optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                self.optimizer.step()
+                losses.append(nll.item())
+                step += 1
+        return float(np.mean(losses))
 
     def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
         """The tensors to send for this round (``task_end``: the last round of a task)."""

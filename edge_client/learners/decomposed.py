@@ -26,14 +26,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from edge_client.learners.base import Learner, register, round_seed
+from edge_client.learners.base import Learner, register
 from edge_client.learners.fedavg import mean_nll
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import MadeConfig, made_masks, mask_for_param
 from fclcore.masked_upload import pack, selection
 from fclcore.models.decomposed_made import DecomposedMADE
-from fclcore.orders import step_order, upload_order
+from fclcore.orders import upload_order
 from fclcore.schema import FederationSpec
 
 MIN_GATE = 0.05  # bound on 1/sigmoid(m) when merging, so a nearly closed unit cannot blow up B
@@ -54,7 +54,6 @@ class DecomposedLearner(Learner):
         self.sent: dict[str, np.ndarray] = {}  # layer prefix -> entries uploaded last round
         self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # B, A_i at task start
         self.entries: list[list[str]] = []  # knowledge-base entry ids per task
-        self.optimizer: torch.optim.Optimizer | None = None
         self.values_sent = 0
 
     # -- federation ----------------------------------------------------------------------
@@ -111,20 +110,12 @@ class DecomposedLearner(Learner):
     # -- training ------------------------------------------------------------------------
     def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
         x = torch.from_numpy(train[-1].x)
-        generator = torch.Generator().manual_seed(round_seed(self.fed.seed, self.client_index, rnd))
-        self.model.train()
-        losses, step = [], 0
-        for _ in range(self.fed.train.local_epochs):
-            for batch in torch.randperm(len(x), generator=generator).split(self.fed.train.batch_size):
-                self.model.set_order(step_order(self.made, self.opts, rnd, step))
-                nll = self.model.nll(x[batch], self.task).mean()
-                loss = nll + self._regularizer()
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
-                losses.append(nll.item())
-                step += 1
-        return len(x), float(np.mean(losses))
+
+        def loss(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            nll = self.model.nll(batch, self.task).mean()
+            return nll, nll + self._regularizer()
+
+        return len(x), self.local_epochs(self.model, x, rnd, loss)
 
     def _regularizer(self) -> torch.Tensor:
         total = torch.zeros(())
@@ -183,7 +174,7 @@ class DecomposedLearner(Learner):
         self.model.eval()
         self.model.set_order(0)
         if self.task < 0:  # before any task: the shared base alone
-            return [mean_nll(lambda x: _base_nll(self.model, x), d) for d in tests]
+            return [mean_nll(lambda x: self.model.nll(x, None), d) for d in tests]
         return [mean_nll(lambda x, i=i: self.model.nll(x, min(i, self.task)), d) for i, d in enumerate(tests)]
 
     def served_params(self) -> dict[str, np.ndarray]:
@@ -208,13 +199,3 @@ def _top_units(gate: np.ndarray, share: float) -> np.ndarray:
 def _dense(t: Tensor) -> np.ndarray:
     return t.to_dense() if isinstance(t, SparseTensor) else np.asarray(t, dtype=np.float32)
 
-
-def _base_nll(model: DecomposedMADE, x: torch.Tensor) -> torch.Tensor:
-    """NLL of the plain base (no task yet): W = B under the current mask."""
-    h = x
-    for layer in model.hidden:
-        h = torch.relu(torch.nn.functional.linear(h, layer.weight * layer.mask, layer.bias))
-    logits = torch.nn.functional.linear(h, model.output.weight * model.output.mask, model.output.bias)
-    if model.direct is not None:
-        logits = logits + torch.nn.functional.linear(x, model.direct.weight * model.direct.mask)
-    return torch.nn.functional.binary_cross_entropy_with_logits(logits, x, reduction="none").sum(1)

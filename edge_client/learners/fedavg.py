@@ -15,11 +15,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from edge_client.learners.base import Learner, register, round_seed
+from edge_client.learners.base import Learner, register
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import MadeConfig
-from fclcore.orders import step_order
 from fclcore.models.made import MADE
 from fclcore.schema import FederationSpec
 
@@ -52,26 +51,18 @@ class FedAvgMade(Learner):
         self.optimizer = self._new_optimizer()  # stale moments from the last task only hurt
 
     def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
-        spec = self.fed.train
         data = np.concatenate([d.x for d in train]) if self.fed.method == "fedcl-cumulative-replay" else train[-1].x
         x = torch.from_numpy(data)
-        generator = torch.Generator().manual_seed(round_seed(self.fed.seed, self.client_index, rnd))
-        self.model.train()
-        losses, step = [], 0
-        for _ in range(spec.local_epochs):
-            for batch in torch.randperm(len(x), generator=generator).split(spec.batch_size):
-                self.model.set_order(step_order(self.made, self.fed.options, rnd, step))
-                nll = self.model.nll(x[batch]).mean()
-                loss = nll + self._penalty()
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
-                losses.append(nll.item())
-                step += 1
+
+        def loss(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            nll = self.model.nll(batch).mean()
+            return nll, nll + self._penalty()
+
+        train_nll = self.local_epochs(self.model, x, rnd, loss)
         self.model.set_order(0)  # the served order
         if self.fed.method == "fedcurv" and (rnd + 1) % self.fed.rounds_per_task == 0:
             self.fisher.append(self._fisher(train[-1]))  # this task's anchor, before it is averaged away
-        return len(x), float(np.mean(losses))
+        return len(x), train_nll
 
     def _penalty(self) -> torch.Tensor | float:
         params = list(self.model.parameters())

@@ -48,16 +48,21 @@ class DecomposedLinear(nn.Module):
         if self.bias is not None:
             self.bias_offsets.append(nn.Parameter(torch.zeros(n_out)))
 
-    def composed(self, task: int) -> Tensor:
+    def composed(self, task: int | None) -> Tensor:
+        """The task's weight; ``None`` is the shared base alone (before any task)."""
+        if task is None:
+            return self.weight
         w = self.weight * torch.sigmoid(self.unit_logits[task])[:, None] + self.adaptive[task]  # (out, in)
         if self.knowledge[task].shape[0]:
             w = w + torch.einsum("k,koi->oi", self.attention[task], self.knowledge[task])
         return w
 
-    def composed_bias(self, task: int) -> Tensor | None:
-        return None if self.bias is None else self.bias + self.bias_offsets[task]
+    def composed_bias(self, task: int | None) -> Tensor | None:
+        if self.bias is None or task is None:
+            return self.bias
+        return self.bias + self.bias_offsets[task]
 
-    def forward(self, x: Tensor, task: int) -> Tensor:
+    def forward(self, x: Tensor, task: int | None) -> Tensor:
         return F.linear(x, self.composed(task) * self.mask, self.composed_bias(task))
 
 
@@ -106,7 +111,7 @@ class DecomposedMADE(nn.Module):
         for prefix, layer in self.layers.items():
             layer.add_task(knowledge[prefix], mask_init, lambda3)
 
-    def forward(self, x: Tensor, task: int) -> Tensor:
+    def forward(self, x: Tensor, task: int | None) -> Tensor:
         h = x  # (B, D)
         for layer in self.hidden:
             h = F.relu(layer(h, task))  # (B, H_l)
@@ -115,7 +120,7 @@ class DecomposedMADE(nn.Module):
             logits = logits + self.direct(x, task)
         return logits
 
-    def nll(self, x: Tensor, task: int) -> Tensor:
+    def nll(self, x: Tensor, task: int | None) -> Tensor:
         """Per-sample NLL in nats, shape (B,)."""
         return F.binary_cross_entropy_with_logits(self(x, task), x, reduction="none").sum(dim=1)
 
