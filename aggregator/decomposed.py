@@ -18,7 +18,7 @@ import numpy as np
 from aggregator.fedavg import weighted_average
 from aggregator.inbox import Update
 from aggregator.strategy import Strategy, register
-from fclcore.codec import Frame, Tensor
+from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.made_spec import made_masks, mask_for_param
 from fclcore.masked_upload import UNITS, unpack
 from fclcore.orders import upload_order
@@ -91,6 +91,31 @@ class DecomposedStrategy(Strategy):
                                                   for e in chosen]}
             out[client] = (meta, tensors)
         return out
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """The knowledge base, each tensor stored sparse (index, value) with its shape in meta."""
+        entries, arrays = [], {}
+        for i, entry in enumerate(self.knowledge):
+            shapes = {}
+            for name, tensor in entry.tensors.items():
+                sparse = tensor if isinstance(tensor, SparseTensor) else SparseTensor.from_dense(tensor)
+                arrays[f"kb/{i}/{name}/indices"] = sparse.indices
+                arrays[f"kb/{i}/{name}/values"] = sparse.values.astype(np.float32)
+                shapes[name] = list(sparse.shape)
+            entries.append({"client": entry.client, "task": entry.task, "shapes": shapes})
+        return {"knowledge": entries}, arrays
+
+    def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        knowledge = []
+        for i, entry in enumerate(meta.get("knowledge", [])):
+            tensors = {}
+            for name, shape in entry["shapes"].items():
+                if tuple(shape) != tuple(self.shapes.get(name, ())):
+                    raise ValueError(f"knowledge entry {i}: {name} has shape {shape}, the model {self.shapes.get(name)}")
+                tensors[name] = SparseTensor(tuple(shape), arrays[f"kb/{i}/{name}/indices"],
+                                             arrays[f"kb/{i}/{name}/values"])
+            knowledge.append(KnowledgeEntry(str(entry["client"]), int(entry["task"]), tensors))
+        self.knowledge = knowledge
 
     def _select(self, client: str, index: int, task: int) -> list[KnowledgeEntry]:
         """Entries of other clients' earlier tasks, by the configured policy."""

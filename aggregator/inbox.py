@@ -1,9 +1,12 @@
 """Validation of everything that reaches the aggregator, before it can touch the model.
 
 A bad message becomes a ``Rejection`` (a reason string that is logged and counted), never
-an exception in the round loop.  Checks: topic and sender, codec validity (size, version,
-checksum, finiteness), federation, kind, round, duplicates, tensor names and shapes, and
-the metadata the round loop relies on.
+an exception in the round loop.  Checks, in order: the sender is an expected client; its
+signature (when device keys are configured); codec validity (size, version, checksum,
+finiteness, index ranges); federation, sender, kind and round in the header; the sequence
+number against the last one accepted from that device (replays); duplicates; the metadata
+the round loop relies on; tensor names and shapes (the strategy's ``normalize``); and the
+update's L2 distance to the global model (``max_update_norm``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from fclcore.codec import CodecError, CodecLimits, Frame, Kind, Tensor, decode
+import numpy as np
+
+from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, Tensor, decode
+from fclcore.signing import SignatureError, verify
 
 MAX_SAMPLES = 2**31 - 1  # a sample count is a FedAvg weight: it must stay a sane float
 
@@ -63,18 +69,33 @@ class Inbox:
     normalize: Normalizer  # from the strategy, for UPDATE frames
     num_tasks: int
     limits: CodecLimits = field(default_factory=CodecLimits)
+    keys: Mapping[str, bytes] | None = None  # per-device HMAC keys: when set, only signed frames pass
+    max_update_norm: float | None = None
+    last_seq: dict[str, int] = field(default_factory=dict)  # highest sequence accepted per device
 
     def check(self, client: str | None, payload: bytes, packet_bytes: int, open_round: int,
-              received: set[str], kind: Kind = Kind.UPDATE) -> Update | Rejection:
+              received: set[str], kind: Kind = Kind.UPDATE,
+              current: Mapping[str, np.ndarray] | None = None) -> Update | Rejection:
+        """Accept or reject one message; on acceptance the device's sequence mark advances."""
         if client is None or client not in self.clients:
             return Rejection("unknown-client", f"sender {client!r} is not an expected client", client)
+        frame_bytes = payload
+        if self.keys is not None:
+            try:
+                frame_bytes = verify(payload, self.keys[client])
+            except SignatureError as exc:
+                return Rejection("signature", str(exc), client)
         try:
-            frame = decode(payload, self.limits)
+            frame = decode(frame_bytes, self.limits)
         except CodecError as exc:
             return Rejection("codec", str(exc), client)
         problem = self._header_problem(frame, client, open_round, kind)
         if problem is not None:
             return problem
+        last = self.last_seq.get(client, -1)
+        if frame.header.sequence <= last:
+            reason = "duplicate" if frame.header.sequence == last else "replay"
+            return Rejection(reason, f"sequence {frame.header.sequence}, last accepted {last}", client)
         if client in received:
             return Rejection("duplicate", f"second {kind.name} for round {open_round}", client)
         problem = self._content_problem(frame, kind)
@@ -86,6 +107,12 @@ class Inbox:
                 tensors = self.normalize(frame)
             except ValueError as exc:
                 return Rejection("content", str(exc), client)
+            if self.max_update_norm is not None and current is not None:
+                norm = update_distance(tensors, current)
+                if not norm <= self.max_update_norm:
+                    return Rejection("norm", f"L2 distance to the global model {norm:.4g} exceeds "
+                                             f"max_update_norm {self.max_update_norm:.4g}", client)
+        self.last_seq[client] = frame.header.sequence
         n_samples = frame.meta["n_samples"] if kind is Kind.UPDATE else 0
         return Update(client, frame, n_samples, packet_bytes, len(payload), tensors)
 
@@ -117,6 +144,22 @@ class Inbox:
                            f"frame's), got {meta['eval']['round']}")
             return problem
         return None
+
+
+def update_distance(tensors: Mapping[str, Tensor], current: Mapping[str, np.ndarray]) -> float:
+    """L2 distance between an update and the global model over the entries it carries
+    (tensors the global model does not have, such as knowledge-base uploads, are skipped)."""
+    total = 0.0
+    for name, tensor in tensors.items():
+        reference = current.get(name)
+        if reference is None:
+            continue
+        if isinstance(tensor, SparseTensor):
+            diff = tensor.values.astype(np.float64) - reference.reshape(-1)[tensor.indices]
+        else:
+            diff = np.asarray(tensor, np.float64) - reference
+        total += float(np.dot(diff.reshape(-1), diff.reshape(-1)))
+    return math.sqrt(total)
 
 
 def eval_problem(report: object, num_tasks: int) -> str | None:

@@ -7,7 +7,9 @@ Event kinds written to metrics.jsonl (field ``event``):
 * ``round`` — one per closed round: accepted clients, duration, attempt;
 * ``eval`` — a client's held-out NLL per task for the global model after ``round``;
 * ``round_summary`` — mean over clients of the current task's NLL after ``round``;
-* ``rejected`` — a dropped message with its reason (also counted in summary.json).
+* ``rejected`` — a dropped message with its reason (also counted in summary.json);
+* ``resumed`` — the aggregator restarted from its committed state (lines after the last
+  committed round were dropped and that round runs again).
 """
 
 from __future__ import annotations
@@ -48,7 +50,38 @@ class RunLog:
         totals.update(up=up, payload_up=payload_up, down=down, payload_down=payload_down)
         self.dense_fp32_up += dense_fp32_up
         self.write("round_client", round=rnd, task=task, client=client, bytes_up=up, bytes_down=down,
-                   payload_up=payload_up, payload_down=payload_down, **extra)
+                   payload_up=payload_up, payload_down=payload_down, dense_fp32_up=dense_fp32_up, **extra)
+
+    def offset(self) -> int:
+        """Bytes of metrics.jsonl written so far (a checkpoint records it)."""
+        with self._lock:
+            self._file.flush()
+            return self._file.tell()
+
+    def resume(self, offset: int, rejections: dict[str, int]) -> None:
+        """After a restart: drop lines past the last committed round and rebuild the counters
+        from the lines before it, so no round is counted twice."""
+        path = self.dir / "metrics.jsonl"
+        with self._lock:
+            self._file.close()
+            with open(path, "r+b") as handle:
+                if handle.seek(0, os.SEEK_END) < offset:
+                    raise ValueError(f"{path} is shorter ({handle.tell()} bytes) than the checkpoint's "
+                                     f"offset {offset}: it was truncated or replaced")
+                handle.truncate(offset)
+            self._file = open(path, "a", encoding="utf-8")
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                event = json.loads(line)
+                if event["event"] == "round_client":
+                    self.bytes[event["client"]].update(up=event["bytes_up"], payload_up=event["payload_up"],
+                                                       down=event["bytes_down"], payload_down=event["payload_down"])
+                    self.dense_fp32_up += event.get("dense_fp32_up", 0)
+                elif event["event"] == "eval":
+                    report = {k: v for k, v in event.items() if k not in ("event", "client")}
+                    self.evals[event["client"]][report["round"]] = report
+        self.rejections = Counter(rejections)
+        self.write("resumed", offset=offset)
 
     def rejected(self, reason: str, detail: str, **fields: object) -> None:
         self.rejections[reason] += 1

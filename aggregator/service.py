@@ -12,17 +12,22 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from aggregator.inbox import Inbox, Rejection, Update, is_finite_number
 from aggregator.runlog import RunLog
+from aggregator.state import Committed, StateStore, fingerprint
 from aggregator.strategy import make_strategy
 from fclcore import topics
+from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
 from fclcore.config import to_dict
+from fclcore.errors import ConfigError
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import AggregatorConfig
+from fclcore.signing import load_keys
 from fclcore.transport import MqttLink, TransportError, parse_status, publish_packet_bytes
 
 log = logging.getLogger(__name__)
@@ -49,19 +54,60 @@ class AggregatorService:
         self.strategy = make_strategy(self.fed, self.made, cfg.expected_clients)
         self.global_params = self.strategy.initial_model()
         self.limits = CodecLimits(max_frame_bytes=int(self.fed.wire.max_frame_mb * 2**20))
+        keys = None
+        if cfg.keys_dir:
+            try:
+                keys = load_keys(cfg.keys_dir, cfg.expected_clients)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"keys_dir: {exc}") from None
         self.inbox = Inbox(self.fed.name, frozenset(cfg.expected_clients), self.strategy.normalize,
-                           self.fed.num_tasks, self.limits)
+                           self.fed.num_tasks, self.limits, keys=keys,
+                           max_update_norm=self.fed.rounds.max_update_norm)
         self.dense_fp32_bytes = self.strategy.dense_fp32_bytes
         self.runlog = RunLog(cfg.out_dir)
         self.queue: queue.Queue[Incoming] = queue.Queue()
         self.online: set[str] = set()
         self.sequence = 0
+        self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
+        self.fingerprint = fingerprint(to_dict(self.fed), list(cfg.expected_clients), cfg.input_dim)
+        self.next_round = self._resume()
         self.link = MqttLink(cfg.broker, f"fcl-{self.fed.name}-aggregator",
                              status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
                              subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
                              on_message=lambda t, p, n: self.queue.put(Incoming(t, p, n)))
 
     # -- lifecycle -------------------------------------------------------------------
+    def _resume(self) -> int:
+        """Load the last committed round, if any; the round to run next."""
+        try:
+            committed = self.store.load()
+        except CheckpointError as exc:
+            raise ConfigError(f"state_dir: {exc}; move it away to start the federation afresh") from None
+        if committed is None:
+            return 0
+        if committed.fingerprint != self.fingerprint:
+            raise ConfigError(f"state_dir {self.store.dir}: it belongs to a different federation, client list "
+                              f"or input_dim; move it away to start afresh, or restore the old config")
+        shapes = {k: v.shape for k, v in self.global_params.items()}
+        if {k: v.shape for k, v in committed.global_params.items()} != shapes:
+            raise ConfigError(f"state_dir {self.store.dir}: the committed model does not fit this federation")
+        try:
+            self.strategy.restore(committed.strategy, committed.strategy_arrays)
+            self.runlog.resume(committed.metrics_offset, committed.rejections)
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"state_dir {self.store.dir}: cannot resume ({exc})") from None
+        self.global_params = committed.global_params
+        self.sequence = committed.sequence
+        self.inbox.last_seq.update(committed.last_seq)
+        log.info("resuming %s after committed round %d", self.fed.name, committed.round)
+        return committed.round + 1
+
+    def _commit(self, rnd: int) -> None:
+        meta, arrays = self.strategy.state()
+        self.store.commit(Committed(self.fingerprint, rnd, self.sequence, dict(self.inbox.last_seq),
+                                    dict(self.runlog.rejections), self.runlog.offset(), meta,
+                                    self.global_params, arrays))
+
     def run(self) -> ExitCode:
         log.info("aggregator for %s, broker %s", self.fed.name, self.cfg.broker.redacted())
         try:
@@ -71,11 +117,12 @@ class AggregatorService:
             return ExitCode.BROKER_UNREACHABLE
         started = time.monotonic()
         try:
-            self._wait_for_clients()
-            for rnd in range(self.fed.total_rounds):
+            carried = self._replay_journal(self.next_round)
+            self._wait_for_clients(carried)
+            for rnd in range(self.next_round, self.fed.total_rounds):
                 if self.stop.is_set():
                     return ExitCode.INTERRUPTED
-                self._run_round(rnd)
+                self._run_round(rnd, carried if rnd == self.next_round else {})
             self._finish()
         except NotEnoughClients as exc:
             log.error("%s", exc)
@@ -86,11 +133,14 @@ class AggregatorService:
             self.runlog.close()
         return ExitCode.INTERRUPTED if self.stop.is_set() else ExitCode.OK
 
-    def _wait_for_clients(self) -> None:
+    def _wait_for_clients(self, carried: dict[str, Update]) -> None:
+        """Wait for the clients' online status.  After a restart the round in progress is open
+        already (its announcement is retained), so updates queued for it are taken here."""
         expected = set(self.cfg.expected_clients)
         deadline = time.monotonic() + self.fed.rounds.start_timeout_s
+        open_round = self.next_round if self.next_round > 0 else -1
         while not expected <= self.online and time.monotonic() < deadline and not self.stop.is_set():
-            self._drain(open_round=-1, received={}, timeout=POLL_S)
+            self._drain(open_round, carried, timeout=POLL_S)
         need = self._quorum()
         if len(self.online & expected) < need:
             raise NotEnoughClients(f"{len(self.online & expected)} of {len(expected)} clients online after "
@@ -98,18 +148,19 @@ class AggregatorService:
         log.info("%d/%d clients online", len(self.online & expected), len(expected))
 
     # -- one round -------------------------------------------------------------------
-    def _run_round(self, rnd: int) -> None:
+    def _run_round(self, rnd: int, received: dict[str, Update]) -> None:
         task = rnd // self.fed.rounds_per_task
         knowledge = self._send_knowledge(task) if rnd % self.fed.rounds_per_task == 0 else {}
         for attempt in range(1, self.fed.rounds.max_attempts + 1):
             started = time.monotonic()
             down, payload_down = self._announce(Kind.ROUND, rnd, task, attempt)
-            received = self._collect(rnd)
+            self._collect(rnd, received)
             if len(received) >= self._quorum():
                 updates = [received[c] for c in sorted(received)]  # arrival order must not change the sums
                 self.global_params = self.strategy.aggregate(updates, self.global_params)
                 self._record_round(rnd, task, received, down, payload_down, attempt, time.monotonic() - started,
                                    knowledge)
+                self._commit(rnd)
                 return
             log.warning("round %d attempt %d: %d updates, quorum %d; re-announcing",
                         rnd, attempt, len(received), self._quorum())
@@ -143,13 +194,44 @@ class AggregatorService:
         self.link.publish(topic, payload, retain=True, tag=f"{kind.name.lower()}:{rnd}")
         return publish_packet_bytes(topic, len(payload)), len(payload)
 
-    def _collect(self, rnd: int, kind: Kind = Kind.UPDATE) -> dict[str, Update]:
+    def _replay_journal(self, rnd: int) -> dict[str, Update]:
+        """Updates accepted in round ``rnd`` before a restart, checked again like new arrivals."""
         received: dict[str, Update] = {}
-        deadline = time.monotonic() + self.fed.rounds.deadline_s
+        for client, payload, packet_bytes in self.store.journaled(rnd):
+            result = self.inbox.check(client, payload, packet_bytes, rnd, set(received), Kind.UPDATE,
+                                      self.global_params)
+            if isinstance(result, Update):
+                self._accept(result, rnd, payload, journal=False)
+                received[result.client] = result
+        if received:
+            log.info("round %d: %d update(s) recovered from the journal", rnd, len(received))
+        return received
+
+    def _collect(self, rnd: int, received: dict[str, Update] | None = None,
+                 kind: Kind = Kind.UPDATE) -> dict[str, Update]:
+        """Fill ``received`` until every expected client replied or the deadline passes; clients
+        still missing are asked to re-send every ``resend_after_s`` (their update may have been
+        lost with a broker, or sent while this service was down)."""
+        received = {} if received is None else received
+        now = time.monotonic()
+        deadline, resend_at = now + self.fed.rounds.deadline_s, now + self.fed.rounds.resend_after_s
         expected = set(self.cfg.expected_clients)
         while set(received) < expected and time.monotonic() < deadline and not self.stop.is_set():
             self._drain(rnd, received, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())), kind=kind)
+            if time.monotonic() >= resend_at and set(received) < expected:
+                self._request(kind, rnd, sorted(expected - set(received)))
+                resend_at = time.monotonic() + self.fed.rounds.resend_after_s
         return received
+
+    def _request(self, kind: Kind, rnd: int, missing: list[str]) -> None:
+        """Ask ``missing`` clients to send their update (or evaluation) for ``rnd`` again."""
+        self.sequence += 1
+        task = min(rnd // self.fed.rounds_per_task, self.fed.num_tasks - 1)
+        header = Header(Kind.REQUEST, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
+        payload = encode(Frame(header, {"missing": missing, "kind": kind.name}, {}), limits=self.limits)
+        self.link.publish(topics.round_topic(self.fed.name), payload, tag=f"request:{rnd}")
+        self.runlog.write("request", round=rnd, kind=kind.name, missing=missing)
+        log.info("round %d: asked %s to re-send", rnd, ", ".join(missing))
 
     def _drain(self, open_round: int, received: dict[str, Update], timeout: float,
                kind: Kind = Kind.UPDATE) -> None:
@@ -162,13 +244,19 @@ class AggregatorService:
             self._on_status(who, item.payload, open_round)
             return
         client = topics.parse_update_topic(self.fed.name, item.topic)
-        result = self.inbox.check(client, item.payload, item.packet_bytes, open_round, set(received), kind)
+        result = self.inbox.check(client, item.payload, item.packet_bytes, open_round, set(received), kind,
+                                  self.global_params)
         if isinstance(result, Rejection):
             self._reject(item.topic, result, open_round)
             return
+        self._accept(result, open_round, item.payload, journal=kind is Kind.UPDATE)
         received[result.client] = result
-        if "eval" in result.frame.meta:
-            self.runlog.evaluation(result.client, result.frame.meta["eval"])
+
+    def _accept(self, update: Update, rnd: int, payload: bytes, journal: bool) -> None:
+        if journal:
+            self.store.journal(rnd, update.client, payload, update.packet_bytes)
+        if "eval" in update.frame.meta:
+            self.runlog.evaluation(update.client, update.frame.meta["eval"])
 
     def _reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)

@@ -63,6 +63,13 @@ class Strategy:
         """Per client: (meta, tensors) of its knowledge frame for ``task``."""
         return {}
 
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """Server-side state beyond the global model, for the checkpoint: (JSON meta, arrays)."""
+        return {}, {}
+
+    def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        """Inverse of ``state``; ValueError if the checkpoint does not fit this strategy."""
+
 
 @register("fedavg", "fedcl-finetune", "fedprox", "fedcurv", "fedcl-cumulative-replay")
 class FedAvg(Strategy):

@@ -4,6 +4,11 @@ paho's thread only queues raw messages; this loop validates and acts on them.  E
 upload carries the client's evaluation of the model it received (the global model after
 the previous round), so no extra message is needed per round; the FINISH message is
 answered by one EVAL frame.
+
+After every update the daemon checkpoints itself (``edge_client.state``) before publishing,
+and keeps the update until a later round is announced: it sends it again when the
+aggregator asks (a REQUEST naming this device) or re-announces the round, and after a
+restart.  With ``key_file`` set, every frame it sends is signed (``fclcore.signing``).
 """
 
 from __future__ import annotations
@@ -13,18 +18,22 @@ import logging
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from edge_client.learners import Learner, make_learner
 from edge_client.serving import ServedModelWriter
+from edge_client.state import ClientState, ClientStateStore
 from fclcore import topics
+from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import ConfigError, from_dict, to_dict
 from fclcore.data import ClientTasks, client_task_split, load_dataset
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import ClientConfig, FederationSpec
+from fclcore.signing import read_key, sign
 from fclcore.transport import MqttLink, TransportError
 
 log = logging.getLogger(__name__)
@@ -47,13 +56,22 @@ class ClientDaemon:
         self.fed: FederationSpec | None = None
         self.task = -1
         self.done_round = -1
-        self.sequence = 0
+        self.sequence = time.time_ns() // 1000  # above anything sent before, even without saved state
         self.rejected: dict[str, int] = {}
         self.round_bytes_down: dict[int, int] = {}  # PUBLISH bytes of each round's announcement
         self.knowledge: dict[int, Frame] = {}  # task -> knowledge frame from the aggregator
+        self.knowledge_raw: dict[int, bytes] = {}
         self.knowledge_bytes: dict[int, int] = {}
         self.pending: tuple[Frame, int] | None = None  # a round waiting for its task's knowledge
+        self.unacked: bytes | None = None  # the update for done_round, until a later round is announced
         self.limits = CodecLimits()
+        try:
+            self.key = read_key(cfg.key_file) if cfg.key_file else None
+        except OSError as exc:
+            raise ConfigError(f"key_file: {exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"key_file: {exc}") from None
+        self.store = ClientStateStore(cfg.state_dir or self.out_dir / "state")
         self.serving = ServedModelWriter(self.out_dir, cfg.data.dataset, cfg.serve.int8)
         self.link = MqttLink(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
                              status_topic=topics.status_topic(cfg.federation, cfg.client_id),
@@ -61,6 +79,40 @@ class ClientDaemon:
                                             topics.knowledge_topic(cfg.federation, cfg.client_id)],
                              on_message=lambda t, p, n: self.queue.put((t, p, n)))
         torch.set_num_threads(cfg.threads)
+        self._restore()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _restore(self) -> None:
+        """Continue from the last checkpoint, if there is one for this device."""
+        try:
+            state = self.store.load()
+        except CheckpointError as exc:
+            raise ConfigError(f"state_dir: {exc}; move it away to rejoin from scratch") from None
+        if state is None:
+            return
+        if state.client_id != self.cfg.client_id or state.federation.get("name") != self.cfg.federation:
+            raise ConfigError(f"state_dir {self.store.path.parent}: it belongs to {state.client_id!r} in "
+                              f"{state.federation.get('name')!r}; move it away to rejoin from scratch")
+        try:
+            fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
+            self.knowledge = {t: decode(raw, self.limits) for t, raw in state.knowledge.items()}
+            self.learner = make_learner(fed, fed.model.made_config(self.input_dim), self.client_index)
+            for t in range(state.task + 1):
+                self.learner.start_task(t, self.knowledge.get(t))
+            self.learner.load_state(state.learner_meta, state.learner_arrays)
+        except (ConfigError, CodecError, ValueError) as exc:
+            raise ConfigError(f"state_dir {self.store.path.parent}: cannot resume ({exc}); "
+                              f"move it away to rejoin from scratch") from None
+        self.fed, self.task, self.done_round = fed, state.task, state.done_round
+        self.knowledge_raw, self.unacked = dict(state.knowledge), state.unacked
+        self.sequence = max(self.sequence, state.sequence)
+        log.info("resuming after round %d (task %d)%s", self.done_round, self.task,
+                 "; the last update is not yet acknowledged" if self.unacked else "")
+
+    def _checkpoint(self, unacked: bytes) -> None:
+        meta, arrays = self.learner.state()
+        self.store.save(ClientState(self.cfg.client_id, to_dict(self.fed), self.task, self.done_round,
+                                    self.sequence, self.knowledge_raw, unacked, meta, arrays))
 
     def run(self) -> ExitCode:
         try:
@@ -97,12 +149,19 @@ class ClientDaemon:
         frame, fed = self._check(payload)
         kind = frame.header.kind
         if kind is Kind.KNOWLEDGE:
-            return self._on_knowledge(topic, frame, size)
+            return self._on_knowledge(topic, frame, payload, size)
+        if kind is Kind.REQUEST:
+            if self.cfg.client_id in frame.meta.get("missing", ()):
+                self._resend(frame.header.round, "the aggregator asked for it")
+            return False
         if kind is Kind.FINISH and self.done_round < 0:
             log.info("ignoring the end of a run this device did not take part in")
             return False
         if kind is Kind.ROUND and frame.header.round <= self.done_round:
-            return False  # a retained announcement seen again after a reconnect
+            # seen again after a reconnect or a restart, or re-announced: the round is still open
+            self._resend(frame.header.round, "its round is still open")
+            return False
+        self.unacked = None  # a later round or the end: the last update was taken or is moot
         self._load(frame, fed)
         if kind is Kind.FINISH:
             self._finish(frame)
@@ -116,7 +175,13 @@ class ClientDaemon:
         return (frame.meta.get("knowledge") is True and frame.header.task != self.task
                 and frame.header.task not in self.knowledge)
 
-    def _on_knowledge(self, topic: str, frame: Frame, size: int) -> bool:
+    def _resend(self, rnd: int, why: str) -> None:
+        if rnd == self.done_round and self.unacked is not None:
+            log.info("re-sending the update for round %d: %s", rnd, why)
+            self.link.publish(topics.update_topic(self.cfg.federation, self.cfg.client_id), self.unacked,
+                              tag=f"resend:{rnd}")
+
+    def _on_knowledge(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
         if topic != topics.knowledge_topic(self.cfg.federation, self.cfg.client_id):
             raise RejectedFrame(f"topic: knowledge frame on {topic}")
         entries = frame.meta.get("entries")
@@ -124,6 +189,7 @@ class ClientDaemon:
                 isinstance(e, dict) and isinstance(e.get("id"), str) for e in entries):
             raise RejectedFrame("knowledge: expected meta.for_task == task and a list of entries with ids")
         self.knowledge[frame.header.task] = frame
+        self.knowledge_raw[frame.header.task] = payload
         self.knowledge_bytes[frame.header.task] = size
         if self.pending is not None and not self._needs_knowledge(self.pending[0]):
             pending, self.pending = self.pending, None
@@ -146,9 +212,9 @@ class ClientDaemon:
         h = frame.header
         if h.federation != self.cfg.federation or h.client != topics.AGGREGATOR_ID:
             raise RejectedFrame(f"sender: {h.client!r} of {h.federation!r} is not this federation's aggregator")
-        if h.kind not in (Kind.ROUND, Kind.FINISH, Kind.KNOWLEDGE):
+        if h.kind not in (Kind.ROUND, Kind.FINISH, Kind.KNOWLEDGE, Kind.REQUEST):
             raise RejectedFrame(f"kind: {h.kind.name} is not a downlink message")
-        if h.kind is Kind.KNOWLEDGE:
+        if h.kind in (Kind.KNOWLEDGE, Kind.REQUEST):
             return frame, self.fed
         try:
             fed = from_dict(FederationSpec, frame.meta.get("federation"), "round message", "federation")
@@ -185,8 +251,9 @@ class ClientDaemon:
         report = self._evaluate(rnd - 1)
         self._serve(after_round=rnd - 1, task_ended=task != self.task and self.task >= 0)
         if task != self.task:
-            try:
-                self.learner.start_task(task, self.knowledge.get(task))
+            try:  # a device that joined late (or was away for a whole task) starts the tasks it missed
+                for t in range(self.task + 1, task + 1):
+                    self.learner.start_task(t, self.knowledge.get(t) if t == task else None)
             except ValueError as exc:
                 raise RejectedFrame(f"knowledge: {exc}") from None
             self.task = task
@@ -195,15 +262,18 @@ class ClientDaemon:
         tensors = self.learner.upload(rnd, task_end)
         meta = {"n_samples": n_samples, "train_nll": round(train_nll, 4), "eval": report,
                 "rejected": dict(self.rejected), **self.learner.report(task_end)}
-        self._publish(Kind.UPDATE, rnd, task, meta, tensors)
-        self.done_round = rnd
+        payload = self._frame(Kind.UPDATE, rnd, task, meta, tensors)
+        self.done_round, self.unacked = rnd, payload
+        self._checkpoint(payload)  # before publishing: a crash after this re-sends, never retrains
+        self._send(payload, f"update:{rnd}")
         log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
 
     def _finish(self, frame: Frame) -> None:
         report = self._evaluate(frame.header.round - 1, everything=True)
         self._serve(after_round=frame.header.round - 1, task_ended=True)
-        self._publish(Kind.EVAL, frame.header.round, frame.header.task,
-                      {"eval": report, "rejected": dict(self.rejected)}, {}).wait_for_publish(10)
+        payload = self._frame(Kind.EVAL, frame.header.round, frame.header.task,
+                              {"eval": report, "rejected": dict(self.rejected)}, {})
+        self._send(payload, f"eval:{frame.header.round}").wait_for_publish(10)
         log.info("run finished; final NLL per task %s", report["nll"])
 
     def _serve(self, after_round: int, task_ended: bool) -> None:
@@ -222,12 +292,15 @@ class ClientDaemon:
         tests = [d if full or i == task else None for i, d in enumerate(self.data.test[: task + 1])]
         return {"round": rnd, "task": task, "nll": self.learner.evaluate(tests)}
 
-    def _publish(self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict):
+    def _frame(self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict) -> bytes:
+        """An uplink message: encoded, and signed when the device has a key."""
         self.sequence += 1
         header = Header(kind, self.cfg.federation, rnd, task, self.cfg.client_id, self.sequence)
         payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
-        return self.link.publish(topics.update_topic(self.cfg.federation, self.cfg.client_id), payload,
-                                 tag=f"{kind.name.lower()}:{rnd}")
+        return sign(payload, self.key) if self.key is not None else payload
+
+    def _send(self, payload: bytes, tag: str):
+        return self.link.publish(topics.update_topic(self.cfg.federation, self.cfg.client_id), payload, tag=tag)
 
     def _write_wire_log(self) -> None:
         """The device's own meter, for comparison with the aggregator's and a packet capture."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from fclcore.data import DataError, client_task_split, load_dataset, random_clie
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import (AggregatorConfig, BrokerSpec, ClientConfig, ClientDataSpec, Scenario,
                             parse_broker_url)
+from fclcore.signing import write_key
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrid
     p = plan(scenario_path, overrides)
     out_dir = Path(out)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    _start_afresh(out_dir)
     (out_dir / "scenario.yaml").write_text(yaml.safe_dump(to_dict(p.scenario), sort_keys=False))
     broker_proc, url = _start_broker(broker, out_dir)
     procs = {}
@@ -80,6 +82,13 @@ def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrid
             _stop(proc)
         if broker_proc is not None:
             _stop(broker_proc)
+
+
+def _start_afresh(out_dir: Path) -> None:
+    """A simulation always starts a new federation: earlier metrics and saved state go."""
+    (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    for state in [out_dir / "state", out_dir / "keys", *(out_dir / "clients").glob("*/state")]:
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def _start_broker(broker: str | None, out_dir: Path) -> tuple[subprocess.Popen | None, str]:
@@ -102,13 +111,18 @@ def _write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Pat
     cfg_dir = out_dir / "configs"
     cfg_dir.mkdir(exist_ok=True)
     broker = BrokerSpec(url=url)
+    keys_dir = out_dir / "keys" if p.scenario.sign_updates else None
+    for cid in p.client_ids if keys_dir else ():
+        write_key(keys_dir / f"{cid}.key")
     configs = {"aggregator": AggregatorConfig(federation=fed, expected_clients=p.client_ids, out_dir=str(out_dir),
-                                              broker=broker, input_dim=p.input_dim)}
+                                              broker=broker, input_dim=p.input_dim,
+                                              keys_dir=str(keys_dir) if keys_dir else None)}
     for index, cid in enumerate(p.client_ids):
         data = ClientDataSpec(dataset=p.scenario.data.dataset, path=p.scenario.data.path,
                               client_tasks=p.client_tasks, client_index=index, seed=fed.seed)
         configs[cid] = ClientConfig(client_id=cid, federation=fed.name, data=data, broker=broker,
-                                    out_dir=str(out_dir / "clients" / cid))
+                                    out_dir=str(out_dir / "clients" / cid),
+                                    key_file=str(keys_dir / f"{cid}.key") if keys_dir else None)
     written = {}
     for name, cfg in configs.items():
         path = cfg_dir / f"{name}.yaml"

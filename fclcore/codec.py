@@ -86,6 +86,7 @@ class Kind(enum.IntEnum):
     STATUS = 5  # status messages
     ACK = 6  # aggregator -> client acknowledgement
     KNOWLEDGE = 7  # aggregator -> one client: knowledge-base entries for its next task
+    REQUEST = 8  # aggregator -> clients: re-send your update for this round (meta.missing names who)
 
 
 @dataclass(frozen=True)

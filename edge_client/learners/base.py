@@ -94,3 +94,40 @@ class Learner:
     def served_params(self) -> dict[str, np.ndarray]:
         """Plain MADE parameters of what the device serves now (for export)."""
         raise NotImplementedError
+
+    # -- checkpoints -------------------------------------------------------------------
+    # A restarted daemon rebuilds the learner's structure by calling ``start_task`` for every
+    # task it had started (with the same knowledge frames), then ``load_state``.  Methods add
+    # their own state by extending both; names are "/"-separated, values numeric arrays.
+    model: torch.nn.Module
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON meta, arrays): the model, the optimiser's moments, and method extras."""
+        arrays = {f"model/{k}": v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+        if self.optimizer is not None:
+            for index, slots in self.optimizer.state_dict()["state"].items():
+                for key, value in slots.items():
+                    arrays[f"optim/{index}/{key}"] = torch.as_tensor(value).detach().cpu().numpy().copy()
+        return {"task": self.task}, arrays
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        """Inverse of ``state`` on a learner rebuilt to the same structure; ValueError if it
+        does not fit."""
+        if meta.get("task") != self.task:
+            raise ValueError(f"checkpoint is for task {meta.get('task')}, learner rebuilt to task {self.task}")
+        model = {k[len("model/"):]: torch.from_numpy(v.copy()) for k, v in arrays.items() if k.startswith("model/")}
+        try:
+            self.model.load_state_dict(model, strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"model state does not fit: {str(exc).splitlines()[0]}") from None
+        if self.optimizer is not None:
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for name, value in arrays.items():
+                if name.startswith("optim/"):
+                    index, key = name[len("optim/"):].split("/", 1)
+                    state.setdefault(int(index), {})[key] = torch.from_numpy(value.copy())
+            full = self.optimizer.state_dict()
+            if not set(state) <= {i for g in full["param_groups"] for i in g["params"]}:
+                raise ValueError("optimizer state does not fit the rebuilt optimizer")
+            full["state"] = state
+            self.optimizer.load_state_dict(full)

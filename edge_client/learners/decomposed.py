@@ -167,6 +167,39 @@ class DecomposedLearner(Learner):
             out["attention"] = {"entries": ids, "alpha": [round(float(a), 5) for a in alpha.mean(0)]}
         return out
 
+    # -- checkpoints ---------------------------------------------------------------------
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        meta, arrays = super().state()
+        for prefix, sent in self.sent.items():
+            arrays[f"sent/{prefix}"] = sent.astype(np.uint8)
+        for prefix, (base, adaptive, bias, offsets) in self.anchor.items():
+            arrays[f"anchor/{prefix}/base"] = base.numpy().copy()
+            for i, a in enumerate(adaptive):
+                arrays[f"anchor/{prefix}/adaptive/{i}"] = a.numpy().copy()
+            for i, c in enumerate(offsets):
+                arrays[f"anchor/{prefix}/offset/{i}"] = c.numpy().copy()
+            if bias is not None:
+                arrays[f"anchor/{prefix}/bias"] = bias.numpy().copy()
+        return {**meta, "entries": self.entries}, arrays
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        super().load_state(meta, arrays)
+        if meta.get("entries") != self.entries:
+            raise ValueError("knowledge-base entries differ from the checkpoint's")
+        try:
+            self.sent = {p: arrays[f"sent/{p}"].astype(bool) for p in self.model.layers if f"sent/{p}" in arrays}
+            for prefix in self.model.layers:
+                if f"anchor/{prefix}/base" not in arrays:
+                    continue
+                def stack(kind: str, prefix: str = prefix) -> list[torch.Tensor]:
+                    n = sum(1 for k in arrays if k.startswith(f"anchor/{prefix}/{kind}/"))
+                    return [torch.from_numpy(arrays[f"anchor/{prefix}/{kind}/{i}"].copy()) for i in range(n)]
+                bias = arrays.get(f"anchor/{prefix}/bias")
+                self.anchor[prefix] = (torch.from_numpy(arrays[f"anchor/{prefix}/base"].copy()), stack("adaptive"),
+                                       None if bias is None else torch.from_numpy(bias.copy()), stack("offset"))
+        except KeyError as exc:
+            raise ValueError(f"checkpoint lacks {exc}") from None
+
     # -- serving -------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:

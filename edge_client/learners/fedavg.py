@@ -79,6 +79,23 @@ class FedAvgMade(Learner):
     def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
         return self.model.get_params()
 
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        meta, arrays = super().state()
+        for t, (fisher, anchor) in enumerate(self.fisher):
+            for i, (f, a) in enumerate(zip(fisher, anchor)):
+                arrays[f"fisher/{t}/{i}"], arrays[f"anchor/{t}/{i}"] = f.numpy().copy(), a.numpy().copy()
+        return {**meta, "fisher_tasks": len(self.fisher)}, arrays
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        super().load_state(meta, arrays)
+        n_params = len(list(self.model.parameters()))
+        try:
+            self.fisher = [([torch.from_numpy(arrays[f"fisher/{t}/{i}"].copy()) for i in range(n_params)],
+                            [torch.from_numpy(arrays[f"anchor/{t}/{i}"].copy()) for i in range(n_params)])
+                           for t in range(int(meta.get("fisher_tasks", 0)))]
+        except KeyError as exc:
+            raise ValueError(f"checkpoint lacks {exc}") from None
+
     def _fisher(self, data: Dataset, max_samples: int = 512) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Diagonal empirical Fisher of the NLL on up to ``max_samples`` local samples."""
         x = torch.from_numpy(data.x[:max_samples])

@@ -1,0 +1,69 @@
+"""The client daemon's crash-recovery state, saved after every update it produces.
+
+One checkpoint (``state_dir/client.npz``, replaced atomically) holds: the federation the
+device joined, the task and last round it trained, its frame sequence counter, the
+knowledge-base frames it received (raw bytes, re-validated by the codec on load), the
+learner's state, and the update it sent but has not seen acknowledged (a round
+announcement for a later round is the acknowledgement).  A daemon killed at any point
+restarts from the last update: it re-sends that update if its round is still open, and
+otherwise trains the next round from exactly the state it would have had.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fclcore import checkpoint
+from fclcore.checkpoint import CheckpointError
+
+STATE_VERSION = 1
+_LEARNER, _KNOWLEDGE, _UNACKED = "learner/", "knowledge/", "unacked"
+
+
+@dataclass
+class ClientState:
+    client_id: str
+    federation: dict  # FederationSpec as sent by the aggregator
+    task: int
+    done_round: int
+    sequence: int
+    knowledge: dict[int, bytes] = field(default_factory=dict)  # task -> raw knowledge frame
+    unacked: bytes | None = None  # the last update's payload, until a later round is announced
+    learner_meta: dict = field(default_factory=dict)
+    learner_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class ClientStateStore:
+    def __init__(self, state_dir: str | os.PathLike) -> None:
+        self.path = Path(state_dir) / "client.npz"
+
+    def save(self, state: ClientState) -> None:
+        meta = {"version": STATE_VERSION, "client_id": state.client_id, "federation": state.federation,
+                "task": state.task, "done_round": state.done_round, "sequence": state.sequence,
+                "knowledge_tasks": sorted(state.knowledge), "learner": state.learner_meta}
+        arrays = {_LEARNER + k: v for k, v in state.learner_arrays.items()}
+        arrays.update({f"{_KNOWLEDGE}{t}": np.frombuffer(raw, np.uint8) for t, raw in state.knowledge.items()})
+        if state.unacked is not None:
+            arrays[_UNACKED] = np.frombuffer(state.unacked, np.uint8)
+        checkpoint.save(self.path, meta, arrays)
+
+    def load(self) -> ClientState | None:
+        if not self.path.exists():
+            return None
+        meta, arrays = checkpoint.load(self.path)
+        if meta.get("version") != STATE_VERSION:
+            raise CheckpointError(f"{self.path}: state version {meta.get('version')!r}, expected {STATE_VERSION}")
+        try:
+            unacked = arrays.get(_UNACKED)
+            return ClientState(
+                client_id=str(meta["client_id"]), federation=dict(meta["federation"]), task=int(meta["task"]),
+                done_round=int(meta["done_round"]), sequence=int(meta["sequence"]),
+                knowledge={int(t): arrays[f"{_KNOWLEDGE}{t}"].tobytes() for t in meta["knowledge_tasks"]},
+                unacked=None if unacked is None else unacked.tobytes(), learner_meta=dict(meta["learner"]),
+                learner_arrays={k[len(_LEARNER):]: v for k, v in arrays.items() if k.startswith(_LEARNER)})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{self.path}: malformed state ({exc})") from None

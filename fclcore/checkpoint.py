@@ -1,0 +1,82 @@
+"""Crash-safe state files: arrays plus JSON metadata in one ``.npz``, replaced atomically.
+
+A checkpoint is written to a temporary file in the same directory, flushed and fsynced,
+then renamed over the old one, and the directory is fsynced: after a crash at any moment
+the file is either the previous checkpoint or the new one, never a mix.  Loading uses
+``allow_pickle=False``: a state file is data, and a tampered one cannot run code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+META_KEY = "__meta__"
+
+
+class CheckpointError(RuntimeError):
+    """A state file exists but cannot be used (truncated, tampered, wrong version)."""
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old or the new content."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save(path: str | os.PathLike, meta: Mapping, arrays: Mapping[str, np.ndarray]) -> None:
+    """One checkpoint: ``meta`` (JSON-able) and named arrays (numeric dtypes only)."""
+    if META_KEY in arrays:
+        raise ValueError(f"array name {META_KEY!r} is reserved")
+    for name, array in arrays.items():
+        if np.asarray(array).dtype.kind not in "biuf":
+            raise ValueError(f"{name}: only numeric arrays are stored, got {np.asarray(array).dtype}")
+    buffer = io.BytesIO()
+    blob = np.frombuffer(json.dumps(meta, allow_nan=False).encode("utf-8"), dtype=np.uint8)
+    np.savez(buffer, **{META_KEY: blob}, **{k: np.asarray(v) for k, v in arrays.items()})
+    write_atomic(path, buffer.getvalue())
+
+
+def load(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, arrays) of a checkpoint; CheckpointError if it is unreadable."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise CheckpointError(f"{path}: not a readable checkpoint ({exc})") from None
+    blob = arrays.pop(META_KEY, None)
+    if blob is None or blob.dtype != np.uint8 or blob.ndim != 1:
+        raise CheckpointError(f"{path}: no metadata record")
+    try:
+        meta = json.loads(blob.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: metadata is not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: metadata is not an object")
+    return meta, arrays
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
