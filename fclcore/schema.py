@@ -11,6 +11,7 @@ every round announcement, so devices never need to be reconfigured to change a r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 from urllib.parse import urlparse
@@ -21,12 +22,24 @@ from fclcore.topics import validate_id
 
 @dataclass
 class BrokerSpec:
+    """How a service reaches the broker.
+
+    ``mqtts://`` turns on TLS: the broker's certificate is checked against ``ca_file`` (or
+    the system CAs when it is None) and its host name against the url.  ``cert_file`` and
+    ``key_file`` are the device's own certificate for brokers that ``require_certificate``.
+    File paths are checked here, so a typo fails at load time instead of as a TLS timeout.
+    """
+
     url: str = "mqtt://127.0.0.1:1883"
     username: Optional[str] = None
     password: Optional[str] = None  # use "${env:NAME}" to keep it out of the file
     keepalive_s: int = 30
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0
+    ca_file: Optional[str] = None  # PEM CA bundle for mqtts://; None: the system CAs
+    cert_file: Optional[str] = None  # PEM client certificate (with key_file)
+    key_file: Optional[str] = None  # PEM private key of cert_file, unencrypted; keep it mode 0600
+    tls_insecure: bool = False  # skip the host name check (the chain is still checked): testing only
 
     def __post_init__(self) -> None:
         parse_broker_url(self.url)
@@ -34,18 +47,49 @@ class BrokerSpec:
             raise ValueError(f"keepalive_s: expected >= 5, got {self.keepalive_s}")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
             raise ValueError("reconnect delays: expected 0 < reconnect_min_s <= reconnect_max_s")
+        self._check_tls()
+
+    @property
+    def tls(self) -> bool:
+        return urlparse(self.url).scheme == "mqtts"
+
+    def _check_tls(self) -> None:
+        files = {k: getattr(self, k) for k in ("ca_file", "cert_file", "key_file")}
+        if not self.tls:
+            given = [k for k, v in files.items() if v is not None] + (["tls_insecure"] if self.tls_insecure else [])
+            if given:
+                raise ValueError(f"{given[0]}: TLS settings need an mqtts:// url, got {self.url!r}")
+            return
+        if (self.cert_file is None) != (self.key_file is None):
+            have, missing = ("cert_file", "key_file") if self.key_file is None else ("key_file", "cert_file")
+            raise ValueError(f"{missing}: a client certificate needs both cert_file and key_file, "
+                             f"got only {have}={getattr(self, have)!r}")
+        for key, path in files.items():
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{key}: expected an existing PEM file, got {path!r}")
 
     def redacted(self) -> dict:
-        return {"url": self.url, "username": self.username, "password": "***" if self.password else None}
+        """For logs: file paths are shown (never their contents), the password never."""
+        out = {"url": self.url, "username": self.username, "password": "***" if self.password else None}
+        if self.tls:
+            out.update(ca_file=self.ca_file or "<system CAs>", cert_file=self.cert_file,
+                       key_file=self.key_file, tls_insecure=self.tls_insecure)
+        return out
+
+
+BROKER_SCHEMES = {"mqtt": 1883, "mqtts": 8883}  # scheme -> default port
 
 
 def parse_broker_url(url: str) -> tuple[str, int]:
-    """``mqtt://host:port`` -> (host, port); ValueError with the URL otherwise."""
+    """``mqtt://host[:port]`` or ``mqtts://host[:port]`` -> (host, port); ValueError with the URL otherwise."""
     parsed = urlparse(url)
-    if parsed.scheme != "mqtt" or not parsed.hostname:
-        raise ValueError(f"broker url: expected mqtt://host[:port], got {url!r}")
+    if parsed.scheme not in BROKER_SCHEMES or not parsed.hostname:
+        raise ValueError(f"broker url: expected mqtt://host[:port] or mqtts://host[:port], got {url!r}")
+    if parsed.username is not None or parsed.password is not None:
+        # never echo the URL here: it holds a secret
+        raise ValueError("broker url: credentials go in broker.username / broker.password, not in the url")
     try:
-        port = parsed.port or 1883
+        port = parsed.port or BROKER_SCHEMES[parsed.scheme]
     except ValueError:
         raise ValueError(f"broker url: bad port in {url!r}") from None
     return parsed.hostname, port
@@ -118,12 +162,18 @@ class RoundSpec:
     quorum: float = 1.0  # fraction of expected clients needed to aggregate at the deadline
     start_timeout_s: float = 120.0  # how long to wait for clients to come online
     max_attempts: int = 3  # re-announcements of a round that missed its quorum
+    resend_after_s: float = 20.0  # ask clients whose update has not arrived to send it again, this often
+    max_update_norm: Optional[float] = None  # reject an update whose L2 distance to the global model is larger
 
     def __post_init__(self) -> None:
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum: expected a fraction in (0, 1], got {self.quorum}")
         if self.deadline_s <= 0 or self.start_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("rounds: expected positive deadline_s, start_timeout_s, max_attempts")
+        if self.resend_after_s <= 0:
+            raise ValueError(f"resend_after_s: expected > 0, got {self.resend_after_s}")
+        if self.max_update_norm is not None and not self.max_update_norm > 0:
+            raise ValueError(f"max_update_norm: expected a positive bound or null, got {self.max_update_norm}")
 
 
 @dataclass
@@ -166,6 +216,8 @@ class AggregatorConfig:
     out_dir: str = "runs/aggregator"
     broker: BrokerSpec = field(default_factory=BrokerSpec)
     input_dim: int = 64  # the data dimension the federation's model is built for
+    state_dir: Optional[str] = None  # committed round state for crash recovery (default: out_dir/state)
+    keys_dir: Optional[str] = None  # <client>.key per device: when set, every update must be signed
 
     def __post_init__(self) -> None:
         if not self.expected_clients:
@@ -231,6 +283,8 @@ class ClientConfig:
     broker: BrokerSpec = field(default_factory=BrokerSpec)
     threads: int = 1  # torch intra-op threads; keep small on shared-core devices
     serve: ServeSpec = field(default_factory=ServeSpec)
+    state_dir: Optional[str] = None  # learner state and unacknowledged upload (default: out_dir/state)
+    key_file: Optional[str] = None  # this device's signing key (64 hex digits); see fcl keygen
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
@@ -243,6 +297,7 @@ class Scenario:
     clients: int
     tasks: TasksSpec
     data: DataSpec = field(default_factory=DataSpec)
+    sign_updates: bool = False  # fcl simulate provisions a key per device and the aggregator requires signatures
 
     def __post_init__(self) -> None:
         if self.clients < 1:
