@@ -68,6 +68,8 @@ class AggregatorService:
         self.queue: queue.Queue[Incoming] = queue.Queue()
         self.online: set[str] = set()
         self.sequence = 0
+        self.retained: dict[str, bytes] = {}  # what this service last published retained, per topic
+        self.seen_connects = 0
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
         self.fingerprint = fingerprint(to_dict(self.fed), list(cfg.expected_clients), cfg.input_dim)
         self.next_round = self._resume()
@@ -178,6 +180,7 @@ class AggregatorService:
             payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
             topic = topics.knowledge_topic(self.fed.name, client)
             self.link.publish(topic, payload, retain=True, tag=f"knowledge:{task}")
+            self.retained[topic] = payload
             sizes[client] = (publish_packet_bytes(topic, len(payload)), len(payload))
             self.runlog.write("knowledge", task=task, client=client, entries=[e["id"] for e in meta["entries"]],
                               bytes=sizes[client][0])
@@ -192,7 +195,19 @@ class AggregatorService:
         payload = encode(Frame(header, meta, self.global_params), self.fed.wire.value_dtype, self.limits)
         topic = topics.round_topic(self.fed.name)
         self.link.publish(topic, payload, retain=True, tag=f"{kind.name.lower()}:{rnd}")
+        self.retained[topic] = payload
         return publish_packet_bytes(topic, len(payload)), len(payload)
+
+    def _after_outage(self) -> None:
+        """After a reconnect, publish the round's retained messages again: a broker that
+        restarted without persistence has lost them, and clients that reconnect need them."""
+        if self.link.connects == self.seen_connects:
+            return
+        if self.seen_connects:
+            log.warning("reconnected to the broker; re-publishing %d retained message(s)", len(self.retained))
+            for topic, payload in self.retained.items():
+                self.link.publish(topic, payload, retain=True, tag="republish")
+        self.seen_connects = self.link.connects
 
     def _replay_journal(self, rnd: int) -> dict[str, Update]:
         """Updates accepted in round ``rnd`` before a restart, checked again like new arrivals."""
@@ -218,6 +233,7 @@ class AggregatorService:
         expected = set(self.cfg.expected_clients)
         while set(received) < expected and time.monotonic() < deadline and not self.stop.is_set():
             self._drain(rnd, received, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())), kind=kind)
+            self._after_outage()
             if time.monotonic() >= resend_at and set(received) < expected:
                 self._request(kind, rnd, sorted(expected - set(received)))
                 resend_at = time.monotonic() + self.fed.rounds.resend_after_s

@@ -105,7 +105,7 @@ class StateStore:
                 out.append((parts[2], path.read_bytes(), int(parts[1])))
             else:
                 path.unlink(missing_ok=True)
-        return out
+        return sorted(out)
 
     def clear_journal(self) -> None:
         if self.open_dir.exists():

@@ -74,7 +74,7 @@ def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrid
     broker_proc, url = _start_broker(broker, out_dir)
     procs = {}
     try:
-        configs = _write_configs(p, out_dir, url)
+        configs = write_configs(p, out_dir, url)
         procs = {name: _spawn(name, kind, path, out_dir) for name, (kind, path) in configs.items()}
         return _follow(p, out_dir, procs, timeout)
     finally:
@@ -106,7 +106,7 @@ def _start_broker(broker: str | None, out_dir: Path) -> tuple[subprocess.Popen |
     return proc, f"mqtt://127.0.0.1:{port}"
 
 
-def _write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path]]:
+def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path]]:
     fed = p.scenario.federation
     cfg_dir = out_dir / "configs"
     cfg_dir.mkdir(exist_ok=True)

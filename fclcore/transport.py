@@ -3,6 +3,7 @@
 QoS 1 everywhere; subscriptions are (re)made in ``on_connect`` so they survive a broker
 restart; paho reconnects with exponential backoff; a retained status topic carries
 "online" on connect, "stopped" on a clean shutdown and the last-will "dead" otherwise.
+``mqtts://`` urls use TLS with the CA and optional client certificate of the BrokerSpec.
 
 ``WireMeter`` counts what crosses the wire per direction, as MQTT PUBLISH packets: fixed
 header + variable header (topic, packet id) + payload.  The sizes are computed from the
@@ -12,8 +13,12 @@ every PUBLISH that is sent once (a QoS 1 retransmission after a reconnect is not
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import random
+import ssl
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -102,7 +107,11 @@ class MqttLink:
         self.subscriptions = list(subscriptions)
         self.meter = meter or WireMeter()
         self.connected = threading.Event()
+        self.connects = 0  # successful connections so far: a change tells a service the broker was away
         self._on_message = on_message
+        self._fatal: str | None = None  # why start() cannot succeed by retrying, once known
+        self._last_error: str | None = None  # the latest failed connection attempt, for start()'s error
+        self._settled = threading.Event()  # start() may return: connected, or failed for good
         self._client = self._make_client()
 
     def _make_client(self) -> mqtt.Client:
@@ -111,22 +120,48 @@ class MqttLink:
         client.enable_logger(_PAHO_LOG)
         if self.broker.username:
             client.username_pw_set(self.broker.username, self.broker.password)
+        if self.broker.tls:
+            self._set_tls(client)
+        elif self.broker.password and not _is_loopback(parse_broker_url(self.broker.url)[0]):
+            log.warning("broker %s: the password travels unencrypted; use an mqtts:// url", self.broker.url)
         client.will_set(self.status_topic, _status_payload("dead"), qos=QOS, retain=True)
         client.reconnect_delay_set(self.broker.reconnect_min_s, self.broker.reconnect_max_s)
         client.max_queued_messages_set(0)
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
         client.on_message = self._handle_message
+        client.on_connect_fail = self._handle_connect_fail
         return client
 
+    def _set_tls(self, client: mqtt.Client) -> None:
+        """TLS with the broker's chain checked against ca_file (or the system CAs)."""
+        spec = self.broker
+        try:
+            client.tls_set(ca_certs=spec.ca_file, certfile=spec.cert_file, keyfile=spec.key_file,
+                           keyfile_password=_no_key_password)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; never print file contents
+            raise TransportError(f"broker TLS setup failed for {spec.redacted()}: {exc}") from None
+        if spec.tls_insecure:
+            client.tls_insecure_set(True)
+            log.warning("broker %s: tls_insecure is on, the server's host name is NOT checked "
+                        "(anyone with a certificate from this CA can pose as the broker)", spec.url)
+
     def start(self, timeout: float = 30.0) -> None:
-        """Connect in the background; return once connected or raise TransportError."""
+        """Connect in the background; return once connected or raise TransportError.
+
+        What retrying cannot fix fails at once: bad credentials, not authorised, a broker
+        certificate that does not verify against ca_file or does not match the url's host."""
         host, port = parse_broker_url(self.broker.url)
         self._client.connect_async(host, port, keepalive=self.broker.keepalive_s)
         self._client.loop_start()
-        if not self.connected.wait(timeout):
-            self._client.loop_stop()
-            raise TransportError(f"could not connect to {self.broker.url} within {timeout:.0f} s")
+        if self._settled.wait(timeout) and self.connected.is_set():
+            return
+        self._client.loop_stop()
+        if self._fatal is not None:
+            raise TransportError(self._fatal)
+        last = f" (last error: {self._last_error})" if self._last_error else ""
+        hint = " (TLS: check the port, and cert_file/key_file if the broker requires one)" if self.broker.tls else ""
+        raise TransportError(f"could not connect to {self.broker.url} within {timeout:.0f} s{last}{hint}")
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False,
                 tag: str | None = None) -> mqtt.MQTTMessageInfo:
@@ -152,17 +187,40 @@ class MqttLink:
     def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             log.error("broker %s refused the connection: %s", self.broker.url, reason_code)
+            if reason_code.value in _PERMANENT_REFUSALS and not self._settled.is_set():
+                self._fatal = f"broker {self.broker.url} refused {self.broker.username or 'anonymous'}: {reason_code}"
+                self._settled.set()
             return
         for topic in self.subscriptions:
             client.subscribe(topic, qos=QOS)
         self.publish_status("online")
         log.info("connected to %s as %s", self.broker.url, self.client_id)
+        self.connects += 1
         self.connected.set()
+        self._settled.set()
+
+    def _handle_connect_fail(self, client, userdata) -> None:
+        # paho calls this from inside its ``except OSError`` around a connection attempt, so
+        # the failure is the exception being handled (paho passes it no other way).
+        exc = sys.exc_info()[1]
+        if exc is None:
+            return
+        self._last_error = str(exc) or type(exc).__name__
+        if isinstance(exc, ssl.SSLCertVerificationError):  # retrying will not fix a certificate
+            reason = f"TLS to {self.broker.url}: broker certificate rejected: {exc.verify_message or exc}"
+            log.warning("%s (ca_file=%s)", reason, self.broker.ca_file or "<system CAs>")
+            if not self._settled.is_set():
+                self._fatal = reason
+                self._settled.set()
 
     def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
         if reason_code != 0:
-            log.warning("disconnected from %s (%s); reconnecting", self.broker.url, reason_code)
+            # Jitter the first retry (paho doubles it from there): a fleet that lost the same
+            # broker must not reconnect in one burst when it comes back.
+            first = self.broker.reconnect_min_s * random.uniform(0.5, 1.5)
+            client.reconnect_delay_set(first, max(first, self.broker.reconnect_max_s))
+            log.warning("disconnected from %s (%s); reconnecting in %.1f s", self.broker.url, reason_code, first)
 
     def _handle_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         payload = bytes(message.payload)
@@ -172,6 +230,26 @@ class MqttLink:
             self._on_message(message.topic, payload, size)
         except Exception:  # noqa: BLE001 - a handler bug must not kill paho's network thread
             log.exception("message handler failed on %s", message.topic)
+
+
+# CONNACK refusals (as paho's MQTT 5 reason codes) that a retry cannot fix: unsupported
+# protocol, client id rejected, bad user name or password, not authorised.
+_PERMANENT_REFUSALS = frozenset({132, 133, 134, 135})
+
+
+def _no_key_password() -> str:
+    """Called by ssl only for an encrypted key_file: fail instead of prompting on a terminal."""
+    raise ValueError("key_file is encrypted; a daemon cannot prompt for its passphrase: "
+                     "store it unencrypted with mode 0600")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _status_payload(state: str, **extra: object) -> bytes:

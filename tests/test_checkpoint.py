@@ -1,0 +1,73 @@
+"""Crash-safe state files (fclcore.checkpoint) and the aggregator's state store."""
+from __future__ import annotations
+
+import io
+import zipfile
+
+import numpy as np
+import pytest
+
+from aggregator.state import Committed, StateStore
+from fclcore import checkpoint
+from fclcore.checkpoint import CheckpointError
+
+
+def test_round_trip(tmp_path) -> None:
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "i": np.array([1, 2], np.int64)}
+    checkpoint.save(tmp_path / "c.npz", {"round": 3, "who": ["a"]}, arrays)
+    meta, loaded = checkpoint.load(tmp_path / "c.npz")
+    assert meta == {"round": 3, "who": ["a"]}
+    assert set(loaded) == {"w", "i"} and all(np.array_equal(loaded[k], v) for k, v in arrays.items())
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]  # no temporary file left
+
+
+def test_truncated_and_garbage_files_are_refused(tmp_path) -> None:
+    path = tmp_path / "c.npz"
+    checkpoint.save(path, {"a": 1}, {"w": np.ones(100, np.float32)})
+    path.write_bytes(path.read_bytes()[:-50])
+    with pytest.raises(CheckpointError):
+        checkpoint.load(path)
+    path.write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError):
+        checkpoint.load(path)
+
+
+def test_object_arrays_are_never_unpickled(tmp_path) -> None:
+    with pytest.raises(ValueError, match="numeric"):
+        checkpoint.save(tmp_path / "c.npz", {}, {"o": np.array([{"x": 1}], dtype=object)})
+    buffer = io.BytesIO()  # a hand-made file holding a pickled object array
+    np.savez(buffer, __meta__=np.frombuffer(b"{}", np.uint8), evil=np.array([object()], dtype=object))
+    (tmp_path / "evil.npz").write_bytes(buffer.getvalue())
+    with pytest.raises(CheckpointError):
+        checkpoint.load(tmp_path / "evil.npz")
+
+
+def test_missing_metadata_is_refused(tmp_path) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, w=np.ones(3))
+    (tmp_path / "c.npz").write_bytes(buffer.getvalue())
+    with pytest.raises(CheckpointError, match="metadata"):
+        checkpoint.load(tmp_path / "c.npz")
+    assert zipfile.is_zipfile(tmp_path / "c.npz")
+
+
+def test_state_store_commit_and_journal(tmp_path) -> None:
+    store = StateStore(tmp_path / "state")
+    assert store.load() is None
+    store.journal(4, "client-0", b"payload-0", 120)
+    store.journal(4, "c.1__x", b"payload-1", 99)  # ids may hold dots and underscores
+    store.journal(3, "client-0", b"stale", 1)
+    assert store.journaled(4) == [("c.1__x", b"payload-1", 99), ("client-0", b"payload-0", 120)]
+    assert store.journaled(3) == []  # the round-4 files were not round 3's, and went
+    store.journal(5, "client-0", b"p", 1)
+    state = Committed("fp", round=5, sequence=9, last_seq={"client-0": 7}, rejections={"codec": 2},
+                      metrics_offset=1234, strategy={"knowledge": []},
+                      global_params={"l0.weight": np.ones((2, 2), np.float32)},
+                      strategy_arrays={"kb/0/x/indices": np.array([1])})
+    store.commit(state)
+    assert store.journaled(5) == []  # a commit clears the journal
+    loaded = store.load()
+    assert (loaded.round, loaded.sequence, loaded.last_seq, loaded.rejections, loaded.metrics_offset) == \
+        (5, 9, {"client-0": 7}, {"codec": 2}, 1234)
+    assert np.array_equal(loaded.global_params["l0.weight"], np.ones((2, 2)))
+    assert set(loaded.strategy_arrays) == {"kb/0/x/indices"}
