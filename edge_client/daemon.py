@@ -51,7 +51,7 @@ class ClientDaemon:
         self.out_dir = Path(cfg.out_dir)
         self.data = load_client_data(cfg)
         self.input_dim = int(self.data.train[0].x.shape[1])
-        self.queue: queue.Queue[tuple[str, bytes, int]] = queue.Queue()
+        self.queue: queue.Queue[tuple[str, bytes, int, float]] = queue.Queue()  # + arrival time
         self.learner: Learner | None = None
         self.fed: FederationSpec | None = None
         self.task = -1
@@ -64,6 +64,8 @@ class ClientDaemon:
         self.knowledge_bytes: dict[int, int] = {}
         self.pending: tuple[Frame, int] | None = None  # a round waiting for its task's knowledge
         self.unacked: bytes | None = None  # the update for done_round, until a later round is announced
+        self.sent_at = 0.0  # when it was published (monotonic)
+        self.arrival = 0.0  # when the message being handled arrived
         self.limits = CodecLimits()
         try:
             self.key = read_key(cfg.key_file) if cfg.key_file else None
@@ -77,7 +79,7 @@ class ClientDaemon:
                              status_topic=topics.status_topic(cfg.federation, cfg.client_id),
                              subscriptions=[topics.round_topic(cfg.federation),
                                             topics.knowledge_topic(cfg.federation, cfg.client_id)],
-                             on_message=lambda t, p, n: self.queue.put((t, p, n)))
+                             on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())))
         torch.set_num_threads(cfg.threads)
         self._restore()
 
@@ -124,7 +126,7 @@ class ClientDaemon:
         try:
             while not finished and not self.stop.is_set():
                 try:
-                    topic, payload, size = self.queue.get(timeout=POLL_S)
+                    topic, payload, size, self.arrival = self.queue.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
                 finished = self._handle(topic, payload, size)
@@ -176,10 +178,13 @@ class ClientDaemon:
                 and frame.header.task not in self.knowledge)
 
     def _resend(self, rnd: int, why: str) -> None:
-        if rnd == self.done_round and self.unacked is not None:
+        """Publish the unacknowledged update again, unless the message asking for it arrived
+        before the update was first sent (it queued up while this device was training)."""
+        if rnd == self.done_round and self.unacked is not None and self.arrival >= self.sent_at:
             log.info("re-sending the update for round %d: %s", rnd, why)
             self.link.publish(topics.update_topic(self.cfg.federation, self.cfg.client_id), self.unacked,
                               tag=f"resend:{rnd}")
+            self.sent_at = time.monotonic()
 
     def _on_knowledge(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
         if topic != topics.knowledge_topic(self.cfg.federation, self.cfg.client_id):
@@ -266,6 +271,7 @@ class ClientDaemon:
         self.done_round, self.unacked = rnd, payload
         self._checkpoint(payload)  # before publishing: a crash after this re-sends, never retrains
         self._send(payload, f"update:{rnd}")
+        self.sent_at = time.monotonic()
         log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
 
     def _finish(self, frame: Frame) -> None:

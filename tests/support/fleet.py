@@ -1,0 +1,81 @@
+"""Separate ``fcl aggregator`` and ``fcl client`` processes for one scenario, as on a fleet,
+so tests can kill, restart and disturb each of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from fcl_edge.simulate import plan, write_configs
+
+
+class Fleet:
+    def __init__(self, scenario: Path, out: Path, broker_url: str, overrides: Sequence[str] = ()) -> None:
+        self.out = out
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        self.plan = plan(str(scenario), overrides)
+        self.configs = write_configs(self.plan, out, broker_url)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.starts: dict[str, int] = {}
+
+    @property
+    def metrics(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+    def start(self, name: str) -> subprocess.Popen:
+        kind, path = self.configs[name]
+        self.starts[name] = self.starts.get(name, 0) + 1
+        log = open(self.out / "logs" / f"{name}.{self.starts[name]}.log", "w")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(path)],
+                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self.procs[name]
+
+    def start_all(self) -> None:
+        for name in self.configs:
+            self.start(name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: no handler runs, nothing is flushed or closed."""
+        proc = self.procs[name]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        if not self.metrics.exists():
+            return []
+        lines = [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        return [e for e in lines if kind is None or e.get("event") == kind]
+
+    def wait_for_round(self, rnd: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(e["round"] >= rnd for e in self.events("round")):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"round {rnd} did not complete in {timeout} s; logs in {self.out / 'logs'}")
+
+    def wait(self, timeout: float = 240) -> dict[str, int]:
+        """Wait for the aggregator to finish, then for the clients; exit codes by name."""
+        codes = {"aggregator": self.procs["aggregator"].wait(timeout)}
+        for name, proc in self.procs.items():
+            if name != "aggregator":
+                codes[name] = proc.wait(60)
+        return codes
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.out / "logs").glob("*.log")))
