@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -64,32 +65,83 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
 
 
 class MosquittoProcess:
-    """A Mosquitto broker on a free loopback port, for tests and benchmarks."""
+    """A Mosquitto broker on a free loopback port, for tests and benchmarks.
 
-    def __init__(self, workdir: Path, extra_config: str = "") -> None:
+    The plain listener (``port``, ``url``) is always there.  Optional: ``password_file``
+    (anonymous clients are then refused), ``acl_file``, a TLS listener on a second port
+    (``tls=(cafile, certfile, keyfile)``, ``tls_port``, ``tls_url``; ``require_certificate``
+    makes it demand a client certificate) and ``persistence_dir`` (retained messages and
+    sessions survive ``restart()``; after ``kill()`` only what the last autosave wrote).
+    """
+
+    def __init__(self, workdir: Path, extra_config: str = "", *, password_file: str | Path | None = None,
+                 acl_file: str | Path | None = None, tls: tuple[str | Path, str | Path, str | Path] | None = None,
+                 require_certificate: bool = False, persistence_dir: str | Path | None = None,
+                 autosave_interval: int = 1) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.extra_config = extra_config
         self.proc: subprocess.Popen | None = None
         self.log_path = self.workdir / "mosquitto.log"
+        self.password_file = Path(password_file) if password_file is not None else None
+        self.acl_file = Path(acl_file) if acl_file is not None else None
+        self.tls = tuple(Path(f) for f in tls) if tls is not None else None
+        if self.tls is not None and len(self.tls) != 3:
+            raise ValueError(f"tls: expected (cafile, certfile, keyfile), got {tls!r}")
+        self.require_certificate = require_certificate
+        self.tls_port = free_port() if self.tls is not None else None
+        self.persistence_dir = Path(persistence_dir) if persistence_dir is not None else None
+        self.autosave_interval = autosave_interval
 
     @property
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
 
+    @property
+    def tls_url(self) -> str:
+        if self.tls_port is None:
+            raise RuntimeError("this broker has no TLS listener: pass tls=(cafile, certfile, keyfile)")
+        return f"mqtts://127.0.0.1:{self.tls_port}"
+
+    def config_text(self) -> str:
+        """The mosquitto.conf that start() writes (the listener-specific TLS block goes last)."""
+        secured = any(x is not None for x in (self.password_file, self.acl_file, self.tls, self.persistence_dir))
+        lines = [f"listener {self.port} 127.0.0.1",
+                 f"allow_anonymous {'false' if self.password_file is not None else 'true'}"]
+        if self.persistence_dir is not None:
+            lines += ["persistence true", f"persistence_location {self.persistence_dir}",
+                      f"autosave_interval {self.autosave_interval}"]
+        else:
+            lines.append("persistence false")
+        lines += ["max_queued_messages 0", "log_dest stdout"]
+        if self.password_file is not None:
+            lines.append(f"password_file {self.password_file}")
+        if self.acl_file is not None:
+            lines.append(f"acl_file {self.acl_file}")
+        if secured and os.geteuid() == 0:
+            lines.append("user root")  # run as root it would drop to "mosquitto", who cannot read test tmp dirs
+        lines.append(self.extra_config)
+        if self.tls is not None:
+            cafile, certfile, keyfile = self.tls
+            lines += [f"listener {self.tls_port} 127.0.0.1", f"cafile {cafile}", f"certfile {certfile}",
+                      f"keyfile {keyfile}", f"require_certificate {str(self.require_certificate).lower()}"]
+        return "\n".join(lines) + "\n"
+
     def start(self, timeout: float = 10.0) -> "MosquittoProcess":
         binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         conf = self.workdir / "mosquitto.conf"
-        conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                        f"max_queued_messages 0\nlog_dest stdout\n{self.extra_config}\n")
+        if self.persistence_dir is not None:
+            self.persistence_dir.mkdir(parents=True, exist_ok=True)
+        conf.write_text(self.config_text())
         with open(self.log_path, "a") as log_file:
             self.proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log_file, stderr=subprocess.STDOUT)
+        ports = [self.port] + ([self.tls_port] if self.tls_port is not None else [])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mosquitto exited: {self.log_path.read_text()}")
-            if wait_for_port("127.0.0.1", self.port, 0.2):
+            if all(wait_for_port("127.0.0.1", port, 0.2) for port in ports):
                 return self
         raise RuntimeError("mosquitto did not start listening")
 
@@ -101,3 +153,18 @@ class MosquittoProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a power cut would: no DISCONNECTs sent, no final persistence save."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, timeout: float = 10.0) -> "MosquittoProcess":
+        """Stop if still running, then start again on the same port(s) with the same config."""
+        self.stop()
+        return self.start(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None

@@ -83,11 +83,10 @@ BROKER_SCHEMES = {"mqtt": 1883, "mqtts": 8883}  # scheme -> default port
 def parse_broker_url(url: str) -> tuple[str, int]:
     """``mqtt://host[:port]`` or ``mqtts://host[:port]`` -> (host, port); ValueError with the URL otherwise."""
     parsed = urlparse(url)
+    if "@" in parsed.netloc:  # checked first: the messages below echo the url, this one holds a secret
+        raise ValueError("broker url: credentials go in broker.username / broker.password, not in the url")
     if parsed.scheme not in BROKER_SCHEMES or not parsed.hostname:
         raise ValueError(f"broker url: expected mqtt://host[:port] or mqtts://host[:port], got {url!r}")
-    if parsed.username is not None or parsed.password is not None:
-        # never echo the URL here: it holds a secret
-        raise ValueError("broker url: credentials go in broker.username / broker.password, not in the url")
     try:
         port = parsed.port or BROKER_SCHEMES[parsed.scheme]
     except ValueError:
@@ -182,8 +181,8 @@ class WireSpec:
     max_frame_mb: float = 64.0  # frames above this are rejected on both sides
 
     def __post_init__(self) -> None:
-        if not 0 < self.max_frame_mb <= 256:
-            raise ValueError(f"max_frame_mb: expected a size in (0, 256] MB, got {self.max_frame_mb}")
+        if not 0 < self.max_frame_mb <= 255:  # MQTT caps a packet just under 256 MiB
+            raise ValueError(f"max_frame_mb: expected a size in (0, 255] MB, got {self.max_frame_mb}")
 
 
 @dataclass
