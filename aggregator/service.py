@@ -231,13 +231,21 @@ class AggregatorService:
         now = time.monotonic()
         deadline, resend_at = now + self.fed.rounds.deadline_s, now + self.fed.rounds.resend_after_s
         expected = set(self.cfg.expected_clients)
-        while set(received) < expected and time.monotonic() < deadline and not self.stop.is_set():
+        while not self._round_complete(received, expected) and time.monotonic() < deadline \
+                and not self.stop.is_set():
             self._drain(rnd, received, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())), kind=kind)
             self._after_outage()
             if time.monotonic() >= resend_at and set(received) < expected:
                 self._request(kind, rnd, sorted(expected - set(received)))
                 resend_at = time.monotonic() + self.fed.rounds.resend_after_s
         return received
+
+    def _round_complete(self, received: dict[str, Update], expected: set[str]) -> bool:
+        """Every expected client replied; or the quorum did and the rest are known to be gone
+        (their status is "stopped" or the last-will "dead"), so waiting for the deadline is moot."""
+        if set(received) >= expected:
+            return True
+        return len(received) >= self._quorum() and set(received) >= (expected & self.online)
 
     def _request(self, kind: Kind, rnd: int, missing: list[str]) -> None:
         """Ask ``missing`` clients to send their update (or evaluation) for ``rnd`` again."""

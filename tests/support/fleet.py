@@ -3,6 +3,7 @@ so tests can kill, restart and disturb each of them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,6 +46,24 @@ class Fleet:
         proc = self.procs[name]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+    @contextlib.contextmanager
+    def paused(self, name: str):
+        """SIGSTOP a process for the duration of the block (its TCP connection stays up)."""
+        os.kill(self.procs[name].pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.procs[name].pid, signal.SIGCONT)
+
+    def wait_for_log(self, name: str, text: str, timeout: float = 120) -> None:
+        path = self.out / "logs" / f"{name}.{self.starts[name]}.log"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and text in path.read_text():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{name} did not log {text!r} in {timeout} s")
 
     def events(self, kind: str | None = None) -> list[dict]:
         if not self.metrics.exists():
