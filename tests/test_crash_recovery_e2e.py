@@ -74,15 +74,16 @@ def test_aggregator_and_client_killed_mid_round_resume(mosquitto, tmp_path, repo
         fleet.stop()
 
 
-def test_broker_restarted_mid_round(mosquitto, tmp_path, repo_root, reference) -> None:
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_broker_restarted_mid_round(how, mosquitto, tmp_path, repo_root, reference) -> None:
     fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES)
     try:
         fleet.start_all()
         fleet.wait_for_round(2)
         time.sleep(0.2)
-        mosquitto.stop()  # retained messages and in-flight updates are gone (no persistence)
+        getattr(mosquitto, how)()  # retained messages and in-flight updates are gone (no persistence)
         time.sleep(2.0)
-        mosquitto.start()
+        mosquitto.restart()
         codes = fleet.wait()
         assert set(codes.values()) == {0}, (codes, fleet.logs())
         _assert_each_round_once(fleet, rounds=8, clients=3)
