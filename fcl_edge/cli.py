@@ -70,6 +70,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="where to write the report (default: RUN/report for one run, else ./report)")
     p.set_defaults(run=_report)
 
+    p = sub.add_parser("status", help="the fleet as the broker's retained status topics show it",
+                       description="Connect to the broker, collect the retained status of every daemon and the "
+                                   "round announcement, and print per client: state, task, last round, bytes "
+                                   "up/down, last seen; plus the aggregator and the round in progress. "
+                                   "The password, if the broker needs one, is read from $FCL_MQTT_PASSWORD.")
+    p.add_argument("--broker", required=True, help="mqtt://host:port or mqtts://host:port")
+    p.add_argument("--federation", help="only this federation (default: every one on the broker)")
+    p.add_argument("--wait", type=float, default=1.0, metavar="S",
+                   help="seconds to collect messages after subscribing (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--username", help="broker user name")
+    p.add_argument("--ca-file", help="CA bundle for mqtts:// (default: the system CAs)")
+    p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="default: %(default)s")
+    p.set_defaults(run=_status)
+
+    p = sub.add_parser("keygen", help="provision per-device signing keys",
+                       description="Write a new random 32-byte key DIR/<client>.key (hex, mode 0600) for each "
+                                   "client. Copy each key to its device (client config: key_file) and point the "
+                                   "aggregator's keys_dir at DIR. Existing keys are never overwritten.")
+    p.add_argument("dir", help="key directory (the aggregator's keys_dir)")
+    p.add_argument("clients", nargs="+", help="client ids")
+    p.set_defaults(run=_keygen)
+
     p = sub.add_parser("broker", help="run the embedded MQTT broker (demo use; run Mosquitto in production)",
                        description="Run an embedded amqtt broker on a loopback port.")
     p.add_argument("--host", default="127.0.0.1")
@@ -108,6 +131,47 @@ def _report(args: argparse.Namespace) -> int:
     from fcl_edge.report import report
     out = args.out or (f"{args.runs[0]}/report" if len(args.runs) == 1 else "report")
     for path in report(args.runs, out):
+        print(path)
+    return int(ExitCode.OK)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from fcl_edge.status import BrokerOptions, StatusError, password_from_env, status
+    from fclcore.topics import validate_id
+    try:
+        if args.federation is not None:
+            validate_id(args.federation, "--federation")
+        if not args.wait >= 0 or not args.connect_timeout > 0:
+            raise ValueError("--wait: expected >= 0 and --connect-timeout > 0")
+        options = BrokerOptions(args.broker, args.username, password_from_env(), args.ca_file, args.connect_timeout)
+        status(options, args.federation, args.wait, args.json, sys.stdout)
+    except ValueError as exc:
+        print(f"fcl status: error: {exc}", file=sys.stderr)
+        return int(ExitCode.BAD_INPUT)
+    except StatusError as exc:
+        print(f"fcl status: error: {exc}", file=sys.stderr)
+        return int(ExitCode.BROKER_UNREACHABLE)
+    return int(ExitCode.OK)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fclcore.signing import write_key
+    from fclcore.topics import validate_id
+    try:
+        for client in args.clients:
+            validate_id(client, "client id")
+    except ValueError as exc:
+        print(f"fcl keygen: error: {exc}", file=sys.stderr)
+        return int(ExitCode.BAD_INPUT)
+    for client in args.clients:
+        path = Path(args.dir) / f"{client}.key"
+        try:
+            write_key(path)
+        except FileExistsError:
+            print(f"fcl keygen: {path} exists; kept", file=sys.stderr)
+            continue
         print(path)
     return int(ExitCode.OK)
 

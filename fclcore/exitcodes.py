@@ -1,4 +1,8 @@
-"""Numbered exit codes of every ``fcl`` command, documented in one place (README links here)."""
+"""Numbered exit codes of every ``fcl`` command, documented in one place (README links here).
+
+The user-facing table is docs/exit-codes.md; tests/test_units.py fails if a member is missing
+there, and the systemd units refer to BAD_INPUT and INTERRUPTED by number.
+"""
 
 from enum import IntEnum
 
@@ -10,4 +14,5 @@ class ExitCode(IntEnum):
     BROKER_UNREACHABLE = 3  # could not connect to the MQTT broker in time
     NOT_ENOUGH_CLIENTS = 4  # too few clients came online, or a round missed its quorum every attempt
     CLIENT_FAILED = 5  # fcl simulate: a client or the aggregator process exited non-zero
+    STATE_ERROR = 6  # the state directory (out_dir/state_dir, StateDirectory=) cannot be written: permissions, disk full
     INTERRUPTED = 130  # stopped by SIGINT/SIGTERM before the run finished

@@ -94,3 +94,15 @@ def test_key_files(tmp_path) -> None:
         read_key(tmp_path / "bad.key")
     with pytest.raises(ValueError, match="no key provisioned for 'b'"):
         load_keys(tmp_path, ["a", "b"])
+
+
+def test_fcl_keygen(tmp_path) -> None:
+    from conftest import run_fcl
+    result = run_fcl("keygen", str(tmp_path / "keys"), "c0", "c1")
+    assert result.returncode == 0, result.stderr
+    keys = {c: read_key(tmp_path / "keys" / f"{c}.key") for c in ("c0", "c1")}
+    assert keys["c0"] != keys["c1"]
+    again = run_fcl("keygen", str(tmp_path / "keys"), "c0")
+    assert again.returncode == 0 and "kept" in again.stderr
+    assert read_key(tmp_path / "keys" / "c0.key") == keys["c0"]
+    assert run_fcl("keygen", str(tmp_path / "keys"), "a/b").returncode == 2
