@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from aggregator.inbox import Inbox, Rejection, Update, is_finite_number
+from aggregator.metrics import AggregatorMetrics
 from aggregator.runlog import RunLog
 from aggregator.state import Committed, StateStore, fingerprint
 from aggregator.strategy import make_strategy
@@ -27,6 +28,7 @@ from fclcore.config import to_dict
 from fclcore.errors import ConfigError
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import AggregatorConfig
+from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import load_keys
 from fclcore.transport import MqttLink, TransportError, parse_status, publish_packet_bytes
 
@@ -73,6 +75,9 @@ class AggregatorService:
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
         self.fingerprint = fingerprint(to_dict(self.fed), list(cfg.expected_clients), cfg.input_dim)
         self.next_round = self._resume()
+        self.notifier = Notifier()
+        self.watchdog = WatchdogThread(self.notifier)
+        self.metrics = AggregatorMetrics(self.fed.name, cfg.metrics_port, cfg.metrics_addr)
         self.link = MqttLink(cfg.broker, f"fcl-{self.fed.name}-aggregator",
                              status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
                              subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
@@ -116,7 +121,10 @@ class AggregatorService:
             self.link.start()
         except TransportError as exc:
             log.error("%s", exc)
+            self.metrics.close()
             return ExitCode.BROKER_UNREACHABLE
+        self.watchdog.start()
+        self.notifier.ready(f"connected to {self.cfg.broker.url}")
         started = time.monotonic()
         try:
             carried = self._replay_journal(self.next_round)
@@ -125,14 +133,22 @@ class AggregatorService:
                 if self.stop.is_set():
                     return ExitCode.INTERRUPTED
                 self._run_round(rnd, carried if rnd == self.next_round else {})
+            if self.stop.is_set():
+                return ExitCode.INTERRUPTED
             self._finish()
         except NotEnoughClients as exc:
             log.error("%s", exc)
             return ExitCode.NOT_ENOUGH_CLIENTS
+        except OSError as exc:  # the state or run directory cannot be written
+            log.error("cannot write state: %s", exc)
+            return ExitCode.STATE_ERROR
         finally:
+            self.notifier.stopping("shutting down")
             self.link.close("stopped")
             self._write_summary(time.monotonic() - started)
             self.runlog.close()
+            self.watchdog.stop()
+            self.metrics.close()
         return ExitCode.INTERRUPTED if self.stop.is_set() else ExitCode.OK
 
     def _wait_for_clients(self, carried: dict[str, Update]) -> None:
@@ -153,10 +169,14 @@ class AggregatorService:
     def _run_round(self, rnd: int, received: dict[str, Update]) -> None:
         task = rnd // self.fed.rounds_per_task
         knowledge = self._send_knowledge(task) if rnd % self.fed.rounds_per_task == 0 else {}
+        self.metrics.round_started(rnd, task)
         for attempt in range(1, self.fed.rounds.max_attempts + 1):
             started = time.monotonic()
+            self.notifier.status(f"round {rnd + 1}/{self.fed.total_rounds}, task {task}, attempt {attempt}")
             down, payload_down = self._announce(Kind.ROUND, rnd, task, attempt)
             self._collect(rnd, received)
+            if self.stop.is_set():
+                return  # SIGTERM: the round stays open; its journal carries over to the restart
             if len(received) >= self._quorum():
                 updates = [received[c] for c in sorted(received)]  # arrival order must not change the sums
                 self.global_params = self.strategy.aggregate(updates, self.global_params)
@@ -259,6 +279,7 @@ class AggregatorService:
 
     def _drain(self, open_round: int, received: dict[str, Update], timeout: float,
                kind: Kind = Kind.UPDATE) -> None:
+        self.watchdog.beat()
         try:
             item = self.queue.get(timeout=timeout)
         except queue.Empty:
@@ -284,6 +305,7 @@ class AggregatorService:
 
     def _reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)
+        self.metrics.rejected(rejection.reason)
         self.runlog.rejected(rejection.reason, rejection.detail, topic=topic, client=rejection.client,
                              open_round=open_round)
 
@@ -300,6 +322,7 @@ class AggregatorService:
         else:
             self.online.discard(who)
             log.info("client %s is %s", who, status["state"])
+        self.metrics.clients_online(len(self.online & set(self.cfg.expected_clients)))
 
     def _record_round(self, rnd: int, task: int, received: dict[str, Update], down: int,
                       payload_down: int, attempt: int, duration: float,
@@ -320,6 +343,12 @@ class AggregatorService:
                 self.runlog.write("attention", round=rnd, task=task, client=client, **_attention(meta["attention"]))
         self.runlog.write("round", round=rnd, task=task, attempt=attempt, accepted=len(received),
                           expected=len(self.cfg.expected_clients), duration_s=round(duration, 3))
+        self.metrics.round_done(rnd, task, len(received), duration)
+        self.metrics.add_bytes(up=sum(u.packet_bytes for u in received.values()),
+                               down=sum(down + knowledge.get(c, (0, 0))[0] for c in self.cfg.expected_clients))
+        meter = self.link.meter.snapshot()
+        self.link.publish_status("online", role="aggregator", task=task, round=rnd,
+                                 bytes_up=meter["up"]["bytes"], bytes_down=meter["down"]["bytes"])
         if rnd > 0:
             self.runlog.round_summary(rnd - 1, (rnd - 1) // self.fed.rounds_per_task)
 

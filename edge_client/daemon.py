@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import queue
+import resource
 import threading
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from fclcore.config import ConfigError, from_dict, to_dict
 from fclcore.data import ClientTasks, client_task_split, load_dataset
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import ClientConfig, FederationSpec
+from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import read_key, sign
 from fclcore.transport import MqttLink, TransportError
 
@@ -59,6 +61,7 @@ class ClientDaemon:
         self.sequence = time.time_ns() // 1000  # above anything sent before, even without saved state
         self.rejected: dict[str, int] = {}
         self.round_bytes_down: dict[int, int] = {}  # PUBLISH bytes of each round's announcement
+        self.round_cpu_s: dict[int, float] = {}  # CPU seconds this process spent on each round
         self.knowledge: dict[int, Frame] = {}  # task -> knowledge frame from the aggregator
         self.knowledge_raw: dict[int, bytes] = {}
         self.knowledge_bytes: dict[int, int] = {}
@@ -81,6 +84,8 @@ class ClientDaemon:
                                             topics.knowledge_topic(cfg.federation, cfg.client_id)],
                              on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())))
         torch.set_num_threads(cfg.threads)
+        self.notifier = Notifier()
+        self.watchdog = WatchdogThread(self.notifier)
         self._restore()
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -117,22 +122,30 @@ class ClientDaemon:
                                     self.sequence, self.knowledge_raw, unacked, meta, arrays))
 
     def run(self) -> ExitCode:
+        """Serve until the run finishes or ``stop`` is set (SIGTERM): a stop waits for the
+        round in hand to be checkpointed and sent, then says "stopped" and disconnects."""
+        self.link.status_fields.update(role="client", task=self.task, round=self.done_round)
         try:
             self.link.start()
         except TransportError as exc:
             log.error("%s", exc)
             return ExitCode.BROKER_UNREACHABLE
+        self.watchdog.start()
+        self.notifier.ready(f"connected to {self.cfg.broker.url}")
         finished = False
         try:
             while not finished and not self.stop.is_set():
+                self.watchdog.beat()
                 try:
                     topic, payload, size, self.arrival = self.queue.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
                 finished = self._handle(topic, payload, size)
         finally:
+            self.notifier.stopping("shutting down")
             self.link.close("stopped")
             self._write_wire_log()
+            self.watchdog.stop()
         return ExitCode.OK if finished else ExitCode.INTERRUPTED
 
     def _handle(self, topic: str, payload: bytes, size: int) -> bool:
@@ -252,6 +265,7 @@ class ClientDaemon:
         return self.cfg.data.client_index
 
     def _round(self, frame: Frame) -> None:
+        cpu_start = time.process_time()
         rnd, task = frame.header.round, frame.header.task
         report = self._evaluate(rnd - 1)
         self._serve(after_round=rnd - 1, task_ended=task != self.task and self.task >= 0)
@@ -272,6 +286,11 @@ class ClientDaemon:
         self._checkpoint(payload)  # before publishing: a crash after this re-sends, never retrains
         self._send(payload, f"update:{rnd}")
         self.sent_at = time.monotonic()
+        self.round_cpu_s[rnd] = round(time.process_time() - cpu_start, 4)
+        meter = self.link.meter.snapshot()
+        self.link.publish_status("online", task=task, round=rnd, bytes_up=meter["up"]["bytes"],
+                                 bytes_down=meter["down"]["bytes"])
+        self.notifier.status(f"round {rnd}, task {task}")
         log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
 
     def _finish(self, frame: Frame) -> None:
@@ -314,6 +333,8 @@ class ClientDaemon:
         tmp = self.out_dir / "wire.json.tmp"
         tmp.write_text(json.dumps({"client": self.cfg.client_id, "rejected": self.rejected,
                                    "round_bytes_down": self.round_bytes_down,
+                                   "round_cpu_s": self.round_cpu_s,
+                                   "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                                    **self.link.meter.snapshot()}, indent=2))
         os.replace(tmp, self.out_dir / "wire.json")
 

@@ -33,8 +33,12 @@ class ServedModelWriter:
 
     def write(self, learner: Learner, task: int, parity_inputs: np.ndarray) -> dict | None:
         """Export the learner's served model; the report, or None if the export failed."""
-        from export.onnx_made import ExportError, ServedModel, export_served_model
-        from export.snapshot import SnapshotError, save_snapshot
+        try:
+            from export.onnx_made import ExportError, ServedModel, export_served_model
+            from export.snapshot import SnapshotError, save_snapshot
+        except ImportError as exc:  # a device installed without the export extra keeps training
+            log.error("cannot export the served model (pip install 'fcl-edge[export]'): %s", exc)
+            return None
         try:
             model = ServedModel(made=learner.made, params=learner.served_params(), order_index=0,
                                 method=learner.fed.method, task=task, binarize=self.binarize)

@@ -217,6 +217,8 @@ class AggregatorConfig:
     input_dim: int = 64  # the data dimension the federation's model is built for
     state_dir: Optional[str] = None  # committed round state for crash recovery (default: out_dir/state)
     keys_dir: Optional[str] = None  # <client>.key per device: when set, every update must be signed
+    metrics_port: Optional[int] = None  # Prometheus endpoint (needs the "service" extra); None: off
+    metrics_addr: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.expected_clients:
@@ -225,6 +227,8 @@ class AggregatorConfig:
             validate_id(cid, "client id")
         if len(set(self.expected_clients)) != len(self.expected_clients):
             raise ValueError("expected_clients: duplicate client ids")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: expected a TCP port in [0, 65535], got {self.metrics_port}")
 
 
 @dataclass

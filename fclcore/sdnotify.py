@@ -75,7 +75,8 @@ class Notifier:
             return False
         data = "\n".join(fields).encode("utf-8")
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            # Non-blocking: a manager that stopped reading must never stall the service loop.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
                 sock.sendto(data, self.address)
         except OSError as exc:
             if not self._warned:  # once: a dead manager socket would otherwise flood the log

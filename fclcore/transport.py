@@ -107,7 +107,9 @@ class MqttLink:
         self.subscriptions = list(subscriptions)
         self.meter = meter or WireMeter()
         self.connected = threading.Event()
+        self._disconnected = threading.Event()
         self.connects = 0  # successful connections so far: a change tells a service the broker was away
+        self.status_fields: dict[str, object] = {}  # sent with every status, also the one on reconnect
         self._on_message = on_message
         self._fatal: str | None = None  # why start() cannot succeed by retrying, once known
         self._last_error: str | None = None  # the latest failed connection attempt, for start()'s error
@@ -172,7 +174,10 @@ class MqttLink:
         return info
 
     def publish_status(self, state: str, **extra: object) -> mqtt.MQTTMessageInfo:
-        return self.publish(self.status_topic, _status_payload(state, **extra), retain=True, tag="status")
+        """Retained status; ``extra`` fields are remembered and repeated in later statuses."""
+        self.status_fields.update(extra)
+        payload = _status_payload(state, **self.status_fields)
+        return self.publish(self.status_topic, payload, retain=True, tag="status")
 
     def close(self, final_state: str = "stopped", timeout: float = 5.0) -> None:
         """Publish the final status, flush, disconnect."""
@@ -181,7 +186,13 @@ class MqttLink:
                 self.publish_status(final_state).wait_for_publish(timeout)
             except (TransportError, RuntimeError, ValueError) as exc:
                 log.warning("final status not delivered: %s", exc)
+        was_connected = self.connected.is_set()
+        self._disconnected.clear()
         self._client.disconnect()
+        # The DISCONNECT packet goes out on paho's loop thread: stopping the loop before it is
+        # written closes the socket bare, and the broker then publishes the last-will "dead".
+        if was_connected and not self._disconnected.wait(timeout):
+            log.warning("broker did not see a clean disconnect within %.0f s", timeout)
         self._client.loop_stop()
 
     def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -215,6 +226,7 @@ class MqttLink:
 
     def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
+        self._disconnected.set()
         if reason_code != 0:
             # Jitter the first retry (paho doubles it from there): a fleet that lost the same
             # broker must not reconnect in one burst when it comes back.
@@ -260,6 +272,6 @@ def parse_status(payload: bytes) -> dict | None:
     """A status payload as a dict, or None if it is not one (never raises)."""
     try:
         value = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: deeply nested JSON
         return None
     return value if isinstance(value, dict) and isinstance(value.get("state"), str) else None

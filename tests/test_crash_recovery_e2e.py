@@ -5,53 +5,13 @@ an undisturbed run (training is deterministic), no round counted twice and none 
 
 from __future__ import annotations
 
-import collections
 import time
-from pathlib import Path
 
 import pytest
 
-from support.fleet import Fleet
+from support.fleet import QUICK_OVERRIDES as OVERRIDES, QUICK_SCENARIO as SCENARIO, Fleet, assert_each_round_once, matrices
 
-SCENARIO = "configs/scenarios/quickstart.yaml"
-OVERRIDES = ["federation.rounds_per_task=4", "federation.rounds.resend_after_s=2",
-             "federation.rounds.deadline_s=90"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, repo_root_module) -> dict:
-    """The undisturbed run's per-client NLL matrices."""
-    from support.mosquitto import Mosquitto
-    work = tmp_path_factory.mktemp("reference")
-    broker = Mosquitto(work / "broker").start()
-    fleet = Fleet(repo_root_module / SCENARIO, work / "run", broker.url, OVERRIDES)
-    try:
-        fleet.start_all()
-        assert set(fleet.wait().values()) == {0}, fleet.logs()
-        return _matrices(fleet.summary())
-    finally:
-        fleet.stop()
-        broker.stop()
-
-
-@pytest.fixture(scope="module")
-def repo_root_module() -> Path:
-    return Path(__file__).resolve().parent.parent
-
-
-def _matrices(summary: dict) -> dict:
-    return {c: v["nll_matrix"] for c, v in summary["final"]["per_client"].items()}
-
-
-def _assert_each_round_once(fleet: Fleet, rounds: int, clients: int) -> None:
-    per_round = collections.Counter(e["round"] for e in fleet.events("round"))
-    assert per_round == {r: 1 for r in range(rounds)}, per_round
-    pairs = collections.Counter((e["round"], e["client"]) for e in fleet.events("round_client"))
-    assert set(pairs.values()) == {1} and len(pairs) == rounds * clients
-    assert all(e["status"] == "accepted" for e in fleet.events("round_client"))
-
-
-def test_aggregator_and_client_killed_mid_round_resume(mosquitto, tmp_path, repo_root, reference) -> None:
+def test_aggregator_and_client_killed_mid_round_resume(mosquitto, tmp_path, repo_root, quickstart_reference) -> None:
     fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES)
     try:
         fleet.start_all()
@@ -68,14 +28,14 @@ def test_aggregator_and_client_killed_mid_round_resume(mosquitto, tmp_path, repo
         assert set(codes.values()) == {0}, (codes, fleet.logs())
         assert "resuming quickstart after committed round" in (tmp_path / "run/logs/aggregator.2.log").read_text()
         assert "resuming after round" in (tmp_path / "run/logs/client-1.2.log").read_text()
-        _assert_each_round_once(fleet, rounds=8, clients=3)
-        assert _matrices(fleet.summary()) == reference
+        assert_each_round_once(fleet, rounds=8, clients=3)
+        assert matrices(fleet.summary()) == quickstart_reference
     finally:
         fleet.stop()
 
 
 @pytest.mark.parametrize("how", ["stop", "kill"])
-def test_broker_restarted_mid_round(how, mosquitto, tmp_path, repo_root, reference) -> None:
+def test_broker_restarted_mid_round(how, mosquitto, tmp_path, repo_root, quickstart_reference) -> None:
     fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES)
     try:
         fleet.start_all()
@@ -86,7 +46,7 @@ def test_broker_restarted_mid_round(how, mosquitto, tmp_path, repo_root, referen
         mosquitto.restart()
         codes = fleet.wait()
         assert set(codes.values()) == {0}, (codes, fleet.logs())
-        _assert_each_round_once(fleet, rounds=8, clients=3)
-        assert _matrices(fleet.summary()) == reference
+        assert_each_round_once(fleet, rounds=8, clients=3)
+        assert matrices(fleet.summary()) == quickstart_reference
     finally:
         fleet.stop()

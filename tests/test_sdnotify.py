@@ -137,3 +137,13 @@ def test_no_watchdog_no_thread():
     dog = WatchdogThread(Notifier({})).start()
     assert not dog.running
     dog.stop()
+
+
+def test_a_manager_that_stops_reading_never_blocks_the_service(tmp_path: Path) -> None:
+    path = tmp_path / "full.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))  # bound, never read: its queue fills after a few datagrams
+    notifier = Notifier({"NOTIFY_SOCKET": str(path)})
+    results = [notifier.watchdog() for _ in range(5000)]
+    assert results[0] is True and results[-1] is False  # later ones dropped, none blocked
+    sock.close()

@@ -3,6 +3,7 @@ so tests can kill, restart and disturb each of them."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -13,15 +14,43 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import yaml
+
 from fcl_edge.simulate import plan, write_configs
 
 
+# A short run used by the crash, outage and service tests (8 rounds, 3 devices); a re-send
+# request every 2 s so a lost update is asked for quickly.
+QUICK_SCENARIO = "configs/scenarios/quickstart.yaml"
+QUICK_OVERRIDES = ["federation.rounds_per_task=4", "federation.rounds.resend_after_s=2",
+                   "federation.rounds.deadline_s=90"]
+
+
+def matrices(summary: dict) -> dict:
+    """Per-client NLL matrices of a summary.json: what an undisturbed run is compared on."""
+    return {c: v["nll_matrix"] for c, v in summary["final"]["per_client"].items()}
+
+
+def assert_each_round_once(fleet: "Fleet", rounds: int, clients: int) -> None:
+    """Every round closed once, with one accepted update per client: none lost, none twice."""
+    per_round = collections.Counter(e["round"] for e in fleet.events("round"))
+    assert per_round == {r: 1 for r in range(rounds)}, per_round
+    pairs = collections.Counter((e["round"], e["client"]) for e in fleet.events("round_client"))
+    assert set(pairs.values()) == {1} and len(pairs) == rounds * clients
+    assert all(e["status"] == "accepted" for e in fleet.events("round_client"))
+
+
 class Fleet:
-    def __init__(self, scenario: Path, out: Path, broker_url: str, overrides: Sequence[str] = ()) -> None:
+    def __init__(self, scenario: Path, out: Path, broker_url: str, overrides: Sequence[str] = (),
+                 aggregator: dict | None = None) -> None:
+        """``aggregator``: extra keys for the aggregator's config (e.g. metrics_port)."""
         self.out = out
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.plan = plan(str(scenario), overrides)
         self.configs = write_configs(self.plan, out, broker_url)
+        if aggregator:
+            path = self.configs["aggregator"][1]
+            path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **aggregator}, sort_keys=False))
         self.procs: dict[str, subprocess.Popen] = {}
         self.starts: dict[str, int] = {}
 
@@ -29,12 +58,13 @@ class Fleet:
     def metrics(self) -> Path:
         return self.out / "metrics.jsonl"
 
-    def start(self, name: str) -> subprocess.Popen:
+    def start(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         kind, path = self.configs[name]
         self.starts[name] = self.starts.get(name, 0) + 1
         log = open(self.out / "logs" / f"{name}.{self.starts[name]}.log", "w")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(path)],
-                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env={**os.environ, **(env or {})})
         return self.procs[name]
 
     def start_all(self) -> None:
