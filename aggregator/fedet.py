@@ -43,6 +43,10 @@ ClassSums = Mapping[int, tuple[np.ndarray, int]]
 
 # ------------------------------------------------------------------ pure functions
 
+def _seeded(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
 def merge_class_sums(uploads: Sequence[ClassSums], into: dict[int, tuple[np.ndarray, int]] | None = None
                      ) -> dict[int, tuple[np.ndarray, int]]:
     out = dict(into or {})
@@ -202,7 +206,8 @@ class FedETServerConfig:
 class FedETAggregator:
     def __init__(self, cfg: FedETServerConfig, backbone: FrozenBackbone, aux: AuxiliaryPool) -> None:
         self.cfg, self.backbone, self.aux = cfg, backbone, aux
-        self.groups = [EnhancerGroup(cfg.enhancer) for _ in range(cfg.num_groups)]
+        # the same seeded initial groups as every device (edge_client.fedet.learner.seeded(seed, j))
+        self.groups = [EnhancerGroup(cfg.enhancer, seed=_seeded(cfg.seed, j)) for j in range(cfg.num_groups)]
         self.sums: dict[int, tuple[np.ndarray, int]] = {}
         self.group_of: dict[int, int] = {}
         self.old: dict[int, EnhancerGroup] = {}  # f_old per group changed in this task
@@ -239,7 +244,8 @@ class FedETAggregator:
         aux = self.aux.select(aux_quotas(old.classes, counts, self.cfg.aux_per_round), self.prototypes, rng)
         covered = [c for c in new_classes if any(c in t for t in trained)]  # others keep their rows
         old_logits = predict_logits(self.backbone, old, aux.ids, aux.mask)
-        up_logits = [predict_logits(self.backbone, g, aux.ids, aux.mask)[:, g.rows(cl)] for g, cl in zip(received, trained)]
+        up_logits = [predict_logits(self.backbone, g, aux.ids, aux.mask)[:, g.rows(cl)]
+                     for g, cl in zip(received, trained)]
         targets = emd_targets(old_logits, up_logits, trained, [u.entropy for u in uploads], covered)
         cols = group.rows(list(old.classes) + covered)
         full = np.zeros((len(aux), len(group.classes)), np.float32)
@@ -254,7 +260,7 @@ class FedETAggregator:
     def _distill(self, student: EnhancerGroup, aux: EncodedDocs, targets: torch.Tensor, cols: torch.Tensor,
                  rnd: int, j: int) -> None:
         opt = torch.optim.AdamW(trainable_parameters(student), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([self.cfg.seed, rnd, j]).generate_state(1)[0]))
+        gen = torch.Generator().manual_seed(_seeded(self.cfg.seed, rnd, j))
         student.train()
         for _ in range(self.cfg.distill_epochs):
             for rows in torch.randperm(len(aux), generator=gen).split(self.cfg.batch_size):
