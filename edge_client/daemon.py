@@ -20,13 +20,16 @@ import queue
 import resource
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import torch
 
+from edge_client.control import ControlServer
 from edge_client.learners import Learner, make_learner
 from edge_client.serving import ServedModelWriter
 from edge_client.state import ClientState, ClientStateStore
+from edge_client.taskdir import TaskDirectory
 from fclcore import topics
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
@@ -51,8 +54,11 @@ class ClientDaemon:
         self.cfg = cfg
         self.stop = stop or threading.Event()
         self.out_dir = Path(cfg.out_dir)
-        self.data = load_client_data(cfg)
-        self.input_dim = int(self.data.train[0].x.shape[1])
+        self.task_dir = TaskDirectory(cfg.data_dir) if cfg.data_dir else None
+        self.data = load_client_data(cfg) if cfg.data else self.task_dir.scan(None)
+        self.input_dim: int | None = int(self.data.train[0].x.shape[1]) if self.data.train else None
+        self.waiting: tuple[Frame, int] | None = None  # a round whose task's data has not arrived yet
+        self.served_round = -1  # the round after which the served model was last exported
         self.queue: queue.Queue[tuple[str, bytes, int, float]] = queue.Queue()  # + arrival time
         self.learner: Learner | None = None
         self.fed: FederationSpec | None = None
@@ -76,8 +82,11 @@ class ClientDaemon:
             raise ConfigError(f"key_file: {exc}") from None
         except ValueError as exc:
             raise ConfigError(f"key_file: {exc}") from None
-        self.store = ClientStateStore(cfg.state_dir or self.out_dir / "state")
-        self.serving = ServedModelWriter(self.out_dir, cfg.data.dataset, cfg.serve.int8)
+        state_dir = Path(cfg.state_dir) if cfg.state_dir else self.out_dir / "state"
+        self.store = ClientStateStore(state_dir)
+        self.serving = ServedModelWriter(self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8)
+        self.control = ControlServer(self.store.path.parent / "control.sock", self.status_snapshot,
+                                     self.serving.model_path)
         self.link = MqttLink(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
                              status_topic=topics.status_topic(cfg.federation, cfg.client_id),
                              subscriptions=[topics.round_topic(cfg.federation),
@@ -100,6 +109,7 @@ class ClientDaemon:
         if state.client_id != self.cfg.client_id or state.federation.get("name") != self.cfg.federation:
             raise ConfigError(f"state_dir {self.store.path.parent}: it belongs to {state.client_id!r} in "
                               f"{state.federation.get('name')!r}; move it away to rejoin from scratch")
+        self.input_dim = self.input_dim or state.input_dim
         try:
             fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
             self.knowledge = {t: decode(raw, self.limits) for t, raw in state.knowledge.items()}
@@ -119,7 +129,7 @@ class ClientDaemon:
     def _checkpoint(self, unacked: bytes) -> None:
         meta, arrays = self.learner.state()
         self.store.save(ClientState(self.cfg.client_id, to_dict(self.fed), self.task, self.done_round,
-                                    self.sequence, self.knowledge_raw, unacked, meta, arrays))
+                                    self.sequence, self.knowledge_raw, unacked, meta, arrays, self.input_dim))
 
     def run(self) -> ExitCode:
         """Serve until the run finishes or ``stop`` is set (SIGTERM): a stop waits for the
@@ -131,6 +141,10 @@ class ClientDaemon:
             log.error("%s", exc)
             return ExitCode.BROKER_UNREACHABLE
         self.watchdog.start()
+        try:
+            self.control.start()
+        except OSError as exc:  # e.g. a path longer than a Unix socket allows: the daemon runs on
+            log.warning("no control socket at %s: %s", self.control.path, exc)
         self.notifier.ready(f"connected to {self.cfg.broker.url}")
         finished = False
         try:
@@ -139,14 +153,26 @@ class ClientDaemon:
                 try:
                     topic, payload, size, self.arrival = self.queue.get(timeout=POLL_S)
                 except queue.Empty:
+                    finished = self._retry_waiting()
                     continue
                 finished = self._handle(topic, payload, size)
         finally:
             self.notifier.stopping("shutting down")
+            self.control.stop()
             self.link.close("stopped")
             self._write_wire_log()
             self.watchdog.stop()
         return ExitCode.OK if finished else ExitCode.INTERRUPTED
+
+    def status_snapshot(self) -> dict:
+        """What ``fcl ctl status`` shows (read from the control socket's thread)."""
+        waiting = self.waiting
+        return {"client_id": self.cfg.client_id, "federation": self.cfg.federation,
+                "connected": self.link.connected.is_set(), "task": self.task, "last_round": self.done_round,
+                "unacknowledged_update": self.unacked is not None, "tasks_on_device": len(self.data.train),
+                "waiting_for_task": waiting[0].header.task if waiting else None,
+                "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
+                "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")}}
 
     def _handle(self, topic: str, payload: bytes, size: int) -> bool:
         """Act on one downlink message; True when the run is finished."""
@@ -214,7 +240,35 @@ class ClientDaemon:
             return self._handle_round(*pending)
         return False
 
+    def _have_data(self, task: int) -> bool:
+        """With a task directory: rescan until task ``task``'s folder is there."""
+        if self.task_dir is not None and len(self.data.train) <= task:
+            self.data = self.task_dir.scan(self.input_dim)
+        return len(self.data.train) > task
+
+    def _retry_waiting(self) -> bool:
+        """While idle: join the waiting round as soon as its task's data has arrived."""
+        if self.waiting is None or not self._have_data(self.waiting[0].header.task):
+            return False
+        frame, size = self.waiting
+        self.waiting = None
+        log.info("data for task %d arrived in %s", frame.header.task, self.task_dir.root)
+        try:
+            return self._handle_round(frame, size)
+        except RejectedFrame as exc:
+            log.warning("dropped downlink message: %s", exc)
+            return False
+
     def _handle_round(self, frame: Frame, size: int) -> bool:
+        if not self._have_data(frame.header.task):
+            if self.waiting is None or self.waiting[0].header.task != frame.header.task:
+                log.info("round %d is on task %d: waiting for its folder in %s", frame.header.round,
+                         frame.header.task, self.task_dir.root)
+                if self.task >= 0:  # meanwhile, serve what the federation learned up to here
+                    self._serve(after_round=frame.header.round - 1, task_ended=frame.header.task != self.task)
+                self.link.publish_status("online", waiting_for_task=frame.header.task)
+            self.waiting = (frame, size)
+            return False
         new_task = frame.header.task != self.task  # the task's knowledge frame counts for its first round
         self.round_bytes_down[frame.header.round] = size + (self.knowledge_bytes.get(frame.header.task, 0)
                                                             if new_task else 0)
@@ -238,10 +292,11 @@ class ClientDaemon:
             fed = from_dict(FederationSpec, frame.meta.get("federation"), "round message", "federation")
         except ConfigError as exc:
             raise RejectedFrame(f"federation: {exc}") from None
-        if frame.meta.get("input_dim") != self.input_dim:
-            raise RejectedFrame(f"input_dim: model expects {frame.meta.get('input_dim')!r}, "
-                                f"this device's data has {self.input_dim}")
-        if len(self.data.train) < fed.num_tasks:
+        dim = frame.meta.get("input_dim")
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1 or \
+                (self.input_dim is not None and dim != self.input_dim):
+            raise RejectedFrame(f"input_dim: model expects {dim!r}, this device's data has {self.input_dim}")
+        if self.task_dir is None and len(self.data.train) < fed.num_tasks:
             raise RejectedFrame(f"tasks: federation has {fed.num_tasks} tasks, this device has {len(self.data.train)}")
         return frame, fed
 
@@ -250,6 +305,7 @@ class ClientDaemon:
         if self.fed is not None and to_dict(fed) != to_dict(self.fed):
             raise RejectedFrame("federation: settings changed during the run")
         if self.learner is None:
+            self.input_dim = frame.meta["input_dim"]  # checked by _check
             try:
                 self.learner = make_learner(fed, fed.model.made_config(self.input_dim), self.client_index)
             except ValueError as exc:
@@ -262,7 +318,8 @@ class ClientDaemon:
 
     @property
     def client_index(self) -> int:
-        return self.cfg.data.client_index
+        """Seeds per-device shuffling: the shard index in a simulation, else from the id."""
+        return self.cfg.data.client_index if self.cfg.data else zlib.crc32(self.cfg.client_id.encode()) & 0xFFFF
 
     def _round(self, frame: Frame) -> None:
         cpu_start = time.process_time()
@@ -289,7 +346,7 @@ class ClientDaemon:
         self.round_cpu_s[rnd] = round(time.process_time() - cpu_start, 4)
         meter = self.link.meter.snapshot()
         self.link.publish_status("online", task=task, round=rnd, bytes_up=meter["up"]["bytes"],
-                                 bytes_down=meter["down"]["bytes"])
+                                 bytes_down=meter["down"]["bytes"], waiting_for_task=None)
         self.notifier.status(f"round {rnd}, task {task}")
         log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
 
@@ -304,10 +361,12 @@ class ClientDaemon:
     def _serve(self, after_round: int, task_ended: bool) -> None:
         """Export the merged model after a task (or every round, if so configured)."""
         every = self.cfg.serve.every
-        if after_round < 0 or every == "never" or (every == "task" and not task_ended):
+        if after_round < 0 or every == "never" or (every == "task" and not task_ended) \
+                or after_round == self.served_round:
             return
         task = after_round // self.fed.rounds_per_task
         self.serving.write(self.learner, task, self.data.test[task].x)
+        self.served_round = after_round
 
     def _evaluate(self, rnd: int, everything: bool = False) -> dict:
         """Held-out NLL of the loaded model after round ``rnd``: on every task seen so far after

@@ -35,6 +35,7 @@ class ClientState:
     unacked: bytes | None = None  # the last update's payload, until a later round is announced
     learner_meta: dict = field(default_factory=dict)
     learner_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    input_dim: int = 0
 
 
 class ClientStateStore:
@@ -44,7 +45,8 @@ class ClientStateStore:
     def save(self, state: ClientState) -> None:
         meta = {"version": STATE_VERSION, "client_id": state.client_id, "federation": state.federation,
                 "task": state.task, "done_round": state.done_round, "sequence": state.sequence,
-                "knowledge_tasks": sorted(state.knowledge), "learner": state.learner_meta}
+                "knowledge_tasks": sorted(state.knowledge), "learner": state.learner_meta,
+                "input_dim": state.input_dim}
         arrays = {_LEARNER + k: v for k, v in state.learner_arrays.items()}
         arrays.update({f"{_KNOWLEDGE}{t}": np.frombuffer(raw, np.uint8) for t, raw in state.knowledge.items()})
         if state.unacked is not None:
@@ -64,6 +66,7 @@ class ClientStateStore:
                 done_round=int(meta["done_round"]), sequence=int(meta["sequence"]),
                 knowledge={int(t): arrays[f"{_KNOWLEDGE}{t}"].tobytes() for t in meta["knowledge_tasks"]},
                 unacked=None if unacked is None else unacked.tobytes(), learner_meta=dict(meta["learner"]),
+                input_dim=int(meta["input_dim"]),
                 learner_arrays={k[len(_LEARNER):]: v for k, v in arrays.items() if k.startswith(_LEARNER)})
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: malformed state ({exc})") from None

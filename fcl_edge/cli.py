@@ -85,6 +85,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="default: %(default)s")
     p.set_defaults(run=_status)
 
+    p = sub.add_parser("ctl", help="ask a running client daemon for its status or for inference",
+                       description="Talk to a running `fcl client` through its control socket "
+                                   "(state_dir/control.sock, default out_dir/state/control.sock). "
+                                   "`status` prints its state as JSON; `loglik` scores rows with the model "
+                                   "it serves now (log-likelihood in nats, one line per row).")
+    p.add_argument("socket", help="the client's control socket")
+    p.add_argument("op", choices=["status", "loglik"])
+    p.add_argument("--input", help="loglik: rows as .npy or .csv (0/1 values), '-' for CSV on stdin")
+    p.set_defaults(run=_ctl)
+
     p = sub.add_parser("keygen", help="provision per-device signing keys",
                        description="Write a new random 32-byte key DIR/<client>.key (hex, mode 0600) for each "
                                    "client. Copy each key to its device (client config: key_file) and point the "
@@ -152,6 +162,48 @@ def _status(args: argparse.Namespace) -> int:
         print(f"fcl status: error: {exc}", file=sys.stderr)
         return int(ExitCode.BROKER_UNREACHABLE)
     return int(ExitCode.OK)
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    import json
+
+    from edge_client.control import request
+    message: dict = {"op": args.op}
+    if args.op == "loglik":
+        import numpy as np
+        if not args.input:
+            print("fcl ctl: error: loglik needs --input", file=sys.stderr)
+            return int(ExitCode.BAD_INPUT)
+        try:
+            x = _read_rows(args.input)
+        except (OSError, ValueError) as exc:
+            print(f"fcl ctl: error: {exc}", file=sys.stderr)
+            return int(ExitCode.BAD_INPUT)
+        message["x"] = np.asarray(x).tolist()
+    try:
+        reply = request(args.socket, message)
+    except OSError as exc:
+        print(f"fcl ctl: error: no client answers on {args.socket}: {exc}", file=sys.stderr)
+        return int(ExitCode.FAILURE)
+    if not reply.get("ok"):
+        print(f"fcl ctl: error: {reply.get('error')}", file=sys.stderr)
+        return int(ExitCode.BAD_INPUT)
+    if args.op == "status":
+        print(json.dumps(reply["status"], indent=2))
+    else:
+        print("\n".join(f"{v:.6f}" for v in reply["loglik"]))
+    return int(ExitCode.OK)
+
+
+def _read_rows(source: str):
+    """Rows of 0/1 values from .npy / .csv / stdin (the width is the served model's, checked there)."""
+    import io
+
+    import numpy as np
+    if source.endswith(".npy"):
+        return np.load(source, allow_pickle=False)
+    text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
+    return np.loadtxt(io.StringIO(text), delimiter=",", ndmin=2)
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -281,7 +281,8 @@ class ServeSpec:
 class ClientConfig:
     client_id: str
     federation: str
-    data: ClientDataSpec
+    data: Optional[ClientDataSpec] = None  # a shard of a scenario's dataset (simulations) ...
+    data_dir: Optional[str] = None  # ... or task folders that arrive on the device (edge_client/taskdir.py)
     out_dir: str = "runs/client"
     broker: BrokerSpec = field(default_factory=BrokerSpec)
     threads: int = 1  # torch intra-op threads; keep small on shared-core devices
@@ -292,6 +293,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
         validate_id(self.federation, "federation")
+        if (self.data is None) == (self.data_dir is None):
+            raise ValueError("data, data_dir: expected exactly one (a dataset shard, or a task directory)")
 
 
 @dataclass
