@@ -157,7 +157,8 @@ BAD = [
      ["expected_clients", "at least one"]),
     ("agg-dup-clients", AggregatorConfig, AGG.replace("[a, b]", "[a, a]"), ["expected_clients", "duplicate"]),
     ("agg-bad-client-id", AggregatorConfig, AGG.replace("[a, b]", "['a+', b]"), ["client id", "'a+'"]),
-    ("client-missing-data", ClientConfig, "client_id: a\nfederation: t\n", ["data", "missing value"]),
+    ("client-missing-data", ClientConfig, "client_id: a\nfederation: t\n", ["data, data_dir", "exactly one"]),
+    ("client-two-data-sources", ClientConfig, CLIENT + "data_dir: /tmp/tasks\n", ["data, data_dir", "exactly one"]),
     ("client-bad-id", ClientConfig, CLIENT.replace("client_id: a", "client_id: 'a#'"), ["client_id", "'a#'"]),
 ]
 
