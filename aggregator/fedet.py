@@ -94,8 +94,11 @@ def emd_targets(old_logits: np.ndarray, upload_logits: Sequence[np.ndarray], upl
             raise ValueError(f"no upload trained new class {c}")
         w = emd_weights([entropies[k] for k in ks])
         new[:, i] = sum(wk * upload_logits[k][:, list(upload_classes[k]).index(c)] for wk, k in zip(w, ks))
-    center = lambda x: x - x.mean(1, keepdims=True) if x.shape[1] else x
-    return np.concatenate([center(old_logits.astype(np.float64)), center(new)], axis=1)
+    return np.concatenate([_centered(old_logits.astype(np.float64)), _centered(new)], axis=1)
+
+
+def _centered(x: np.ndarray) -> np.ndarray:
+    return x - x.mean(1, keepdims=True) if x.shape[1] else x
 
 
 def aux_quotas(old_classes: Sequence[int], new_counts: Mapping[int, int], total: int) -> dict[int, int]:
@@ -196,7 +199,7 @@ class FedETServerConfig:
     enhancer: EnhancerConfig = field(default_factory=EnhancerConfig)
     num_groups: int = 2
     aux_per_round: int = 64
-    distill_epochs: int = 2
+    distill_epochs: int = 4
     lr: float = 2e-3
     weight_decay: float = 0.01
     batch_size: int = 8

@@ -101,7 +101,7 @@ class AggregatorService:
         try:
             self.strategy.restore(committed.strategy, committed.strategy_arrays)
             self.runlog.resume(committed.metrics_offset, committed.rejections)
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, OSError) as exc:  # OSError: metrics.jsonl gone
             raise ConfigError(f"state_dir {self.store.dir}: cannot resume ({exc})") from None
         self.global_params = committed.global_params
         self.sequence = committed.sequence
