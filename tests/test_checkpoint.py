@@ -71,3 +71,28 @@ def test_state_store_commit_and_journal(tmp_path) -> None:
         (5, 9, {"client-0": 7}, {"codec": 2}, 1234)
     assert np.array_equal(loaded.global_params["l0.weight"], np.ones((2, 2)))
     assert set(loaded.strategy_arrays) == {"kb/0/x/indices"}
+
+
+def _service_cfg(tmp_path, **federation):
+    from fclcore.config import from_dict
+    from fclcore.schema import AggregatorConfig
+    return from_dict(AggregatorConfig, {
+        "federation": {"name": "f", "num_tasks": 1, "rounds_per_task": 3, "model": {"hidden_sizes": [4]},
+                       **federation},
+        "expected_clients": ["c0"], "out_dir": str(tmp_path / "agg"), "input_dim": 5}, "test")
+
+
+def test_aggregator_refuses_state_of_another_federation_and_damaged_state(tmp_path) -> None:
+    from aggregator.service import AggregatorService
+    from fclcore.errors import ConfigError
+    service = AggregatorService(_service_cfg(tmp_path))
+    service._commit(0)  # as after round 0
+    service.runlog.close()
+    resumed = AggregatorService(_service_cfg(tmp_path))
+    assert resumed.next_round == 1
+    resumed.runlog.close()
+    with pytest.raises(ConfigError, match="different federation"):
+        AggregatorService(_service_cfg(tmp_path, seed=7))
+    (tmp_path / "agg/state/committed.npz").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="move it away"):
+        AggregatorService(_service_cfg(tmp_path))
