@@ -1,0 +1,194 @@
+"""FedET on one device: local class-incremental learning (paper Algorithm 1, Local_ICL).
+
+Per task, for every group j that receives new classes:
+
+1. the new classes' training texts form L_j (their class -> group map comes from the
+   federation-wide selector, so every device agrees on j);
+2. a temporary group H^t with a head over the client's own new classes of j is randomly
+   initialised and trained with cross-entropy on L_j (it persists over the task's rounds
+   and trains ``local_epochs`` more each round, instead of being re-initialised each round:
+   same fixed point, a fraction of the CPU);
+3. typical samples of L_j enter the sample memory S (bounded by gamma);
+4. the consolidated group (the global group j as last received, covering old + all new
+   classes of j) is trained by double distillation (eq. 3-5) on U = L_j + the memory's
+   samples of j's old classes, with f_old = group j as it was when the task started and f_t
+   the temporary group.  The paper distils on the memory alone, augmented; our memory is a
+   few texts, and L_j is the data this device has anyway, so U includes it;
+5. the group is uploaded with its label histogram and entropy H(M^t) (server eq. 6).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edge_client.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
+from edge_client.fedet.memory import SampleMemory
+from edge_client.fedet.selector import PrototypeSelector, class_sums
+from fclcore.codec import SparseTensor
+from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, enhanced_logits,
+                                     group_to_tensors, predict_logits, trainable_parameters)
+from fclcore.text import EncodedDocs
+
+__all__ = ["FedETConfig", "GroupUpload", "FedETClient", "train_epochs", "seeded"]
+
+
+@dataclass(frozen=True)
+class FedETConfig:
+    enhancer: EnhancerConfig = field(default_factory=EnhancerConfig)
+    num_groups: int = 2  # J
+    gamma: float = 0.03  # store ratio of the sample memory
+    memory_max: int | None = None
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    batch_size: int = 8
+    local_epochs: int = 1  # temporary-group epochs per round
+    distill_epochs: int = 1  # double-distillation epochs per round
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_groups < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError(f"FedETConfig: num_groups, batch_size >= 1 and lr > 0 expected, got {self}")
+
+
+@dataclass
+class GroupUpload:
+    """One group's update: its tensors plus the JSON meta that travels with them."""
+
+    group: int
+    classes: tuple[int, ...]  # head rows, in order
+    tensors: dict[str, np.ndarray | SparseTensor]  # non-zeros; the codec picks the smallest layout
+    label_counts: dict[int, int]  # this client's samples per NEW class of the group
+    entropy: float  # H(M^t) of label_counts, nats
+    n_samples: int
+
+    def meta(self) -> dict:
+        return {"group": self.group, "classes": list(self.classes), "entropy": self.entropy,
+                "label_counts": [[c, n] for c, n in sorted(self.label_counts.items())],
+                "n_samples": self.n_samples}
+
+
+def seeded(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def train_epochs(backbone: FrozenBackbone, group: EnhancerGroup, docs: EncodedDocs, epochs: int,
+                 batch_size: int, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+                 loss_fn) -> float:
+    """Shuffled mini-batches; ``loss_fn(logits, batch_rows)`` -> scalar.  Returns the mean loss."""
+    group.train()
+    losses = []
+    for _ in range(epochs):
+        for rows in torch.randperm(len(docs), generator=generator).split(batch_size):
+            idx = rows.numpy()
+            logits = enhanced_logits(backbone, group, torch.from_numpy(docs.ids[idx]),
+                                     torch.from_numpy(docs.mask[idx]))  # (b, C)
+            loss = loss_fn(logits, rows)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    group.eval()
+    return float(np.mean(losses)) if losses else float("nan")
+
+
+@dataclass
+class _TaskGroup:
+    old: EnhancerGroup  # f_old: group j when the task started (frozen teacher)
+    temp: EnhancerGroup  # f_t: the client's new classes of j
+    temp_opt: torch.optim.Optimizer
+    data: EncodedDocs  # L_j
+    distill_set: EncodedDocs  # U
+    old_logits: np.ndarray | None = None  # f_old on U (fixed for the task)
+
+
+class FedETClient:
+    def __init__(self, cfg: FedETConfig, backbone: FrozenBackbone, client_index: int) -> None:
+        self.cfg, self.backbone, self.client_index = cfg, backbone, client_index
+        self.groups = [EnhancerGroup(cfg.enhancer, seed=seeded(cfg.seed, j)) for j in range(cfg.num_groups)]
+        self.selector = PrototypeSelector()
+        self.memory = SampleMemory(cfg.gamma, cfg.memory_max)
+        self.task = -1
+        self.active: dict[int, _TaskGroup] = {}
+
+    def _optimizer(self, group: EnhancerGroup) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(trainable_parameters(group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    @staticmethod
+    def task_statistics(docs: EncodedDocs, pooled: np.ndarray) -> dict[int, tuple[np.ndarray, int]]:
+        """Per new class: (sum of unit embeddings, count) -- the selector's upload at a task start."""
+        return class_sums(pooled, docs.labels)
+
+    def start_task(self, task: int, docs: EncodedDocs, pooled: np.ndarray, group_of: dict[int, int],
+                   prototypes: dict[int, np.ndarray]) -> None:
+        """Install the global selector, extend the selected groups, set up Algorithm 1 per group."""
+        self.task, self.active = task, {}
+        self.selector.update(prototypes, group_of)
+        new_by_group: dict[int, list[int]] = {}
+        for c, j in sorted(group_of.items()):
+            if c not in {k for g in self.groups for k in g.classes}:
+                new_by_group.setdefault(j, []).append(c)
+        old_rows = self.memory.docs()
+        self.memory.add(docs, pooled)  # Algorithm 1 line 9 (the memory only keeps a few typical rows)
+        for j, new in new_by_group.items():
+            old = self.groups[j].copy().eval()
+            self.groups[j].extend_classes(new)  # zero rows: identical on every device and the server
+            mine = np.flatnonzero(np.isin(docs.labels, new))
+            if len(mine) == 0:
+                continue
+            local_new = tuple(sorted(int(c) for c in np.unique(docs.labels[mine])))
+            temp = EnhancerGroup(self.cfg.enhancer, local_new, seed=seeded(self.cfg.seed, self.client_index, task, j))
+            data = docs.subset(mine)
+            replay = (None if old_rows is None
+                      else old_rows.subset(np.flatnonzero(np.isin(old_rows.labels, old.classes))))
+            distill = data if replay is None or len(replay) == 0 else EncodedDocs.concat([data, replay])
+            self.active[j] = _TaskGroup(old, temp, self._optimizer(temp), data, distill)
+
+    def load_group(self, j: int, group: EnhancerGroup) -> None:
+        self.groups[j] = group
+
+    def train_round(self, rnd: int) -> list[GroupUpload]:
+        return [self._train_group(j, state, rnd) for j, state in sorted(self.active.items())]
+
+    def _train_group(self, j: int, s: _TaskGroup, rnd: int) -> GroupUpload:
+        gen = torch.Generator().manual_seed(seeded(self.cfg.seed, self.client_index, rnd, j))
+        bs = self.cfg.batch_size
+        rows = torch.from_numpy(np.array(s.temp.rows(s.data.labels)))
+        if len(s.temp.classes) > 1:  # a one-class head has nothing to learn (its CE is always 0)
+            train_epochs(self.backbone, s.temp, s.data, self.cfg.local_epochs, bs, s.temp_opt, gen,
+                         lambda logits, b: F.cross_entropy(logits, rows[b]))
+        if s.old_logits is None:
+            s.old_logits = predict_logits(self.backbone, s.old, s.distill_set.ids, s.distill_set.mask)
+        temp_logits = predict_logits(self.backbone, s.temp, s.distill_set.ids, s.distill_set.mask)
+        targets, have = self._targets(j, s, torch.from_numpy(s.old_logits), torch.from_numpy(temp_logits))
+        student = self.groups[j]
+        train_epochs(self.backbone, student, s.distill_set, self.cfg.distill_epochs, bs, self._optimizer(student),
+                     gen, lambda logits, b: distillation_loss(logits, targets[b], have))
+        counts = {int(c): int((s.data.labels == c).sum()) for c in s.temp.classes}
+        return GroupUpload(j, student.classes, group_to_tensors(student, sparse=True), counts,
+                           label_entropy(list(counts.values())), len(s.distill_set))
+
+    def _targets(self, j: int, s: _TaskGroup, old: torch.Tensor,
+                 temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eq. 5 targets placed on the student's head rows; rows without a teacher are masked."""
+        student = self.groups[j]
+        dd = double_distillation_targets(old, temp)  # (|U|, m + n_local) in [old..., temp...] order
+        cols = student.rows(s.old.classes + s.temp.classes)
+        targets = torch.zeros(len(dd), len(student.classes))
+        targets[:, cols] = dd
+        have = torch.zeros(len(student.classes), dtype=torch.bool)
+        have[cols] = True
+        return targets, have
+
+    def predict(self, docs: EncodedDocs, pooled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(predicted class, routed group) per text: selector first, then the routed group's head."""
+        routes = self.selector.route(pooled)
+        preds = np.full(len(docs), -1, dtype=np.int64)
+        for j in np.unique(routes):
+            idx = np.flatnonzero(routes == j)
+            group = self.groups[int(j)]
+            logits = predict_logits(self.backbone, group, docs.ids[idx], docs.mask[idx])
+            preds[idx] = np.array(group.classes)[logits.argmax(1)]
+        return preds, routes

