@@ -62,11 +62,10 @@ class StateStore:
 
     def load(self) -> Committed | None:
         """The last committed state, None if there is none; CheckpointError if unusable."""
-        if not self.path.exists():
+        loaded = checkpoint.load_versioned(self.path, STATE_VERSION)
+        if loaded is None:
             return None
-        meta, arrays = checkpoint.load(self.path)
-        if meta.get("version") != STATE_VERSION:
-            raise CheckpointError(f"{self.path}: state version {meta.get('version')!r}, expected {STATE_VERSION}")
+        meta, arrays = loaded
         try:
             state = Committed(fingerprint=str(meta["fingerprint"]), round=int(meta["round"]),
                               sequence=int(meta["sequence"]),

@@ -54,11 +54,10 @@ class ClientStateStore:
         checkpoint.save(self.path, meta, arrays)
 
     def load(self) -> ClientState | None:
-        if not self.path.exists():
+        loaded = checkpoint.load_versioned(self.path, STATE_VERSION)
+        if loaded is None:
             return None
-        meta, arrays = checkpoint.load(self.path)
-        if meta.get("version") != STATE_VERSION:
-            raise CheckpointError(f"{self.path}: state version {meta.get('version')!r}, expected {STATE_VERSION}")
+        meta, arrays = loaded
         try:
             unacked = arrays.get(_UNACKED)
             return ClientState(

@@ -26,6 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from export import _meta
 from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
+from fclcore.checkpoint import fsync_dir
 from fclcore.made_spec import MadeConfig, input_order, made_masks, mask_for_param, param_shapes
 
 __all__ = ["ServedModel", "ExportError", "build_onnx", "export_served_model", "int8_path_for",
@@ -223,19 +224,6 @@ def _write(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _parity_inputs(model: ServedModel, parity_inputs: np.ndarray | None) -> tuple[np.ndarray, str]:
     d = model.made.input_dim
     if parity_inputs is None:
@@ -313,7 +301,7 @@ def export_served_model(model: ServedModel, path: str | os.PathLike, *, parity_i
         report["file_sha256"] = _file_sha256(tmp)
         for src, dst in publish:
             os.replace(src, dst)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         return report
     finally:
         for t in temps:

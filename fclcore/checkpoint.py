@@ -34,7 +34,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def save(path: str | os.PathLike, meta: Mapping, arrays: Mapping[str, np.ndarray]) -> None:
@@ -69,7 +69,18 @@ def load(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     return meta, arrays
 
 
-def _fsync_dir(directory: Path) -> None:
+def load_versioned(path: Path, version: int) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """``load`` for a state file written with ``meta["version"]``; None if the file is absent."""
+    if not Path(path).exists():
+        return None
+    meta, arrays = load(path)
+    if meta.get("version") != version:
+        raise CheckpointError(f"{path}: state version {meta.get('version')!r}, expected {version}")
+    return meta, arrays
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make renames in ``directory`` durable (best effort where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
