@@ -155,14 +155,17 @@ class ReceivedGroup:
     @classmethod
     def from_frame(cls, frame: Frame) -> "ReceivedGroup":
         """Validate the meta of a decoded group upload (tensor shapes are checked on use)."""
-        m = frame.meta
+        return cls.from_meta(frame.header.client, frame.meta, dict(frame.tensors))
+
+    @classmethod
+    def from_meta(cls, client: str, m: object, tensors: dict) -> "ReceivedGroup":
+        """One group's upload from its meta (``GroupUpload.meta()``) and tensors."""
         try:
             classes = tuple(int(c) for c in m["classes"])
             counts = {int(c): int(n) for c, n in m["label_counts"]}
-            up = cls(frame.header.client, int(m["group"]), classes, dict(frame.tensors), counts,
-                     float(m["entropy"]), int(m["n_samples"]))
+            up = cls(client, int(m["group"]), classes, tensors, counts, float(m["entropy"]), int(m["n_samples"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"fedet upload from {frame.header.client!r}: bad meta ({exc!r})") from None
+            raise ValueError(f"fedet upload from {client!r}: bad meta ({exc!r})") from None
         if any(n < 0 for n in counts.values()) or not set(counts) <= set(classes) or up.n_samples < 1:
             raise ValueError(f"fedet upload from {up.client!r}: label_counts {counts} must be >= 0 and "
                              f"within classes {classes}, n_samples {up.n_samples} >= 1")

@@ -72,6 +72,7 @@ class Inbox:
     keys: Mapping[str, bytes] | None = None  # per-device HMAC keys: when set, only signed frames pass
     max_update_norm: float | None = None
     last_seq: dict[str, int] = field(default_factory=dict)  # highest sequence accepted per device
+    min_samples: int = 1  # 0 for methods where a device may have nothing to train in a task (fedet)
 
     def check(self, client: str | None, payload: bytes, packet_bytes: int, open_round: int,
               received: set[str], kind: Kind = Kind.UPDATE,
@@ -135,8 +136,8 @@ class Inbox:
         meta = frame.meta
         if kind is Kind.UPDATE:
             n = meta.get("n_samples")
-            if not _is_int(n) or not 1 <= n <= MAX_SAMPLES:
-                return f"meta.n_samples: expected an integer in [1, {MAX_SAMPLES}], got {n!r}"
+            if not _is_int(n) or not self.min_samples <= n <= MAX_SAMPLES:
+                return f"meta.n_samples: expected an integer in [{self.min_samples}, {MAX_SAMPLES}], got {n!r}"
         if "eval" in meta:
             problem = eval_problem(meta["eval"], self.num_tasks)
             if problem is None and meta["eval"]["round"] != frame.header.round - 1:
@@ -162,12 +163,27 @@ def update_distance(tensors: Mapping[str, Tensor], current: Mapping[str, np.ndar
     return math.sqrt(total)
 
 
+METRICS = ("nll", "accuracy")  # what a device's evaluation reports per task
+
+
+def eval_metric(report: dict) -> str:
+    """The metric an (already checked) evaluation report carries."""
+    return "accuracy" if "accuracy" in report else "nll"
+
+
 def eval_problem(report: object, num_tasks: int) -> str | None:
     """An evaluation report is {"round": int, "task": int, "nll": [finite float or null] * (task + 1)},
-    with the current task's entry present (earlier tasks are only scored after a task ends)."""
+    with the current task's entry present (earlier tasks are only scored after a task ends);
+    accuracy-scored methods send "accuracy" (values in [0, 1]) instead of "nll"."""
     if not isinstance(report, dict):
         return f"meta.eval: expected a mapping, got {type(report).__name__}"
-    rnd, task, nll = report.get("round"), report.get("task"), report.get("nll")
+    given = [m for m in METRICS if m in report]
+    if len(given) != 1:
+        return f"meta.eval: expected exactly one of {METRICS}, got {given}"
+    rnd, task, nll = report.get("round"), report.get("task"), report.get(given[0])
+    if given[0] == "accuracy" and isinstance(nll, list) and any(
+            is_finite_number(v) and not 0 <= v <= 1 for v in nll):
+        return "meta.eval.accuracy: expected values in [0, 1]"
     if not _is_int(rnd) or not _is_int(task) or not 0 <= task < num_tasks:
         return f"meta.eval: expected integer round and task in [0, {num_tasks}), got {rnd!r}, {task!r}"
     if not isinstance(nll, list) or len(nll) != task + 1:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fclcore.continual import continual_metrics, loss_matrix, mean_metrics
+from aggregator.inbox import eval_metric
+from fclcore.continual import accuracy_metrics, continual_metrics, loss_matrix, mean_metrics
 
 MAX_REJECTION_EVENTS = 10_000  # beyond this, rejections are only counted (a flood must not fill the disk)
 
@@ -94,20 +95,23 @@ class RunLog:
 
     def round_summary(self, rnd: int, task: int) -> float | None:
         """Mean over clients of the current task's NLL after ``rnd``, once all reports are in."""
-        values = [e[rnd]["nll"][task] for e in self.evals.values() if rnd in e and e[rnd]["task"] == task]
-        if not values:
+        reports = [e[rnd] for e in self.evals.values() if rnd in e and e[rnd]["task"] == task]
+        if not reports:
             return None
-        mean = round(float(np.mean(values)), 4)
-        self.write("round_summary", round=rnd, task=task, mean_nll=mean, clients=len(values))
+        metric = eval_metric(reports[0])
+        mean = round(float(np.mean([r[metric][task] for r in reports])), 4)
+        self.write("round_summary", round=rnd, task=task, **{f"mean_{metric}": mean}, clients=len(reports))
         return mean
 
     def summary(self, *, method: str, federation: str, clients: list[str], tasks: int, rounds: int,
                 rounds_per_task: int, **extra: object) -> dict:
         per_client = {}
         for client in clients:
-            matrix = self._task_matrix(client, tasks, rounds_per_task)
-            if matrix is not None:
-                per_client[client] = {**continual_metrics(matrix), "nll_matrix": _jsonable(matrix)}
+            found = self._task_matrix(client, tasks, rounds_per_task)
+            if found is not None:
+                metric, matrix = found
+                scores = continual_metrics(matrix) if metric == "nll" else accuracy_metrics(matrix)
+                per_client[client] = {**scores, f"{metric}_matrix": _jsonable(matrix)}
         up = sum(c["up"] for c in self.bytes.values())
         down = sum(c["down"] for c in self.bytes.values())
         out = {
@@ -129,15 +133,16 @@ class RunLog:
         os.replace(tmp, self.dir / "summary.json")
         return out
 
-    def _task_matrix(self, client: str, tasks: int, rounds_per_task: int) -> np.ndarray | None:
-        """n[t][i] from the evaluation after the last round of each task, if all are present."""
-        rows = []
+    def _task_matrix(self, client: str, tasks: int, rounds_per_task: int) -> tuple[str, np.ndarray] | None:
+        """(metric, n[t][i]) from the evaluation after the last round of each task, if all are present."""
+        rows, metric = [], "nll"
         for t in range(tasks):
             report = self.evals.get(client, {}).get((t + 1) * rounds_per_task - 1)
             if report is None:
                 return None
-            rows.append([np.nan if v is None else v for v in report["nll"]])
-        return loss_matrix(rows)
+            metric = eval_metric(report)
+            rows.append([np.nan if v is None else v for v in report[metric]])
+        return metric, loss_matrix(rows)
 
     def close(self) -> None:
         with self._lock:

@@ -53,7 +53,8 @@ class AggregatorService:
         self.fed = cfg.federation
         self.stop = stop or threading.Event()
         self.made = self.fed.model.made_config(cfg.input_dim)
-        self.strategy = make_strategy(self.fed, self.made, cfg.expected_clients)
+        extra = {"aux_dir": cfg.aux_dir} if self.fed.method == "fedet" else {}
+        self.strategy = make_strategy(self.fed, self.made, cfg.expected_clients, **extra)
         self.global_params = self.strategy.initial_model()
         self.limits = CodecLimits(max_frame_bytes=int(self.fed.wire.max_frame_mb * 2**20))
         keys = None
@@ -64,8 +65,7 @@ class AggregatorService:
                 raise ConfigError(f"keys_dir: {exc}") from None
         self.inbox = Inbox(self.fed.name, frozenset(cfg.expected_clients), self.strategy.normalize,
                            self.fed.num_tasks, self.limits, keys=keys,
-                           max_update_norm=self.fed.rounds.max_update_norm)
-        self.dense_fp32_bytes = self.strategy.dense_fp32_bytes
+                           max_update_norm=self.fed.rounds.max_update_norm, min_samples=self.strategy.min_samples)
         self.runlog = RunLog(cfg.out_dir)
         self.queue: queue.Queue[Incoming] = queue.Queue()
         self.online: set[str] = set()
@@ -95,8 +95,7 @@ class AggregatorService:
         if committed.fingerprint != self.fingerprint:
             raise ConfigError(f"state_dir {self.store.dir}: it belongs to a different federation, client list "
                               f"or input_dim; move it away to start afresh, or restore the old config")
-        shapes = {k: v.shape for k, v in self.global_params.items()}
-        if {k: v.shape for k, v in committed.global_params.items()} != shapes:
+        if not self.strategy.fits(committed.global_params):
             raise ConfigError(f"state_dir {self.store.dir}: the committed model does not fit this federation")
         try:
             self.strategy.restore(committed.strategy, committed.strategy_arrays)
@@ -209,7 +208,7 @@ class AggregatorService:
     def _announce(self, kind: Kind, rnd: int, task: int, attempt: int = 1) -> tuple[int, int]:
         meta = {"federation": to_dict(self.fed), "input_dim": self.cfg.input_dim,
                 "total_rounds": self.fed.total_rounds, "attempt": attempt,
-                "knowledge": self.strategy.uses_knowledge}
+                "knowledge": self.strategy.uses_knowledge, **self.strategy.announce_meta(rnd)}
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
         payload = encode(Frame(header, meta, self.global_params), self.fed.wire.value_dtype, self.limits)
@@ -335,7 +334,7 @@ class AggregatorService:
                 rnd, task, client, up=update.packet_bytes if update else 0,
                 payload_up=update.payload_bytes if update else 0, down=down + kb_bytes,
                 payload_down=payload_down + kb_payload,
-                dense_fp32_up=self.dense_fp32_bytes if update else 0,
+                dense_fp32_up=self.strategy.dense_fp32_bytes if update else 0,
                 status="accepted" if update else "missing", n_samples=meta.get("n_samples"),
                 train_nll=_number(meta.get("train_nll")), rejected_by_client=_counts(meta.get("rejected")),
                 base_values=_count(meta.get("base_values")))

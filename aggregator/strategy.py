@@ -29,15 +29,20 @@ def register(*names: str) -> Callable[[type["Strategy"]], type["Strategy"]]:
     return wrap
 
 
-def make_strategy(fed: FederationSpec, made: MadeConfig, clients: Sequence[str]) -> "Strategy":
+def make_strategy(fed: FederationSpec, made: MadeConfig, clients: Sequence[str], **extra) -> "Strategy":
+    """``extra``: settings of the aggregator's own config that a method needs (``aux_dir``)."""
     import aggregator.decomposed  # noqa: F401  (registers the decomposed methods)
+    if fed.method == "fedet":
+        import aggregator.fedet_strategy  # noqa: F401  (torch: only for this method)
+        return STRATEGIES["fedet"](fed, made, list(clients), **extra)
     if fed.method not in STRATEGIES:
-        raise ValueError(f"method: expected one of {sorted(STRATEGIES)}, got {fed.method!r}")
+        raise ValueError(f"method: expected one of {sorted(STRATEGIES) + ['fedet']}, got {fed.method!r}")
     return STRATEGIES[fed.method](fed, made, list(clients))
 
 
 class Strategy:
     uses_knowledge = False  # True: clients wait for a knowledge frame at each task start
+    min_samples = 1  # an update must report at least this many training samples
 
     def __init__(self, fed: FederationSpec, made: MadeConfig, clients: list[str]) -> None:
         self.fed = fed
@@ -52,6 +57,14 @@ class Strategy:
 
     def initial_model(self) -> dict[str, np.ndarray]:
         return init_params(self.made, self.fed.seed)
+
+    def fits(self, params: dict[str, np.ndarray]) -> bool:
+        """Whether a committed global model has this federation's names and shapes."""
+        return {k: v.shape for k, v in params.items()} == {k: v.shape for k, v in self.initial_model().items()}
+
+    def announce_meta(self, rnd: int) -> dict:
+        """Extra metadata for the announcement of round ``rnd``."""
+        return {}
 
     def normalize(self, frame: Frame) -> dict[str, Tensor]:
         raise NotImplementedError

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, out_dir: Path, url: str) -> dict:
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = [e for e in events if e["event"] == "round"]
     per_client = [e for e in events if e["event"] == "round_client"]
-    tensor_bytes = service.dense_fp32_bytes
+    tensor_bytes = service.strategy.dense_fp32_bytes
     up = np.mean([e["bytes_up"] for e in per_client])
     down = np.mean([e["bytes_down"] for e in per_client])
     return {

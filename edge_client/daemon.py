@@ -312,7 +312,7 @@ class ClientDaemon:
                 raise RejectedFrame(f"federation: {exc}") from None
             self.fed = fed
         try:
-            self.learner.load_global(frame.tensors, frame.header.round)
+            self.learner.load_global(frame.tensors, frame.header.round, frame.meta)
         except ValueError as exc:
             raise RejectedFrame(f"tensors: {exc}") from None
 
@@ -356,7 +356,7 @@ class ClientDaemon:
         payload = self._frame(Kind.EVAL, frame.header.round, frame.header.task,
                               {"eval": report, "rejected": dict(self.rejected)}, {})
         self._send(payload, f"eval:{frame.header.round}").wait_for_publish(10)
-        log.info("run finished; final NLL per task %s", report["nll"])
+        log.info("run finished; final %s per task %s", self.learner.metric, report[self.learner.metric])
 
     def _serve(self, after_round: int, task_ended: bool) -> None:
         """Export the merged model after a task (or every round, if so configured)."""
@@ -369,12 +369,12 @@ class ClientDaemon:
         self.served_round = after_round
 
     def _evaluate(self, rnd: int, everything: bool = False) -> dict:
-        """Held-out NLL of the loaded model after round ``rnd``: on every task seen so far after
+        """Held-out NLL (or accuracy) of the loaded model after round ``rnd``: on every task seen so far after
         a task's last round (the continual metrics) or when asked, else on the current task."""
         task = max(0, rnd) // self.fed.rounds_per_task
         full = everything or (rnd + 1) % self.fed.rounds_per_task == 0
         tests = [d if full or i == task else None for i, d in enumerate(self.data.test[: task + 1])]
-        return {"round": rnd, "task": task, "nll": self.learner.evaluate(tests)}
+        return {"round": rnd, "task": task, self.learner.metric: self.learner.evaluate(tests)}
 
     def _frame(self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict) -> bytes:
         """An uplink message: encoded, and signed when the device has a key."""
@@ -400,5 +400,6 @@ class ClientDaemon:
 
 def load_client_data(cfg: ClientConfig) -> ClientTasks:
     spec = cfg.data
-    train, test = load_dataset(spec.dataset, spec.path, spec.seed)
-    return client_task_split(train, test, spec.client_tasks, spec.client_index, spec.seed)
+    train, test = load_dataset(spec.dataset, spec.path, spec.seed, spec.max_length)
+    return client_task_split(train, test, spec.client_tasks, spec.client_index, spec.seed, spec.test_tasks,
+                             spec.per_class, spec.test_per_class)

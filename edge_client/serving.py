@@ -33,6 +33,8 @@ class ServedModelWriter:
 
     def write(self, learner: Learner, task: int, parity_inputs: np.ndarray) -> dict | None:
         """Export the learner's served model; the report, or None if the export failed."""
+        if learner.fed.method == "fedet":
+            return self._write_fedet(learner, task, parity_inputs)
         try:
             from export.onnx_made import ExportError, ServedModel, export_served_model
             from export.snapshot import SnapshotError, save_snapshot
@@ -51,4 +53,26 @@ class ServedModelWriter:
             return None
         log.info("serving task %d model: %s (%d bytes, parity error %.2g)", task, self.model_path,
                  report["bytes"], report["max_scaled_err"])
+        return report
+
+    def _write_fedet(self, learner: Learner, task: int, parity_ids: np.ndarray) -> dict | None:
+        """Backbone + prototype selector + Enhancer groups as one ONNX text classifier, with
+        the tokenizer embedded (``fcl infer --text``); parity-checked on the task's test texts."""
+        if not learner.client.selector.group_of:
+            return None  # nothing learned yet
+        try:
+            from export.onnx_fedet import ExportError, export_fedet_client
+        except ImportError as exc:
+            log.error("cannot export the served model (pip install 'fcl-edge[export]'): %s", exc)
+            return None
+        ids = np.asarray(parity_ids[:PARITY_ROWS], dtype=np.int64)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            report = export_fedet_client(learner.client, self.model_path, int8=self.int8, parity_ids=ids,
+                                         parity_mask=(ids != 0).astype(np.int64), task=task,
+                                         max_length=int(ids.shape[1]))
+        except (ExportError, ValueError, OSError) as exc:
+            log.error("export after task %d failed, previous model stays in service: %s", task, exc)
+            return None
+        log.info("serving task %d text classifier: %s", task, self.model_path)
         return report

@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import yaml
 from tqdm import tqdm
 
 from fcl_edge.broker import free_port, wait_for_port
 from fclcore.config import ConfigError, load_config, to_dict
 from fclcore.data import DataError, client_task_split, load_dataset, random_client_tasks
+from fclcore.text import bbc_split, class_incremental_tasks, client_class_subsets
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import (AggregatorConfig, BrokerSpec, ClientConfig, ClientDataSpec, Scenario,
                             parse_broker_url)
@@ -36,6 +38,7 @@ class Plan:
     scenario: Scenario
     client_tasks: list[list[list[int]]]
     input_dim: int
+    test_tasks: list[list[list[int]]] | None = None  # per client, with label skew: the federation's tasks
 
     @property
     def client_ids(self) -> list[str]:
@@ -46,22 +49,34 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     """Load and check everything up front, so a bad scenario fails before any process starts."""
     sc = load_config(Scenario, scenario_path, overrides)
     fed = sc.federation
-    if sc.tasks.random is not None:
-        r = sc.tasks.random
-        client_tasks = random_client_tasks(sc.clients, fed.num_tasks, r.classes, r.classes_per_task, fed.seed)
-    else:
-        client_tasks = sc.tasks.per_client or [sc.tasks.shared] * sc.clients
-    lengths = {len(t) for t in client_tasks}
-    if len(lengths) != 1:
-        raise ConfigError(f"{scenario_path}: tasks: every client needs the same number of tasks, got {sorted(lengths)}")
-    sc = dataclasses.replace(sc, federation=dataclasses.replace(fed, num_tasks=lengths.pop()))
     try:
-        train, test = load_dataset(sc.data.dataset, sc.data.path, fed.seed)
+        train, test = load_dataset(sc.data.dataset, sc.data.path, fed.seed, fed.fedet.max_length)
+        classes = sorted(int(c) for c in np.unique(train.y))
+        if sc.tasks.random is not None:
+            r = sc.tasks.random
+            client_tasks = random_client_tasks(sc.clients, fed.num_tasks, r.classes, r.classes_per_task, fed.seed)
+        elif sc.tasks.sizes is not None:
+            tasks = [[classes[i] for i in t] for t in class_incremental_tasks(len(classes), sc.tasks.sizes, fed.seed)]
+            client_tasks = [tasks] * sc.clients
+        else:
+            client_tasks = sc.tasks.per_client or [sc.tasks.shared] * sc.clients
+        lengths = {len(t) for t in client_tasks}
+        if len(lengths) != 1:
+            raise ConfigError(f"{scenario_path}: tasks: every client needs the same number of tasks, "
+                              f"got {sorted(lengths)}")
+        sc = dataclasses.replace(sc, federation=dataclasses.replace(fed, num_tasks=lengths.pop()))
+        test_tasks = None
+        if sc.data.class_fraction < 1:  # label skew: each device holds a seeded share of the classes
+            held = [[classes[i] for i in s] for s in
+                    client_class_subsets(len(classes), sc.clients, sc.data.class_fraction, fed.seed)]
+            test_tasks = [[list(t) for t in c] for c in client_tasks]
+            client_tasks = [[[c for c in t if c in held[i]] for t in tasks] for i, tasks in enumerate(client_tasks)]
         for index in range(sc.clients):
-            client_task_split(train, test, client_tasks, index, fed.seed)
+            client_task_split(train, test, client_tasks, index, fed.seed,
+                              test_tasks[index] if test_tasks else None, sc.data.per_class, sc.data.test_per_class)
     except DataError as exc:
         raise ConfigError(f"{scenario_path}: data: {exc}") from None
-    return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]))
+    return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]), test_tasks)
 
 
 def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrides: Sequence[str] = (),
@@ -114,12 +129,16 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
     keys_dir = out_dir / "keys" if p.scenario.sign_updates else None
     for cid in p.client_ids if keys_dir else ():
         write_key(keys_dir / f"{cid}.key")
+    aux_dir = _write_aux_texts(p, out_dir / "aux") if fed.method == "fedet" else None
     configs = {"aggregator": AggregatorConfig(federation=fed, expected_clients=p.client_ids, out_dir=str(out_dir),
                                               broker=broker, input_dim=p.input_dim,
-                                              keys_dir=str(keys_dir) if keys_dir else None)}
+                                              keys_dir=str(keys_dir) if keys_dir else None, aux_dir=aux_dir)}
     for index, cid in enumerate(p.client_ids):
-        data = ClientDataSpec(dataset=p.scenario.data.dataset, path=p.scenario.data.path,
-                              client_tasks=p.client_tasks, client_index=index, seed=fed.seed)
+        spec = p.scenario.data
+        data = ClientDataSpec(dataset=spec.dataset, path=spec.path, client_tasks=p.client_tasks,
+                              client_index=index, seed=fed.seed,
+                              test_tasks=p.test_tasks[index] if p.test_tasks else None, per_class=spec.per_class,
+                              test_per_class=spec.test_per_class, max_length=fed.fedet.max_length)
         configs[cid] = ClientConfig(client_id=cid, federation=fed.name, data=data, broker=broker,
                                     out_dir=str(out_dir / "clients" / cid),
                                     key_file=str(keys_dir / f"{cid}.key") if keys_dir else None)
@@ -129,6 +148,19 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
         path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         written[name] = ("aggregator" if name == "aggregator" else "client", path)
     return written
+
+
+def _write_aux_texts(p: Plan, aux_dir: Path) -> str:
+    """FedET's server-side pool: the corpus's auxiliary split as unlabelled .txt files (the
+    aggregator reads a folder of texts, as it would on a real deployment)."""
+    if p.scenario.data.dataset != "bbc":
+        raise ConfigError("fedet: needs a text dataset (data.dataset: bbc)")
+    corpus, _, _, aux = bbc_split(p.scenario.data.path, p.scenario.federation.seed)
+    shutil.rmtree(aux_dir, ignore_errors=True)
+    aux_dir.mkdir(parents=True)
+    for n, row in enumerate(aux):
+        (aux_dir / f"{n:05d}.txt").write_text(corpus.texts[row], encoding="utf-8")
+    return str(aux_dir)
 
 
 def _spawn(name: str, kind: str, config: Path | None, out_dir: Path, extra: Sequence[str] = ()) -> subprocess.Popen:
@@ -143,7 +175,8 @@ def _follow(p: Plan, out_dir: Path, procs: dict[str, subprocess.Popen], timeout:
     tail = _Tail(out_dir / "metrics.jsonl")
     rounds: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
-    tqdm.write(f"{'round':>5} {'task':>4} {'mean NLL':>9} {'bytes up':>10} {'bytes down':>11}")
+    score = "mean acc" if fed.method == "fedet" else "mean NLL"
+    tqdm.write(f"{'round':>5} {'task':>4} {score:>9} {'bytes up':>10} {'bytes down':>11}")
     with tqdm(total=fed.total_rounds, unit="round", dynamic_ncols=True) as bar:
         while procs["aggregator"].poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -166,7 +199,8 @@ def _show(event: dict, rounds: dict[int, dict], bar: tqdm) -> None:
         bar.update(1)
     elif kind == "round_summary" and event["round"] in rounds:
         row = rounds[event["round"]]
-        tqdm.write(f"{event['round']:>5} {row['task']:>4} {event['mean_nll']:>9.3f} {row['up']:>10,} {row['down']:>11,}")
+        score = event.get("mean_nll", event.get("mean_accuracy"))
+        tqdm.write(f"{event['round']:>5} {row['task']:>4} {score:>9.3f} {row['up']:>10,} {row['down']:>11,}")
 
 
 def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float) -> int:
@@ -181,7 +215,9 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float)
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
         final, b = summary.get("final", {}), summary["bytes"]
-        print(f"avg NLL {final.get('avg_nll')}  forgetting {final.get('forgetting')}  "
+        score = (f"avg incremental accuracy {final.get('avg_incremental_accuracy')}" if "avg_accuracy" in final
+                 else f"avg NLL {final.get('avg_nll')}")
+        print(f"{score}  forgetting {final.get('forgetting')}  "
               f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,})")
         print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
     if failed:

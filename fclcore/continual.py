@@ -35,16 +35,38 @@ def continual_metrics(n: np.ndarray) -> dict:
     }
 
 
+def accuracy_metrics(a: np.ndarray) -> dict:
+    """The same for an accuracy matrix a[t][i] (higher is better): avg_accuracy after the last
+    task, avg_incremental_accuracy (the mean over t of the mean accuracy on tasks <= t, i.e.
+    task-averaged), forgetting (best earlier accuracy minus final), base/new accuracy."""
+    a = np.asarray(a, dtype=float)
+    last = a.shape[0] - 1
+    per_task = [_num(np.nanmean(a[t, : t + 1])) for t in range(last + 1)]
+    forgetting = [np.nanmax(a[i:last, i]) - a[last, i] for i in range(last)]
+    return {
+        "avg_accuracy": per_task[-1],
+        "avg_incremental_accuracy": _num(np.mean([v for v in per_task if v is not None])),
+        "accuracy_per_task": per_task,
+        "forgetting": _num(np.mean(forgetting)) if forgetting else 0.0,
+        "base_accuracy": [_num(a[t, 0]) for t in range(last + 1)],
+        "new_accuracy": [_num(a[t, t]) for t in range(last + 1)],
+    }
+
+
 def mean_metrics(per_client: dict[str, dict]) -> dict:
     """Average each metric (and each per-task list entry) over clients."""
     clients = list(per_client.values())
     if not clients:
         return {}
     out = {}
-    for key in ("avg_nll", "forgetting"):
-        out[key] = _num(np.mean([c[key] for c in clients]))
-    for key in ("avg_nll_per_task", "base_nll", "new_nll"):
-        out[key] = [_num(np.mean(v)) for v in zip(*(c[key] for c in clients))]
+    for key, value in clients[0].items():
+        if key.endswith("_matrix"):
+            continue
+        if isinstance(value, list):
+            out[key] = [_num(np.mean([x for x in v if x is not None])) if any(x is not None for x in v) else None
+                        for v in zip(*(c[key] for c in clients))]
+        elif value is not None:
+            out[key] = _num(np.mean([c[key] for c in clients if c[key] is not None]))
     return out
 
 

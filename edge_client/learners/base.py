@@ -45,8 +45,11 @@ class Learner:
         self.task = -1
         self.optimizer: torch.optim.Optimizer | None = None  # set by the method
 
-    def load_global(self, tensors: dict[str, Tensor], rnd: int) -> None:
-        """Merge the aggregator's model; ValueError if names or shapes do not fit."""
+    metric = "nll"  # what ``evaluate`` returns per task: "nll" (lower is better) or "accuracy"
+
+    def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
+        """Merge the aggregator's model (``meta``: the round message's metadata); ValueError if
+        names or shapes do not fit."""
         raise NotImplementedError
 
     def start_task(self, task: int, knowledge: Frame | None) -> None:
@@ -88,7 +91,8 @@ class Learner:
         return {}
 
     def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
-        """Mean test NLL (nats per sample) on each task's test data; None where no data is given."""
+        """Per task, the ``metric`` on its test data (mean NLL in nats per sample, or accuracy);
+        None where no data is given."""
         raise NotImplementedError
 
     def served_params(self) -> dict[str, np.ndarray]:

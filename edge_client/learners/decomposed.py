@@ -58,7 +58,7 @@ class DecomposedLearner(Learner):
 
     # -- federation ----------------------------------------------------------------------
     @torch.no_grad()
-    def load_global(self, tensors: dict[str, Tensor], rnd: int) -> None:
+    def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
         layers = self.model.layers
         for prefix, layer in layers.items():
             names = [f"{prefix}.weight"] + ([f"{prefix}.bias"] if layer.bias is not None else [])

@@ -41,7 +41,7 @@ class FedAvgMade(Learner):
             return torch.optim.SGD(self.model.parameters(), lr=train.lr)
         return torch.optim.Adam(self.model.parameters(), lr=train.lr, fused=True)
 
-    def load_global(self, tensors: dict[str, Tensor], rnd: int) -> None:
+    def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
         dense = {k: v.to_dense() if isinstance(v, SparseTensor) else v for k, v in tensors.items()}
         self.model.set_params(dense)
         self.global_params = [p.detach().clone() for p in self.model.parameters()]

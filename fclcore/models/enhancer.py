@@ -381,6 +381,14 @@ def _params_by_wire_name(group: EnhancerGroup) -> dict[str, Tensor]:
     return out
 
 
+PHASES = ("sums", "train")  # a FedET task's first round sends class sums, later rounds train groups
+
+
+def group_prefix(j: int) -> str:
+    """Group ``j``'s tensors travel as ``g<j>/<name>`` when a frame carries several groups."""
+    return f"g{j}/"
+
+
 def group_to_tensors(group: EnhancerGroup, sparse: bool = False) -> dict[str, np.ndarray | SparseTensor]:
     """A group's tensors for a codec Frame (its class list travels in the frame's meta).
 

@@ -1,0 +1,226 @@
+"""FedET in the client daemon: the device half of ``edge_client.fedet`` behind the Learner API.
+
+Each task runs in two phases that the aggregator announces in the round's meta
+(``meta["fedet"]["phase"]``):
+
+* ``sums`` (the task's first round): the device uploads, per class of its new data, the sum
+  of the frozen backbone's unit embeddings and the count (a few kB); nothing is trained.
+  The aggregator merges them into global class prototypes and gives the new classes a group.
+* ``train`` (every later round): the round's meta carries the class -> group map and the
+  prototypes; the device sets up Algorithm 1 for the task once, then trains and uploads only
+  the groups that received its new classes, each with its label histogram and entropy.
+
+Downlink tensors: ``prototypes`` (C, H) over ``meta.fedet.classes`` and, for each group the
+aggregator changed in the previous round, ``g<j>/<name>``.  Test data is scored as
+accuracy: the selector routes each text to a group, whose head predicts over all seen classes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from edge_client.fedet.learner import FedETClient, FedETConfig, _TaskGroup, seeded
+from edge_client.fedet.selector import class_sums
+from edge_client.learners.base import Learner, register
+from fclcore.codec import Frame, SparseTensor, Tensor
+from fclcore.data import Dataset
+from fclcore.made_spec import MadeConfig
+from fclcore.models.enhancer import (PHASES, EnhancerConfig, EnhancerGroup, FrozenBackbone, group_prefix,
+                                     group_to_tensors, load_minilm, pooled_embeddings, tensors_to_group)
+from fclcore.schema import FederationSpec
+from fclcore.text import EncodedDocs
+
+def encoded(data: Dataset) -> EncodedDocs:
+    """Token ids with padding id 0 -> the docs the backbone takes."""
+    return EncodedDocs(data.x.astype(np.int64), (data.x != 0).astype(np.int64), data.y.astype(np.int64))
+
+
+def parse_downlink(meta: dict | None, tensors: dict[str, Tensor], cfg: EnhancerConfig,
+                   num_groups: int) -> tuple[str, dict[int, int], dict[int, np.ndarray], dict[int, EnhancerGroup]]:
+    """Validate a round's FedET content: (phase, class -> group, prototypes, changed groups)."""
+    m = (meta or {}).get("fedet")
+    if not isinstance(m, dict) or m.get("phase") not in PHASES:
+        raise ValueError(f"meta.fedet: expected a mapping with phase in {PHASES}")
+    try:
+        classes = [int(c) for c in m.get("classes", [])]
+        group_of = {int(c): int(j) for c, j in m.get("group_of", [])}
+        groups_meta = [(int(g["group"]), [int(c) for c in g["classes"]]) for g in m.get("groups", [])]
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"meta.fedet: malformed ({exc!r})") from None
+    if sorted(group_of) != sorted(classes) or any(not 0 <= j < num_groups for j in group_of.values()):
+        raise ValueError(f"meta.fedet: every class needs one group in [0, {num_groups})")
+    prototypes: dict[int, np.ndarray] = {}
+    if classes:
+        table = tensors.get("prototypes")
+        table = table.to_dense() if isinstance(table, SparseTensor) else table
+        if table is None or tuple(table.shape) != (len(classes), cfg.hidden):
+            raise ValueError(f"prototypes: expected shape {(len(classes), cfg.hidden)}")
+        prototypes = {c: np.asarray(table[i], np.float32) for i, c in enumerate(classes)}
+    groups = {}
+    for j, group_classes in groups_meta:
+        if not 0 <= j < num_groups or j in groups:
+            raise ValueError(f"meta.fedet.groups: bad or repeated group {j}")
+        prefix = group_prefix(j)
+        groups[j] = tensors_to_group({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                                     cfg, group_classes)
+    known = {"prototypes"} | {k for k in tensors for j in groups if k.startswith(group_prefix(j))}
+    if set(tensors) - known:
+        raise ValueError(f"tensors: unexpected {sorted(set(tensors) - known)[:5]}")
+    return m["phase"], group_of, prototypes, groups
+
+
+@register("fedet")
+class FedETLearner(Learner):
+    metric = "accuracy"
+
+    def __init__(self, fed: FederationSpec, made: MadeConfig, client_index: int) -> None:
+        super().__init__(fed, made, client_index)
+        spec = fed.fedet
+        torch.manual_seed(fed.seed)
+        self.backbone = FrozenBackbone(load_minilm())
+        self.enhancer = EnhancerConfig(hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck,
+                                       blocks=self.backbone.cfg.layers)
+        self.cfg = FedETConfig(self.enhancer, spec.num_groups, spec.gamma, None, fed.train.lr, spec.weight_decay,
+                               fed.train.batch_size, fed.train.local_epochs, spec.distill_epochs, fed.seed)
+        self.client = FedETClient(self.cfg, self.backbone, client_index)
+        self.phase = "sums"
+        self.group_of: dict[int, int] = {}
+        self.prototypes: dict[int, np.ndarray] = {}
+        self.started = -1  # the last task whose Algorithm-1 set-up ran
+        self.out: tuple[dict[str, Tensor], dict] = ({}, {})
+        self._pooled: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(x) -> (x, embeddings), frozen
+
+    # -- federation ----------------------------------------------------------------------
+    def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
+        phase, group_of, prototypes, groups = parse_downlink(meta, tensors, self.enhancer, self.cfg.num_groups)
+        self.phase = phase
+        if prototypes:
+            self.client.selector.update(prototypes, group_of)
+            self.group_of, self.prototypes = group_of, prototypes
+        for j, group in groups.items():
+            self.client.load_group(j, group)
+
+    def start_task(self, task: int, knowledge: Frame | None) -> None:
+        super().start_task(task, knowledge)
+
+    def _embed(self, data: Dataset) -> np.ndarray:
+        cached = self._pooled.get(id(data.x))
+        if cached is None or cached[0] is not data.x:
+            docs = encoded(data)
+            cached = (data.x, pooled_embeddings(self.backbone, docs.ids, docs.mask))
+            self._pooled[id(data.x)] = cached
+        return cached[1]
+
+    # -- training ------------------------------------------------------------------------
+    def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
+        data = train[self.task]
+        pooled = self._embed(data)
+        if self.phase == "sums":
+            sums = class_sums(pooled, data.y) if len(data) else {}
+            classes = sorted(sums)
+            tensors = {"sums": np.stack([sums[c][0] for c in classes])} if classes else {}
+            self.out = (tensors, {"phase": "sums", "classes": classes, "counts": [sums[c][1] for c in classes]})
+            return len(data), 0.0
+        if self.started < self.task:
+            missing = sorted(set(int(c) for c in np.unique(data.y)) - set(self.group_of))
+            if missing:
+                raise ValueError(f"classes {missing} have no group from the aggregator")
+            self.client.start_task(self.task, encoded(data), pooled, self.group_of, self.prototypes)
+            self.started = self.task
+        uploads = self.client.train_round(rnd)
+        tensors: dict[str, Tensor] = {}
+        for u in uploads:
+            tensors.update({group_prefix(u.group) + k: v for k, v in u.tensors.items()})
+        self.out = (tensors, {"phase": "train", "groups": [u.meta() for u in uploads]})
+        return sum(u.n_samples for u in uploads), 0.0
+
+    def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
+        return self.out[0]
+
+    def report(self, task_end: bool) -> dict:
+        return {"fedet": self.out[1]}
+
+    # -- serving -------------------------------------------------------------------------
+    def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
+        """Accuracy on each task's test texts (None where not scored); 0 before any prototype."""
+        out: list[float | None] = []
+        for data in tests:
+            if data is None or len(data) == 0:
+                out.append(None)
+            elif not self.prototypes:
+                out.append(0.0)
+            else:
+                preds, _ = self.client.predict(encoded(data), self._embed(data))
+                out.append(round(float((preds == data.y).mean()), 6))
+        return out
+
+    def served_params(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError("fedet serves an Enhancer model (export.onnx_fedet), not MADE parameters")
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """Groups, selector, sample memory and the task's Algorithm-1 groups (the temporary
+        group's optimiser moments are not kept: after a restart it continues with fresh ones)."""
+        arrays: dict[str, np.ndarray] = {}
+        meta = {"task": self.task, "phase": self.phase, "started": self.started,
+                "group_of": sorted(self.group_of.items()), "groups": [], "active": [],
+                "memory": {"observed": self.client.memory.observed, "classes": list(self.client.memory.classes)}}
+        for j, group in enumerate(self.client.groups):
+            meta["groups"].append(list(group.classes))
+            _put(arrays, f"group/{j}", group)
+        for c, p in self.prototypes.items():
+            arrays[f"proto/{c}"] = p
+        for c in self.client.memory.classes:
+            docs = self.client.memory.docs((c,))
+            arrays[f"memory/{c}/ids"] = docs.ids if docs is not None else np.zeros((0, 1), np.int64)
+        for j, s in self.client.active.items():
+            meta["active"].append({"group": j, "old": list(s.old.classes), "temp": list(s.temp.classes)})
+            _put(arrays, f"active/{j}/old", s.old)
+            _put(arrays, f"active/{j}/temp", s.temp)
+            for name, d in (("data", s.data), ("distill", s.distill_set)):
+                arrays[f"active/{j}/{name}/ids"], arrays[f"active/{j}/{name}/labels"] = d.ids, d.labels
+        return meta, arrays
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        if meta.get("task") != self.task:
+            raise ValueError(f"checkpoint is for task {meta.get('task')}, learner rebuilt to task {self.task}")
+        try:
+            self.phase, self.started = meta["phase"], int(meta["started"])
+            self.group_of = {int(c): int(j) for c, j in meta["group_of"]}
+            self.prototypes = {int(k.split("/")[1]): v for k, v in arrays.items() if k.startswith("proto/")}
+            if self.prototypes:
+                self.client.selector.update(self.prototypes, self.group_of)
+            self.client.groups = [_get(arrays, f"group/{j}", self.enhancer, classes, seeded(self.cfg.seed, j))
+                                  for j, classes in enumerate(meta["groups"])]
+            memory = self.client.memory
+            memory.observed = int(meta["memory"]["observed"])
+            memory._by_class = {}
+            for c in meta["memory"]["classes"]:
+                ids = arrays[f"memory/{c}/ids"]
+                memory._by_class[int(c)] = EncodedDocs(ids, (ids != 0).astype(np.int64), np.full(len(ids), c))
+            self.client.task, self.client.active = self.started, {}
+            for a in meta["active"]:
+                j = int(a["group"])
+                temp = _get(arrays, f"active/{j}/temp", self.enhancer, a["temp"])
+                docs = {n: EncodedDocs(arrays[f"active/{j}/{n}/ids"], (arrays[f"active/{j}/{n}/ids"] != 0)
+                                       .astype(np.int64), arrays[f"active/{j}/{n}/labels"]) for n in ("data", "distill")}
+                self.client.active[j] = _TaskGroup(_get(arrays, f"active/{j}/old", self.enhancer, a["old"]).eval(),
+                                                   temp, self.client._optimizer(temp), docs["data"], docs["distill"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"fedet checkpoint does not fit: {exc!r}") from None
+
+
+def _put(arrays: dict[str, np.ndarray], prefix: str, group: EnhancerGroup) -> None:
+    if group.classes:
+        arrays.update({f"{prefix}/{k}": v for k, v in group_to_tensors(group).items()})
+
+
+def _get(arrays: dict[str, np.ndarray], prefix: str, cfg: EnhancerConfig, classes: list[int],
+         seed: int = 0) -> EnhancerGroup:
+    if not classes:  # never trained: the seeded initial group every device and the aggregator share
+        return EnhancerGroup(cfg, seed=seed)
+    return tensors_to_group({k[len(prefix) + 1:]: v for k, v in arrays.items() if k.startswith(prefix + "/")},
+                            cfg, [int(c) for c in classes])
