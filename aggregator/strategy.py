@@ -84,7 +84,7 @@ class Strategy:
         """Inverse of ``state``; ValueError if the checkpoint does not fit this strategy."""
 
 
-@register("fedavg", "fedcl-finetune", "fedprox", "fedcurv", "fedcl-cumulative-replay")
+@register("fedavg", "fedcl-finetune", "fedprox", "fedcurv", "fedcl-cumulative-replay", "offline")
 class FedAvg(Strategy):
     """Sample-weighted averaging of every trainable MADE tensor; the baselines differ only on
     the device (proximal term, EWC penalty, replay)."""

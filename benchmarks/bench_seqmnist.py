@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from fcl_edge.broker import MosquittoProcess  # noqa: E402
 
 METHODS = ["confedmade", "fedweit-made-star", "fedweit-made", "fedprox", "fedcurv", "fedcl-finetune",
-           "fedcl-cumulative-replay", "cl-finetune"]
+           "fedcl-cumulative-replay", "cl-finetune", "offline"]
 ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
     ("B*sigmoid(m), all entries, float32", ["federation.options.upload_made_mask=false",
                                             "federation.options.keep_units=1.0", "federation.wire.value_dtype=float32"]),

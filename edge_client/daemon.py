@@ -333,7 +333,8 @@ class ClientDaemon:
             except ValueError as exc:
                 raise RejectedFrame(f"knowledge: {exc}") from None
             self.task = task
-        n_samples, train_nll = self.learner.train_round(self.data.train[: task + 1], rnd)
+        seen = self.data.train if self.learner.sees_all_tasks else self.data.train[: task + 1]
+        n_samples, train_nll = self.learner.train_round(seen, rnd)
         task_end = (rnd + 1) % self.fed.rounds_per_task == 0
         tensors = self.learner.upload(rnd, task_end)
         meta = {"n_samples": n_samples, "train_nll": round(train_nll, 4), "eval": report,

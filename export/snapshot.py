@@ -37,6 +37,7 @@ __all__ = ["SnapshotError", "save_snapshot", "load_snapshot", "SNAPSHOT_FORMAT"]
 SNAPSHOT_FORMAT = "fcl-served/1"
 META_KEY = "__meta__"
 _MADE_FIELDS = tuple(f.name for f in dataclasses.fields(MadeConfig))
+_MADE_DEFAULTS = {"connectivity_agnostic": False}  # fields added after the format was fixed
 _OTHER_FIELDS = ("order_index", "method", "task", "binarize")
 
 
@@ -110,6 +111,7 @@ def load_snapshot(path: str | os.PathLike) -> Any:
     made_meta = meta.get("made", meta)
     if not isinstance(made_meta, dict):
         raise SnapshotError(f"{where}: 'made' must be a JSON object")
+    made_meta = {**_MADE_DEFAULTS, **made_meta}
     missing = [f for f in _MADE_FIELDS if f not in made_meta] + [f for f in _OTHER_FIELDS if f not in meta]
     if missing:
         raise SnapshotError(f"{where}: {META_KEY} is missing {missing}")

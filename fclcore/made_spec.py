@@ -71,6 +71,7 @@ class MadeConfig:
     natural_order: bool = True
     num_orders: int = 1
     mask_seed: int = 0
+    connectivity_agnostic: bool = False  # each order index also draws its own hidden degrees
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_dim", _check_int("input_dim", self.input_dim, 1))
@@ -81,7 +82,7 @@ class MadeConfig:
         if not hs:
             raise ValueError("hidden_sizes must be a non-empty sequence of ints >= 1, got ()")
         object.__setattr__(self, "hidden_sizes", hs)
-        for flag in ("direct", "natural_order"):
+        for flag in ("direct", "natural_order", "connectivity_agnostic"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
             object.__setattr__(self, flag, bool(getattr(self, flag)))
@@ -125,10 +126,13 @@ def input_degrees(order: np.ndarray) -> np.ndarray:
     return deg
 
 
-@functools.lru_cache(maxsize=64)
-def _hidden_degrees_cached(cfg: MadeConfig) -> tuple[np.ndarray, ...]:
-    """Cached, read-only hidden degrees (they are recomputed on every order switch otherwise)."""
-    rng = np.random.default_rng((cfg.mask_seed, 0))
+@functools.lru_cache(maxsize=256)
+def _hidden_degrees_cached(cfg: MadeConfig, k: int = 0) -> tuple[np.ndarray, ...]:
+    """Cached, read-only hidden degrees (they are recomputed on every order switch otherwise).
+
+    Index 0 (and every index without connectivity-agnostic training) uses the stream
+    ``(mask_seed, 0)``; index k > 0 of a connectivity-agnostic model uses ``(mask_seed, 0, k)``."""
+    rng = np.random.default_rng((cfg.mask_seed, 0, k) if k and cfg.connectivity_agnostic else (cfg.mask_seed, 0))
     d = cfg.input_dim
     low = 1
     out = []
@@ -144,14 +148,18 @@ def _hidden_degrees_cached(cfg: MadeConfig) -> tuple[np.ndarray, ...]:
     return tuple(out)
 
 
-def hidden_degrees(cfg: MadeConfig) -> list[np.ndarray]:
-    """Degrees ``m_l`` of every hidden layer, from the seed stream ``(mask_seed, 0)``.
+def hidden_degrees(cfg: MadeConfig, order_index: int = 0) -> list[np.ndarray]:
+    """Degrees ``m_l`` of every hidden layer for order index ``order_index``.
 
-    They do not depend on the input order: degrees refer to *positions* in the
-    order, so switching orders only relabels inputs and the network's
-    connectivity pattern stays fixed (order-agnostic training as in the paper).
+    By default they do not depend on the order: degrees refer to *positions* in the order, so
+    switching orders only relabels inputs and the network's connectivity pattern stays
+    fixed (order-agnostic training as in the paper).  With ``connectivity_agnostic`` every
+    order index also draws its own degrees (Germain et al., section 4.1), from a seed stream
+    every device derives alike; index 0 keeps the default degrees, so a model served at
+    order 0 is the same either way.
     """
-    return [m.copy() for m in _hidden_degrees_cached(cfg)]
+    k = _check_int("order_index", order_index, 0) % cfg.num_orders
+    return [m.copy() for m in _hidden_degrees_cached(cfg, k if cfg.connectivity_agnostic else 0)]
 
 
 def made_masks(cfg: MadeConfig, order_index: int) -> MadeMasks:
@@ -163,7 +171,8 @@ def made_masks(cfg: MadeConfig, order_index: int) -> MadeMasks:
     deg_in = input_degrees(input_order(cfg, order_index))
     prev = deg_in
     hidden = []
-    for m in _hidden_degrees_cached(cfg):
+    k = order_index % cfg.num_orders if cfg.connectivity_agnostic else 0
+    for m in _hidden_degrees_cached(cfg, k):
         hidden.append((m[:, None] >= prev[None, :]).astype(np.float32))
         prev = m
     output = (deg_in[:, None] > prev[None, :]).astype(np.float32)

@@ -103,6 +103,7 @@ class ModelSpec:
     natural_order: bool = True
     num_orders: int = 1  # > 1: order-agnostic training over a cycle of seeded orders
     mask_seed: int = 0
+    connectivity_agnostic: bool = False  # with num_orders > 1: each order also redraws hidden degrees
 
     def __post_init__(self) -> None:
         if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
@@ -113,7 +114,7 @@ class ModelSpec:
     def made_config(self, input_dim: int) -> MadeConfig:
         return MadeConfig(input_dim=input_dim, hidden_sizes=tuple(self.hidden_sizes), direct=self.direct,
                           natural_order=self.natural_order, num_orders=self.num_orders,
-                          mask_seed=self.mask_seed)
+                          mask_seed=self.mask_seed, connectivity_agnostic=self.connectivity_agnostic)
 
 
 @dataclass

@@ -31,3 +31,31 @@ def test_confedmade_forgets_less_than_finetune_and_is_reproducible(mosquitto, tm
     assert all(len(e["entries"]) == (1 if e["task"] else 0) * e["task"] for e in knowledge)  # the other client's
     again = _run(mosquitto, repo_root, tmp_path / "again", "confedmade")
     assert again["final"]["per_client"] == confed["final"]["per_client"]
+
+
+def test_connectivity_agnostic_masks_stay_synchronised(mosquitto, tmp_path, repo_root):
+    """Every order also redraws the hidden degrees; devices and aggregator derive the same
+    masks, so every masked upload is accepted (a mismatch is rejected as content)."""
+    out = tmp_path / "agnostic"
+    result = run_fcl("simulate", str(repo_root / SCENARIO), "--out", str(out), "--broker", mosquitto.url,
+                     "--set", "federation.name=dc-agnostic", "--set", "federation.model.connectivity_agnostic=true",
+                     "--set", "federation.model.num_orders=3")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rejected"] == {}
+    assert summary["final"]["forgetting"] < 1.0
+
+
+def test_offline_reference_beats_single_device_finetune(mosquitto, tmp_path, repo_root):
+    """The offline reference trains one device on all tasks from the start: it forgets
+    nothing and ends with a lower average NLL than the same device finetuned task by task."""
+    runs = {}
+    for method in ("offline", "fedcl-finetune"):
+        out = tmp_path / method
+        result = run_fcl("simulate", str(repo_root / SCENARIO), "--out", str(out), "--broker", mosquitto.url,
+                         "--set", f"federation.method={method}", "--set", f"federation.name=one-{method}",
+                         "--set", "clients=1")
+        assert result.returncode == 0, result.stderr
+        runs[method] = json.loads((out / "summary.json").read_text())["final"]
+    assert runs["offline"]["avg_nll"] < runs["fedcl-finetune"]["avg_nll"] - 1.0
+    assert runs["offline"]["forgetting"] < runs["fedcl-finetune"]["forgetting"]

@@ -32,6 +32,8 @@ CONFIGS = {
     "seeded_2layer": MadeConfig(14, (24, 24), direct=True, natural_order=False, mask_seed=123),
     "multi_order_natural": MadeConfig(12, (32,), direct=True, natural_order=True, num_orders=4, mask_seed=3),
     "multi_order_seeded_2layer": MadeConfig(20, (24, 24), direct=False, natural_order=False, num_orders=3, mask_seed=42),
+    "connectivity_agnostic_2layer": MadeConfig(14, (24, 24), direct=True, natural_order=True, num_orders=4,
+                                               mask_seed=5, connectivity_agnostic=True),
 }
 # Order switches, including going back and forth and indices >= num_orders (wrap around).
 ORDER_SEQUENCES = [[0], [1, 2, 0, 2, 1, 1, 0], [3, 0, 5, 2, 0]]
@@ -99,7 +101,7 @@ def test_masks_match_paper_definition(name: str) -> None:
         order, masks = input_order(cfg, k), made_masks(cfg, k)
         deg = {int(d): p + 1 for p, d in enumerate(order)}
         prev = [deg[j] for j in range(cfg.input_dim)]
-        for m_l, mask in zip(hidden_degrees(cfg), masks.hidden):
+        for m_l, mask in zip(hidden_degrees(cfg, k), masks.hidden):
             for u, mu in enumerate(m_l):
                 assert list(mask[u]) == [float(mu >= mj) for mj in prev]
             prev = list(m_l)
@@ -107,6 +109,22 @@ def test_masks_match_paper_definition(name: str) -> None:
             assert list(masks.output[d]) == [float(deg[d] > mk) for mk in prev]
             if cfg.direct:
                 assert list(masks.direct[d]) == [float(deg[d] > deg[j]) for j in range(cfg.input_dim)]
+
+
+def test_connectivity_agnostic_redraws_hidden_degrees_per_order() -> None:
+    """Each order index gets its own hidden degrees, order 0 keeps the default ones (so a
+    served model is the same), and without the switch degrees never change."""
+    agnostic = CONFIGS["connectivity_agnostic_2layer"]
+    fixed = MadeConfig(14, (24, 24), direct=True, natural_order=True, num_orders=4, mask_seed=5)
+    for a, b in zip(hidden_degrees(agnostic, 0), hidden_degrees(fixed, 0)):
+        np.testing.assert_array_equal(a, b)
+    for k in (1, 2, 3):
+        assert any(not np.array_equal(a, b) for a, b in zip(hidden_degrees(agnostic, k), hidden_degrees(fixed, k)))
+        for a, b in zip(hidden_degrees(fixed, k), hidden_degrees(fixed, 0)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(hidden_degrees(agnostic, k), hidden_degrees(agnostic, k + 4)):  # the cycle
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(made_masks(agnostic, 1).hidden[1], made_masks(fixed, 1).hidden[1])
 
 
 def test_orders_differ_and_natural_order_is_identity() -> None:

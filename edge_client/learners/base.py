@@ -46,6 +46,7 @@ class Learner:
         self.optimizer: torch.optim.Optimizer | None = None  # set by the method
 
     metric = "nll"  # what ``evaluate`` returns per task: "nll" (lower is better) or "accuracy"
+    sees_all_tasks = False  # True: ``train_round`` gets every task's data from the start (offline)
 
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
         """Merge the aggregator's model (``meta``: the round message's metadata); ValueError if
@@ -57,7 +58,8 @@ class Learner:
         self.task = task
 
     def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
-        """Local training for round ``rnd``; ``train[i]`` is task i's data for i <= current task.
+        """Local training for round ``rnd``; ``train[i]`` is task i's data for i <= current task
+        (for every task if ``sees_all_tasks``).
 
         Returns (samples used, mean train NLL)."""
         raise NotImplementedError

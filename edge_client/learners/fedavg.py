@@ -5,7 +5,9 @@
 * ``fedcurv``: + an EWC penalty sum_i lambda/2 F_i (w - w_i*)^2 with the diagonal Fisher of
   each finished task computed on local data (FedCurv shares such penalties; here each
   device keeps its own, i.e. federated EWC);
-* ``fedcl-cumulative-replay``: trains on the union of every task seen so far (upper bound).
+* ``fedcl-cumulative-replay``: trains on the union of every task seen so far (upper bound);
+* ``offline``: trains on the union of ALL tasks from the first round (the joint, non-continual
+  reference; run it with one client for the paper's single-device offline model).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from fclcore.schema import FederationSpec
 EVAL_BATCH = 1024
 
 
-@register("fedavg", "fedcl-finetune", "fedprox", "fedcurv", "fedcl-cumulative-replay")
+@register("fedavg", "fedcl-finetune", "fedprox", "fedcurv", "fedcl-cumulative-replay", "offline")
 class FedAvgMade(Learner):
     def __init__(self, fed: FederationSpec, made: MadeConfig, client_index: int) -> None:
         super().__init__(fed, made, client_index)
+        self.sees_all_tasks = fed.method == "offline"
         torch.manual_seed(fed.seed)
         self.model = MADE(made)
         self.optimizer = self._new_optimizer()
@@ -48,10 +51,12 @@ class FedAvgMade(Learner):
 
     def start_task(self, task: int, knowledge: Frame | None) -> None:
         super().start_task(task, knowledge)
-        self.optimizer = self._new_optimizer()  # stale moments from the last task only hurt
+        if not self.sees_all_tasks:  # offline: task starts are only evaluation points
+            self.optimizer = self._new_optimizer()  # stale moments from the last task only hurt
 
     def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
-        data = np.concatenate([d.x for d in train]) if self.fed.method == "fedcl-cumulative-replay" else train[-1].x
+        union = self.fed.method in ("fedcl-cumulative-replay", "offline")
+        data = np.concatenate([d.x for d in train]) if union else train[-1].x
         x = torch.from_numpy(data)
 
         def loss(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
