@@ -4,7 +4,8 @@ Given run directories (each with summary.json and metrics.jsonl) or a directory 
 writes PNGs and a markdown summary:
 
 * ``nll_per_task.png``: average, base (task 0) and new-task NLL after each task, one line
-  per run (the ConFedMADE paper's Figure 3);
+  per run (the ConFedMADE paper's Figure 3); ``accuracy_per_task.png`` the same for
+  accuracy-scored runs (FedET);
 * ``bytes_per_round.png``: bytes up and down per round, summed over clients;
 * ``attention_<run>.png``: the learned attention alpha of each (client, task) over the
   knowledge-base entries it received (the paper's Figure 4), for methods that have one;
@@ -47,18 +48,31 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = {name: load_run(path) for name, path in find_runs(paths).items()}
-    written = [_nll_per_task(runs, out_dir), _bytes_per_round(runs, out_dir)]
+    by_metric: dict[str, dict] = defaultdict(dict)
+    for name, run in runs.items():
+        by_metric[_metric(run[0])][name] = run
+    written = [_per_task(group, metric, out_dir) for metric, group in sorted(by_metric.items())]
+    written.append(_bytes_per_round(runs, out_dir))
     written += [p for name, (_, events) in runs.items() if (p := _attention(name, events, out_dir))]
     written.append(_table(runs, out_dir))
     return written
 
 
-def _nll_per_task(runs: dict, out_dir: Path) -> Path:
+KEYS = {"nll": ("avg_nll_per_task", "base_nll", "new_nll"),
+        "accuracy": ("accuracy_per_task", "base_accuracy", "new_accuracy")}
+
+
+def _metric(summary: dict) -> str:
+    clients = summary.get("final", {}).get("per_client", {}).values()
+    return "accuracy" if any("accuracy_matrix" in c for c in clients) else "nll"
+
+
+def _per_task(runs: dict, metric: str, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharex=True)
     for name, (summary, _) in runs.items():
         final = _recomputed(summary)
-        for ax, key in zip(axes, ("avg_nll_per_task", "base_nll", "new_nll")):
+        for ax, key in zip(axes, KEYS[metric]):
             values = final.get(key) or []
             ax.plot(range(len(values)), values, marker="o", label=name)
     for ax, title in zip(axes, ("average over tasks seen", "base task (task 0)", "newest task")):
@@ -66,10 +80,10 @@ def _nll_per_task(runs: dict, out_dir: Path) -> Path:
         ax.set_xlabel("after task")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("test NLL (nats)")
+    axes[0].set_ylabel("test NLL (nats)" if metric == "nll" else "test accuracy")
     axes[-1].legend(fontsize=8)
     fig.tight_layout()
-    return _save(fig, out_dir / "nll_per_task.png")
+    return _save(fig, out_dir / f"{metric}_per_task.png")
 
 
 def _bytes_per_round(runs: dict, out_dir: Path) -> Path:
@@ -117,11 +131,12 @@ def _attention(name: str, events: list[dict], out_dir: Path) -> Path | None:
 
 
 def _table(runs: dict, out_dir: Path) -> Path:
-    lines = ["| run | method | avg NLL | forgetting | bytes up | bytes down | dense fp32 up |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down "
+             "| dense fp32 up |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, (s, _) in runs.items():
         b, f = s["bytes"], s.get("final", {})
-        lines.append(f"| {name} | {s['method']} | {f.get('avg_nll')} | {f.get('forgetting')} | {b['up_total']:,} | "
+        score = f.get("avg_nll") if "avg_nll" in f else f.get("avg_incremental_accuracy")
+        lines.append(f"| {name} | {s['method']} | {score} | {f.get('forgetting')} | {b['up_total']:,} | "
                      f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} |")
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
@@ -130,9 +145,13 @@ def _table(runs: dict, out_dir: Path) -> Path:
 
 def _recomputed(summary: dict) -> dict:
     """Client-averaged metrics recomputed from the stored n[t][i] matrices."""
-    from fclcore.continual import continual_metrics, mean_metrics
-    per_client = {c: continual_metrics(np.array(v["nll_matrix"], dtype=float))
-                  for c, v in summary.get("final", {}).get("per_client", {}).items()}
+    from fclcore.continual import accuracy_metrics, continual_metrics, mean_metrics
+    per_client = {}
+    for c, v in summary.get("final", {}).get("per_client", {}).items():
+        if "accuracy_matrix" in v:
+            per_client[c] = accuracy_metrics(np.array(v["accuracy_matrix"], dtype=float))
+        else:
+            per_client[c] = continual_metrics(np.array(v["nll_matrix"], dtype=float))
     return mean_metrics(per_client)
 
 

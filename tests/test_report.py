@@ -33,6 +33,24 @@ def test_report_writes_plots_and_table(tmp_path: Path) -> None:
     assert "| a | confedmade | 11.5 |" in table and "| b | fedcl-finetune | 14.5 |" in table
 
 
+def test_report_plots_accuracy_runs_apart(tmp_path: Path) -> None:
+    """A FedET run (accuracy matrix) next to an NLL run: each metric gets its own figure."""
+    _fake_run(tmp_path / "runs" / "made", "confedmade", 0.0)
+    fedet = tmp_path / "runs" / "fedet"
+    fedet.mkdir(parents=True)
+    final = {"avg_accuracy": 0.8, "avg_incremental_accuracy": 0.85, "forgetting": 0.1,
+             "per_client": {"c0": {"accuracy_matrix": [[0.9, None], [0.8, 0.8]]}}}
+    (fedet / "summary.json").write_text(json.dumps({"method": "fedet", "bytes": {"up_total": 1, "down_total": 2,
+                                                                               "dense_fp32_up_total": 3},
+                                                    "final": final}))
+    (fedet / "metrics.jsonl").write_text("")
+    result = run_fcl("report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"))
+    assert result.returncode == 0, result.stderr
+    for name in ("nll_per_task.png", "accuracy_per_task.png"):
+        assert (tmp_path / "rep" / name).read_bytes()[:4] == b"\x89PNG", name
+    assert "| fedet | fedet | 0.85 |" in (tmp_path / "rep" / "report.md").read_text()
+
+
 def test_report_on_a_directory_without_runs_fails_cleanly(tmp_path: Path) -> None:
     result = run_fcl("report", str(tmp_path))
     assert result.returncode == 2 and "no summary.json" in result.stderr
