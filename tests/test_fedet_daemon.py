@@ -162,3 +162,8 @@ def test_fedet_run_through_mosquitto(mosquitto, tmp_path, repo_root):
     assert down[1] < 20_000 < down[2]  # round 1 follows a sums round (no group changed); round 2 follows training
     for client in summary["client_ids"]:
         assert (out / "clients" / client / "model.onnx").stat().st_size > 1_000_000
+    served = run_fcl("infer", str(out / "clients" / "client-0" / "model.onnx"), "--text",
+                     "The central bank raised interest rates again", "--text", "The striker scored twice")
+    assert served.returncode == 0, served.stderr
+    answers = [json.loads(line) for line in served.stdout.splitlines()]
+    assert len(answers) == 2 and all(0 <= a["label"] < 5 and a["group"] in (0, 1) for a in answers)
