@@ -32,7 +32,8 @@ import torch
 from aggregator.fedavg import weighted_average
 from fclcore.codec import Frame
 from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, enhanced_logits,
-                                     group_to_tensors, predict_logits, tensors_to_group, trainable_parameters)
+                                     group_to_tensors, predict_logits, prototype_rows, tensors_to_group,
+                                     trainable_parameters)
 from fclcore.text import EncodedDocs, entropy_nats
 
 __all__ = ["merge_class_sums", "assign_groups", "emd_weights", "emd_targets", "aux_quotas", "WaitingWindow",
@@ -207,6 +208,7 @@ class FedETServerConfig:
     weight_decay: float = 0.01
     batch_size: int = 8
     seed: int = 0
+    proto_init: float = 0.0  # as the devices' FedETConfig.proto_init
 
 
 class FedETAggregator:
@@ -230,7 +232,7 @@ class FedETAggregator:
         if new:
             j = assign_groups(new, self.prototypes, [g.classes for g in self.groups])
             self.old[j] = self.groups[j].copy().eval()
-            self.groups[j].extend_classes(new)
+            self.groups[j].extend_classes(new, prototype_rows(self.prototypes, self.cfg.proto_init))
             self.group_of.update({c: j for c in new})
         return dict(self.group_of), self.prototypes
 

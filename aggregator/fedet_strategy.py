@@ -54,7 +54,7 @@ class FedETStrategy(Strategy):
                                        blocks=self.backbone.cfg.layers)
         self.server = FedETAggregator(
             FedETServerConfig(self.enhancer, spec.num_groups, spec.aux_per_round, spec.server_epochs, fed.train.lr,
-                              spec.weight_decay, fed.train.batch_size, fed.seed),
+                              spec.weight_decay, fed.train.batch_size, fed.seed, spec.proto_init),
             self.backbone, load_aux_pool(aux_dir, self.backbone, spec.max_length))
         self.changed: list[int] = []  # groups in the current downlink
 

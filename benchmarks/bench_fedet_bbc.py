@@ -159,9 +159,10 @@ def prefix(sc: Scenario, t: int) -> np.ndarray:
 
 def run_fedet(sc: Scenario, args, backbone: FrozenBackbone, groups: int, wire: Wire) -> RunLog:
     ecfg = EnhancerConfig(hidden=backbone.cfg.hidden, bottleneck=args.bottleneck, blocks=backbone.cfg.layers)
-    ccfg = FedETConfig(ecfg, groups, args.gamma, None, args.lr, 0.01, args.batch_size, 1, 1, args.seed)
+    ccfg = FedETConfig(ecfg, groups, args.gamma, None, args.lr, 0.01, args.batch_size, 1, 1, args.seed,
+                       args.proto_init)
     server = FedETAggregator(FedETServerConfig(ecfg, groups, args.aux_per_round, args.server_epochs, args.lr,
-                                               0.01, args.batch_size, args.seed), backbone, sc.aux)
+                                               0.01, args.batch_size, args.seed, args.proto_init), backbone, sc.aux)
     clients = [FedETClient(ccfg, backbone, k) for k in range(args.clients)]
     out, rnd = RunLog(), 0
     for t in range(len(sc.tasks)):
@@ -277,6 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--aux-pool", type=int, default=150, help="auxiliary texts held by the server")
     p.add_argument("--aux-per-round", type=int, default=40, help="auxiliary texts per server distillation")
     p.add_argument("--server-epochs", type=int, default=4, help="server distillation epochs per round")
+    p.add_argument("--proto-init", type=float, default=0.0,
+                   help="fedet: new head rows start as a nearest-prototype classifier of this logit scale (0: zeros)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--bottleneck", type=int, default=64, help="Enhancer width m")
     p.add_argument("--gamma", type=float, default=0.1, help="sample memory store ratio")
@@ -397,7 +400,7 @@ def run_seed(args: argparse.Namespace, backbone: FrozenBackbone) -> dict:
                 "client_classes": sc.subsets, "clients": args.clients, "fraction": args.fraction,
                 "groups": args.groups, "rounds_per_task": args.rounds_per_task, "per_class": args.per_class,
                 "test_texts": len(sc.test), "aux_pool": len(sc.aux.docs), "aux_per_round": args.aux_per_round,
-                "server_epochs": args.server_epochs, "seq_len": args.seq_len, "bottleneck": args.bottleneck,
+                "server_epochs": args.server_epochs, "proto_init": args.proto_init, "seq_len": args.seq_len, "bottleneck": args.bottleneck,
                 "gamma": args.gamma, "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
                 "backbone_params": backbone_param_count(backbone), "full_fp32_bytes": full_fp32,
                 "group_params_5_classes": group_param_count(ecfg, n_classes)}

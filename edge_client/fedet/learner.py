@@ -29,7 +29,7 @@ from edge_client.fedet.memory import SampleMemory
 from edge_client.fedet.selector import PrototypeSelector, class_sums
 from fclcore.codec import SparseTensor
 from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, enhanced_logits,
-                                     group_to_tensors, predict_logits, trainable_parameters)
+                                     group_to_tensors, predict_logits, prototype_rows, trainable_parameters)
 from fclcore.text import EncodedDocs
 
 __all__ = ["FedETConfig", "GroupUpload", "FedETClient", "train_epochs", "seeded"]
@@ -47,6 +47,7 @@ class FedETConfig:
     local_epochs: int = 1  # temporary-group epochs per round
     distill_epochs: int = 1  # double-distillation epochs per round
     seed: int = 0
+    proto_init: float = 0.0  # > 0: new head rows start as a nearest-prototype classifier of this logit scale
 
     def __post_init__(self) -> None:
         if self.num_groups < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -126,6 +127,7 @@ class FedETClient:
         """Install the global selector, extend the selected groups, set up Algorithm 1 per group."""
         self.task, self.active = task, {}
         self.selector.update(prototypes, group_of)
+        rows = prototype_rows(prototypes, self.cfg.proto_init)
         new_by_group: dict[int, list[int]] = {}
         for c, j in sorted(group_of.items()):
             if c not in {k for g in self.groups for k in g.classes}:
@@ -134,12 +136,13 @@ class FedETClient:
         self.memory.add(docs, pooled)  # Algorithm 1 line 9 (the memory only keeps a few typical rows)
         for j, new in new_by_group.items():
             old = self.groups[j].copy().eval()
-            self.groups[j].extend_classes(new)  # zero rows: identical on every device and the server
+            self.groups[j].extend_classes(new, rows)  # identical on every device and the server
             mine = np.flatnonzero(np.isin(docs.labels, new))
             if len(mine) == 0:
                 continue
             local_new = tuple(sorted(int(c) for c in np.unique(docs.labels[mine])))
-            temp = EnhancerGroup(self.cfg.enhancer, local_new, seed=seeded(self.cfg.seed, self.client_index, task, j))
+            temp = EnhancerGroup(self.cfg.enhancer, seed=seeded(self.cfg.seed, self.client_index, task, j))
+            temp.extend_classes(local_new, rows)
             data = docs.subset(mine)
             replay = (None if old_rows is None
                       else old_rows.subset(np.flatnonzero(np.isin(old_rows.labels, old.classes))))
@@ -164,18 +167,23 @@ class FedETClient:
         temp_logits = predict_logits(self.backbone, s.temp, s.distill_set.ids, s.distill_set.mask)
         targets, have = self._targets(j, s, torch.from_numpy(s.old_logits), torch.from_numpy(temp_logits))
         student = self.groups[j]
-        train_epochs(self.backbone, student, s.distill_set, self.cfg.distill_epochs, bs, self._optimizer(student),
-                     gen, lambda logits, b: distillation_loss(logits, targets[b], have))
+        if have.any():  # else: one new class and no old ones, nothing to distil; the group goes up as it is
+            train_epochs(self.backbone, student, s.distill_set, self.cfg.distill_epochs, bs,
+                         self._optimizer(student), gen, lambda logits, b: distillation_loss(logits, targets[b], have))
         counts = {int(c): int((s.data.labels == c).sum()) for c in s.temp.classes}
         return GroupUpload(j, student.classes, group_to_tensors(student, sparse=True), counts,
                            label_entropy(list(counts.values())), len(s.distill_set))
 
     def _targets(self, j: int, s: _TaskGroup, old: torch.Tensor,
                  temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eq. 5 targets placed on the student's head rows; rows without a teacher are masked."""
+        """Eq. 5 targets placed on the student's head rows; rows without a teacher are masked.
+        A one-class temporary group is no teacher: its centred logit is always 0, and pulling
+        the student's row towards it would erase that class's initialisation."""
         student = self.groups[j]
+        if len(s.temp.classes) < 2:
+            temp = temp[:, :0]
         dd = double_distillation_targets(old, temp)  # (|U|, m + n_local) in [old..., temp...] order
-        cols = student.rows(s.old.classes + s.temp.classes)
+        cols = student.rows(s.old.classes + (s.temp.classes if temp.shape[1] else ()))
         targets = torch.zeros(len(dd), len(student.classes))
         targets[:, cols] = dd
         have = torch.zeros(len(student.classes), dtype=torch.bool)

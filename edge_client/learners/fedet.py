@@ -84,7 +84,8 @@ class FedETLearner(Learner):
         self.enhancer = EnhancerConfig(hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck,
                                        blocks=self.backbone.cfg.layers)
         self.cfg = FedETConfig(self.enhancer, spec.num_groups, spec.gamma, None, fed.train.lr, spec.weight_decay,
-                               fed.train.batch_size, fed.train.local_epochs, spec.distill_epochs, fed.seed)
+                               fed.train.batch_size, fed.train.local_epochs, spec.distill_epochs, fed.seed,
+                               spec.proto_init)
         self.client = FedETClient(self.cfg, self.backbone, client_index)
         self.phase = "sums"
         self.group_of: dict[int, int] = {}

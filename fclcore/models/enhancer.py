@@ -265,11 +265,11 @@ class EnhancerGroup(nn.Module):
             self.enhancers = nn.ModuleList(Enhancer(cfg) for _ in range(cfg.blocks))
             self.head = _linear(cfg.hidden, len(self.classes))
 
-    def extend_classes(self, new: Sequence[int]) -> None:
+    def extend_classes(self, new: Sequence[int], rows: Mapping[int, np.ndarray] | None = None) -> None:
         """Append head rows for ``new`` classes, keeping the old rows.
 
-        New rows start at zero: every device and the aggregator extend a group identically
-        without exchanging an initialisation."""
+        New rows start at zero, or at ``rows[c]`` (``prototype_rows``): either way every
+        device and the aggregator extend a group alike without exchanging an initialisation."""
         new = [int(c) for c in new if int(c) not in self.classes]
         if not new:
             return
@@ -279,6 +279,9 @@ class EnhancerGroup(nn.Module):
             head.bias.zero_()
             head.weight[:len(self.classes)] = self.head.weight
             head.bias[:len(self.classes)] = self.head.bias
+            for i, c in enumerate(new):
+                if rows is not None and c in rows:
+                    head.weight[len(self.classes) + i] = torch.from_numpy(np.asarray(rows[c], np.float32))
         self.head, self.classes = head, self.classes + tuple(new)
 
     def rows(self, classes: Sequence[int]) -> list[int]:
@@ -378,6 +381,24 @@ def _params_by_wire_name(group: EnhancerGroup) -> dict[str, Tensor]:
         out.update({f"enh.{i}.down.weight": e.down.weight, f"enh.{i}.down.bias": e.down.bias,
                     f"enh.{i}.up.weight": e.up.weight, f"enh.{i}.up.bias": e.up.bias})
     out.update({"head.weight": group.head.weight, "head.bias": group.head.bias})
+    return out
+
+
+def prototype_rows(prototypes: Mapping[int, np.ndarray], scale: float,
+                   pooled_norm: float = 2.84) -> dict[int, np.ndarray]:
+    """Head rows that make a fresh group a nearest-prototype (cosine) classifier.
+
+    A fresh group's Enhancers are the identity, so its head sees the frozen mean-pooled
+    embedding h (|h| ~= ``pooled_norm`` for all-MiniLM-L6-v2); row c = ``scale`` *
+    unit(prototype_c) / pooled_norm gives logits ~= ``scale`` * cos(h, prototype_c).  The
+    prototypes are rounded to float16 first, so devices (which may receive them as float16)
+    and the aggregator compute the same rows.  ``scale`` 0: no rows (zero initialisation)."""
+    if scale <= 0:
+        return {}
+    out = {}
+    for c, p in prototypes.items():
+        v = np.asarray(p, np.float16).astype(np.float64)
+        out[int(c)] = (scale / pooled_norm * v / max(float(np.linalg.norm(v)), 1e-12)).astype(np.float32)
     return out
 
 
