@@ -21,7 +21,7 @@ from edge_client.fedet.memory import SampleMemory
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.models.enhancer import (BertEncoder, EnhancedTransformer, EnhancerConfig, EnhancerGroup, FrozenBackbone,
                                      enhanced_logits, group_to_tensors, mean_pool, pooled_embeddings,
-                                     tensors_to_group, tiny_config, trainable_parameters)
+                                     prototype_rows, tensors_to_group, tiny_config, trainable_parameters)
 from fclcore.text import (EncodedDocs, class_incremental_tasks, client_class_subsets, client_shards,
                           load_text_folders, split_corpus)
 
@@ -342,3 +342,41 @@ def test_class_incremental_plans_are_seeded_disjoint_and_cover():
 def test_mean_pool_ignores_padding():
     h = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]])
     assert mean_pool(h, torch.tensor([[1, 1, 0]])).tolist() == [[2.0, 3.0]]
+
+
+def test_prototype_rows_make_a_fresh_group_a_nearest_prototype_classifier(backbone):
+    """With proto_init, a group's new head rows classify by cosine to the class prototypes
+    before any training (its Enhancers are the identity), on devices and server alike."""
+    docs = synthetic_docs([0, 1, 2], per_class=6, seed=3)
+    pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
+    norm = float(np.linalg.norm(pooled, axis=1).mean())
+    protos = {c: pooled[docs.labels == c].mean(0) for c in (0, 1, 2)}
+    rows = prototype_rows(protos, scale=10.0, pooled_norm=norm)
+    group = EnhancerGroup(ECFG, seed=1)
+    group.extend_classes([0, 1, 2], rows)
+    logits = enhanced_logits(backbone, group, torch.from_numpy(docs.ids), torch.from_numpy(docs.mask)).detach()
+    unit = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    table = np.stack([protos[c] / np.linalg.norm(protos[c]) for c in (0, 1, 2)])
+    assert (logits.argmax(1).numpy() == np.argmax(unit @ table.T, axis=1)).all()
+    np.testing.assert_allclose(logits.numpy(), 10.0 / norm * pooled @ table.T, rtol=1e-2, atol=1e-2)
+    assert prototype_rows(protos, scale=0.0) == {}
+    twin = EnhancerGroup(ECFG, seed=1)
+    twin.extend_classes([0, 1, 2], prototype_rows({c: p.astype(np.float16) for c, p in protos.items()}, 10.0, norm))
+    assert torch.equal(twin.head.weight, group.head.weight)  # float16 prototypes on the wire: same rows
+
+
+def test_one_class_temporary_group_is_no_teacher(backbone):
+    """A device with one new class and no old ones uploads its group untouched (the prototype
+    initialisation survives); with two new classes the group is trained."""
+    docs = synthetic_docs([0, 1], per_class=4, seed=5)
+    pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
+    protos = {c: pooled[docs.labels == c].mean(0) for c in (0, 1)}
+    cfg = FedETConfig(ECFG, num_groups=1, gamma=0.5, batch_size=4, seed=0, proto_init=10.0)
+    one, two = FedETClient(cfg, backbone, 0), FedETClient(cfg, backbone, 1)
+    mine = np.flatnonzero(docs.labels == 0)
+    one.start_task(0, docs.subset(mine), pooled[mine], {0: 0, 1: 0}, protos)
+    two.start_task(0, docs, pooled, {0: 0, 1: 0}, protos)
+    before = {k: v.copy() for k, v in group_to_tensors(one.groups[0]).items()}
+    up_one, up_two = one.train_round(0)[0], two.train_round(0)[0]
+    assert all(np.array_equal(before[k], up_one.tensors[k].to_dense()) for k in before)
+    assert any(not np.array_equal(before[k], up_two.tensors[k].to_dense()) for k in before)
