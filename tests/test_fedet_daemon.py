@@ -167,3 +167,10 @@ def test_fedet_run_through_mosquitto(mosquitto, tmp_path, repo_root):
     assert served.returncode == 0, served.stderr
     answers = [json.loads(line) for line in served.stdout.splitlines()]
     assert len(answers) == 2 and all(0 <= a["label"] < 5 and a["group"] in (0, 1) for a in answers)
+    # fcl export from a device's checkpoint: the same kind of classifier, parity-checked on export
+    exported = run_fcl("export", str(out / "clients" / "client-1" / "state"), "--out", str(tmp_path / "c1.onnx"))
+    assert exported.returncode == 0, exported.stderr
+    again = run_fcl("infer", str(tmp_path / "c1.onnx"), "--text", "The striker scored twice")
+    assert again.returncode == 0 and 0 <= json.loads(again.stdout)["label"] < 5, again.stderr
+    wrong = run_fcl("export", str(out / "clients"), "--out", str(tmp_path / "none.onnx"))
+    assert wrong.returncode == 2 and "no client.npz" in wrong.stderr
