@@ -24,7 +24,7 @@ from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.errors import ConfigError
 from fclcore.models.enhancer import (PHASES, EnhancerConfig, FrozenBackbone, backbone_param_count, group_prefix,
                                      group_to_tensors, load_minilm, pooled_embeddings, tensors_to_group)
-from fclcore.text import EncodedDocs, TextTokenizer, default_tokenizer_json
+from fclcore.text import TextTokenizer, default_tokenizer_json
 
 MAX_CLASS_ID = 1 << 20
 MAX_AUX_TEXTS = 100_000

@@ -8,7 +8,6 @@ Mosquitto, where only the changed group travels and every device serves an ONNX 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -25,7 +25,7 @@ import torch
 from edge_client.fedet.learner import FedETClient, FedETConfig, _TaskGroup, seeded
 from edge_client.fedet.selector import class_sums
 from edge_client.learners.base import Learner, register
-from fclcore.codec import Frame, SparseTensor, Tensor
+from fclcore.codec import SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import MadeConfig
 from fclcore.models.enhancer import (PHASES, EnhancerConfig, EnhancerGroup, FrozenBackbone, group_prefix,
@@ -103,9 +103,6 @@ class FedETLearner(Learner):
             self.group_of, self.prototypes = group_of, prototypes
         for j, group in groups.items():
             self.client.load_group(j, group)
-
-    def start_task(self, task: int, knowledge: Frame | None) -> None:
-        super().start_task(task, knowledge)
 
     def _embed(self, data: Dataset) -> np.ndarray:
         cached = self._pooled.get(id(data.x))
