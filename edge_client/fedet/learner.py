@@ -141,8 +141,12 @@ class FedETClient:
             if len(mine) == 0:
                 continue
             local_new = tuple(sorted(int(c) for c in np.unique(docs.labels[mine])))
-            temp = EnhancerGroup(self.cfg.enhancer, seed=seeded(self.cfg.seed, self.client_index, task, j))
-            temp.extend_classes(local_new, rows)
+            seed = seeded(self.cfg.seed, self.client_index, task, j)
+            if rows:  # the temporary head starts as the prototype classifier of its classes
+                temp = EnhancerGroup(self.cfg.enhancer, seed=seed)
+                temp.extend_classes(local_new, rows)
+            else:
+                temp = EnhancerGroup(self.cfg.enhancer, local_new, seed=seed)
             data = docs.subset(mine)
             replay = (None if old_rows is None
                       else old_rows.subset(np.flatnonzero(np.isin(old_rows.labels, old.classes))))
