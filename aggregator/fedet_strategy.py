@@ -12,11 +12,13 @@ The auxiliary texts are ``*.txt`` files under ``aux_dir`` (labels, if any, are n
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from aggregator.fedavg import weighted_average
 from aggregator.fedet import AuxiliaryPool, FedETAggregator, FedETServerConfig, ReceivedGroup
 from aggregator.inbox import Update
 from aggregator.strategy import Strategy, register
@@ -26,6 +28,7 @@ from fclcore.models.enhancer import (PHASES, EnhancerConfig, FrozenBackbone, bac
                                      group_to_tensors, load_minilm, pooled_embeddings, tensors_to_group)
 from fclcore.text import TextTokenizer, default_tokenizer_json
 
+log = logging.getLogger(__name__)
 MAX_CLASS_ID = 1 << 20
 MAX_AUX_TEXTS = 100_000
 
@@ -147,7 +150,15 @@ class FedETStrategy(Strategy):
                 for up in self._groups(u.frame, u.frame.meta["fedet"]):
                     by_group.setdefault(up.group, []).append(up)
             for j, uploads in sorted(by_group.items()):
-                self.server.aggregate(j, uploads, rnd)
+                try:
+                    self.server.aggregate(j, uploads, rnd)
+                except ValueError as exc:  # e.g. no auxiliary text near the group's classes
+                    log.warning("round %d group %d: distillation skipped (%s); sample-weighted average instead",
+                                rnd, j, exc)
+                    average = weighted_average([(group_to_tensors(tensors_to_group(u.tensors, self.enhancer,
+                                                                                   u.classes)), float(u.n_samples))
+                                                for u in uploads], group_to_tensors(self.server.groups[j]))
+                    self.server.groups[j] = tensors_to_group(average, self.enhancer, self.server.groups[j].classes)
                 self.changed.append(j)
         return self.downlink()
 

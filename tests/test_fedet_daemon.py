@@ -8,6 +8,7 @@ Mosquitto, where only the changed group travels and every device serves an ONNX 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,14 +40,17 @@ def bbc():
     return load_dataset("bbc", None, 0, FED.fedet.max_length)
 
 
-@pytest.fixture(scope="module")
-def strategy(tmp_path_factory):
-    aux = tmp_path_factory.mktemp("aux")
+def new_strategy(aux: Path) -> FedETStrategy:
     for n, text in enumerate(["Shares rose as the bank reported profits.", "The striker scored twice in the cup.",
                               "Parliament voted on the new bill.", "The film won an award at the festival.",
                               "A new phone chip doubles battery life.", "Markets fell on inflation fears."]):
         (aux / f"{n}.txt").write_text(text)
     return FedETStrategy(FED, MADE, ["client-0", "client-1"], aux_dir=str(aux))
+
+
+@pytest.fixture(scope="module")
+def strategy(tmp_path_factory):
+    return new_strategy(tmp_path_factory.mktemp("aux"))
 
 
 def frame(rnd: int, meta: dict, tensors: dict, client: str = "client-0") -> Frame:
@@ -130,6 +134,31 @@ def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
     assert (original == again).all()
     with pytest.raises(ValueError, match="prototypes"):
         parse_downlink(meta, {}, learners[0].enhancer, FED.fedet.num_groups)
+
+
+def test_failed_distillation_falls_back_to_the_average(tmp_path, bbc):
+    """If the server cannot distil a group (here: forced), the round still closes with the
+    sample-weighted average of the uploads instead of stopping the service."""
+    strategy = new_strategy(tmp_path)
+    train, test = bbc
+    data = client_task_split(train, test, [TASKS], 0, 0, per_class=4, test_per_class=3)
+    learner = FedETLearner(FED, MADE, 0)
+    downlink, meta = strategy.downlink(), strategy.announce_meta(0)
+    for rnd in range(2):
+        learner.load_global(downlink, rnd, meta)
+        if rnd == 0:
+            learner.start_task(0, None)
+        n, _ = learner.train_round(data.train, rnd)
+        f = frame(rnd, {"n_samples": n, **learner.report(False)}, learner.upload(rnd, False))
+        strategy.normalize(f)
+        if rnd == 1:
+            def broken(*args, **kwargs):
+                raise ValueError("the auxiliary pool has no text near the group's classes")
+            strategy.server.aggregate = broken
+        downlink, meta = strategy.aggregate([update(f, n)], downlink), strategy.announce_meta(rnd + 1)
+    uploaded = {k[len("g0/"):]: v for k, v in f.tensors.items()}
+    for name, value in uploaded.items():  # one upload: its average is itself
+        np.testing.assert_allclose(downlink["g0/" + name], value.to_dense() if hasattr(value, "to_dense") else value)
 
 
 def _docs_and_pooled(learner: FedETLearner, data):

@@ -17,6 +17,7 @@ accuracy: the selector routes each text to a group, whose head predicts over all
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import numpy as np
@@ -32,6 +33,8 @@ from fclcore.models.enhancer import (PHASES, EnhancerConfig, EnhancerGroup, Froz
                                      group_to_tensors, load_minilm, pooled_embeddings, tensors_to_group)
 from fclcore.schema import FederationSpec
 from fclcore.text import EncodedDocs
+
+log = logging.getLogger(__name__)
 
 def encoded(data: Dataset) -> EncodedDocs:
     """Token ids with padding id 0 -> the docs the backbone takes."""
@@ -124,8 +127,9 @@ class FedETLearner(Learner):
             return len(data), 0.0
         if self.started < self.task:
             missing = sorted(set(int(c) for c in np.unique(data.y)) - set(self.group_of))
-            if missing:
-                raise ValueError(f"classes {missing} have no group from the aggregator")
+            if missing:  # e.g. this device's class sums missed the task's first round
+                log.warning("task %d: classes %s have no group from the aggregator; their texts are not used",
+                            self.task, missing)
             self.client.start_task(self.task, encoded(data), pooled, self.group_of, self.prototypes)
             self.started = self.task
         uploads = self.client.train_round(rnd)
