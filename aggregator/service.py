@@ -53,8 +53,7 @@ class AggregatorService:
         self.fed = cfg.federation
         self.stop = stop or threading.Event()
         self.made = self.fed.model.made_config(cfg.input_dim)
-        extra = {"aux_dir": cfg.aux_dir} if self.fed.method == "fedet" else {}
-        self.strategy = make_strategy(self.fed, self.made, cfg.expected_clients, **extra)
+        self.strategy = make_strategy(self.fed, self.made, cfg.expected_clients, aux_dir=cfg.aux_dir)
         self.global_params = self.strategy.initial_model()
         self.limits = CodecLimits(max_frame_bytes=int(self.fed.wire.max_frame_mb * 2**20))
         keys = None

@@ -29,12 +29,13 @@ def register(*names: str) -> Callable[[type["Strategy"]], type["Strategy"]]:
     return wrap
 
 
-def make_strategy(fed: FederationSpec, made: MadeConfig, clients: Sequence[str], **extra) -> "Strategy":
-    """``extra``: settings of the aggregator's own config that a method needs (``aux_dir``)."""
+def make_strategy(fed: FederationSpec, made: MadeConfig, clients: Sequence[str],
+                  aux_dir: str | None = None) -> "Strategy":
+    """``aux_dir``: fedet's auxiliary texts (from the aggregator's own config)."""
     import aggregator.decomposed  # noqa: F401  (registers the decomposed methods)
     if fed.method == "fedet":
         import aggregator.fedet_strategy  # noqa: F401  (torch: only for this method)
-        return STRATEGIES["fedet"](fed, made, list(clients), **extra)
+        return STRATEGIES["fedet"](fed, made, list(clients), aux_dir=aux_dir)
     if fed.method not in STRATEGIES:
         raise ValueError(f"method: expected one of {sorted(STRATEGIES) + ['fedet']}, got {fed.method!r}")
     return STRATEGIES[fed.method](fed, made, list(clients))
