@@ -97,21 +97,12 @@ def markdown(results: dict, ablation: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    parser.add_argument("--rounds-per-task", type=int, help="override the protocol's 50 rounds per task")
-    parser.add_argument("--ablation", action="store_true", help="also run ConFedMADE's communication steps")
-    parser.add_argument("--runs", default=str(ROOT / "runs" / "seqmnist"), help="where run directories go")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "seqmnist"))
-    parser.add_argument("--update", action="store_true",
-                        help="keep the other methods already in OUT.json (same rounds per task) and replace these")
-    args = parser.parse_args()
-    common = [f"federation.rounds_per_task={args.rounds_per_task}"] if args.rounds_per_task else []
+def run_all(args: argparse.Namespace, common: list[str]) -> tuple[dict, list[dict]]:
+    """Every requested method (and the ablation steps) through one Mosquitto."""
+    results, ablation = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         broker = MosquittoProcess(Path(tmp)).start()
         try:
-            results, ablation = {}, []
             for method in args.methods:
                 results[method] = run_one(method, scenario(method), common, Path(args.runs) / method, broker.url)
                 print(f"{method}: {results[method]}", flush=True)
@@ -122,6 +113,30 @@ def main() -> None:
                 print(f"{step}: {row}", flush=True)
         finally:
             broker.stop()
+    return results, ablation
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--rounds-per-task", type=int, help="override the protocol's 50 rounds per task")
+    parser.add_argument("--ablation", action="store_true", help="also run ConFedMADE's communication steps")
+    parser.add_argument("--measure-only", action="store_true",
+                        help="do not run: measure the finished runs RUNS/<method> (minutes from the aggregator's "
+                             "run time), e.g. after a long benchmark was stopped part-way")
+    parser.add_argument("--runs", default=str(ROOT / "runs" / "seqmnist"), help="where run directories go")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "seqmnist"))
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other methods already in OUT.json (same rounds per task) and replace these")
+    args = parser.parse_args()
+    common = [f"federation.rounds_per_task={args.rounds_per_task}"] if args.rounds_per_task else []
+    if args.measure_only:
+        results, ablation = {}, []
+        for method in args.methods:
+            run = Path(args.runs) / method
+            results[method] = measure(run, json.loads((run / "summary.json").read_text())["duration_s"] / 60)
+    else:
+        results, ablation = run_all(args, common)
     meta = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
             "command": " ".join(["python", *sys.argv]),
             "rounds_per_task": args.rounds_per_task or 50}
