@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import onnxruntime as ort
@@ -125,6 +125,43 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return np.exp(-np.logaddexp(0.0, -z))
 
 
+def open_validated(path: str, options: ort.SessionOptions,
+                   validate: Callable[[bytes, str], dict[str, Any]]) -> tuple[ort.InferenceSession, dict[str, Any],
+                                                                            tuple[int, int, int]]:
+    """Open ``path`` once, check its bytes with ``validate``, and let onnxruntime read the
+    same open file; (session, metadata, (inode, mtime_ns, size)).  Shared by every runtime."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        raise ModelFileError(f"{path}: no such model file") from None
+    except IsADirectoryError:
+        raise ModelFileError(f"{path}: is a directory, not a model file") from None
+    except OSError as exc:
+        raise ModelFileError(f"{path}: cannot open model file: {exc.strerror or exc}") from None
+    with fh:
+        try:
+            st = os.fstat(fh.fileno())
+            if st.st_size > MAX_MODEL_BYTES:
+                raise ModelFileError(f"{path}: {st.st_size} bytes is too large for a single-file ONNX model")
+            data = fh.read()
+        except OSError as exc:
+            raise ModelFileError(f"{path}: cannot read model file: {exc.strerror or exc}") from None
+        if len(data) != st.st_size:
+            raise ModelFileError(f"{path}: file changed while being read (writers must use os.replace)")
+        meta = validate(data, path)
+        fd_path = f"/proc/self/fd/{fh.fileno()}"
+        if os.path.exists(fd_path):
+            del data
+            session = _session(fd_path, options, path)
+        else:  # pragma: no cover - non-Linux
+            session = _session(data, options, path)
+            del data
+        after = os.fstat(fh.fileno())
+        if (after.st_mtime_ns, after.st_size) != (st.st_mtime_ns, st.st_size):
+            raise ModelFileError(f"{path}: file changed while being loaded (writers must use os.replace)")
+    return session, meta, (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 class MadeRuntime:
     """A validated, loaded MADE model.  Create with :meth:`load`."""
 
@@ -151,36 +188,7 @@ class MadeRuntime:
         """
         path = os.fspath(path)
         options = session_options(intra_op_threads, cpu_mem_arena, mem_pattern)
-        try:
-            fh = open(path, "rb")
-        except FileNotFoundError:
-            raise ModelFileError(f"{path}: no such model file") from None
-        except IsADirectoryError:
-            raise ModelFileError(f"{path}: is a directory, not a model file") from None
-        except OSError as exc:
-            raise ModelFileError(f"{path}: cannot open model file: {exc.strerror or exc}") from None
-        with fh:
-            try:
-                st = os.fstat(fh.fileno())
-                if st.st_size > MAX_MODEL_BYTES:
-                    raise ModelFileError(f"{path}: {st.st_size} bytes is too large for a single-file ONNX model")
-                data = fh.read()
-            except OSError as exc:
-                raise ModelFileError(f"{path}: cannot read model file: {exc.strerror or exc}") from None
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if len(data) != st.st_size:
-                raise ModelFileError(f"{path}: file changed while being read (writers must use os.replace)")
-            meta = _validate(data, path)
-            fd_path = f"/proc/self/fd/{fh.fileno()}"
-            if os.path.exists(fd_path):
-                del data
-                session = _session(fd_path, options, path)
-            else:  # pragma: no cover - non-Linux
-                session = _session(data, options, path)
-                del data
-            after = os.fstat(fh.fileno())
-            if (after.st_mtime_ns, after.st_size) != (st.st_mtime_ns, st.st_size):
-                raise ModelFileError(f"{path}: file changed while being loaded (writers must use os.replace)")
+        session, meta, key = open_validated(path, options, _validate)
         _check_io(session, meta, path)
         return cls(session, meta, path, key)
 

@@ -60,7 +60,7 @@ import onnxruntime as ort
 
 from export import _meta
 from export._proto import INTEGRITY_KEY, ProtoError, integrity_digest, parse_model, sha256, weights_digest
-from export.runtime import MAX_MODEL_BYTES, InputError, ModelFileError, _session, session_options
+from export.runtime import MAX_MODEL_BYTES, InputError, ModelFileError, open_validated, session_options
 
 __all__ = ["FORMAT", "TextClassifierRuntime", "TokenizerError", "parse_metadata", "default_tokenizer_path",
            "model_format", "CHUNK_TEXTS"]
@@ -219,35 +219,7 @@ def _check_io(session: ort.InferenceSession, meta: dict[str, Any], path: str) ->
 
 def _read_and_load(path: str, options: ort.SessionOptions) -> tuple[ort.InferenceSession, dict[str, Any]]:
     """Open once, validate the bytes, let onnxruntime read the same open file (see MadeRuntime.load)."""
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        raise ModelFileError(f"{path}: no such model file") from None
-    except IsADirectoryError:
-        raise ModelFileError(f"{path}: is a directory, not a model file") from None
-    except OSError as exc:
-        raise ModelFileError(f"{path}: cannot open model file: {exc.strerror or exc}") from None
-    with fh:
-        try:
-            st = os.fstat(fh.fileno())
-            if st.st_size > MAX_MODEL_BYTES:
-                raise ModelFileError(f"{path}: {st.st_size} bytes is too large for a single-file ONNX model")
-            data = fh.read()
-        except OSError as exc:
-            raise ModelFileError(f"{path}: cannot read model file: {exc.strerror or exc}") from None
-        if len(data) != st.st_size:
-            raise ModelFileError(f"{path}: file changed while being read (writers must use os.replace)")
-        meta = _validate(data, path)
-        fd_path = f"/proc/self/fd/{fh.fileno()}"
-        if os.path.exists(fd_path):
-            del data
-            session = _session(fd_path, options, path)
-        else:  # pragma: no cover - non-Linux
-            session = _session(data, options, path)
-            del data
-        after = os.fstat(fh.fileno())
-        if (after.st_mtime_ns, after.st_size) != (st.st_mtime_ns, st.st_size):
-            raise ModelFileError(f"{path}: file changed while being loaded (writers must use os.replace)")
+    session, meta, _ = open_validated(path, options, _validate)
     _check_io(session, meta, path)
     return session, meta
 
