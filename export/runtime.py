@@ -68,8 +68,10 @@ def session_options(intra_op_threads: int | None = 1, cpu_mem_arena: bool = Fals
     return so
 
 
-def _validate(data: bytes, path: str) -> dict[str, Any]:
-    """Structure, ``fcl.*`` metadata, weights hash and whole-file hash; return the parsed metadata."""
+def validate_model_bytes(data: bytes, path: str,
+              parse_meta: Callable[[dict[str, str]], dict[str, Any]] = _meta.parse) -> dict[str, Any]:
+    """Structure, ``fcl.*`` metadata (read by ``parse_meta``: a format's own schema), weights
+    hash and whole-file hash; return the parsed metadata."""
     if len(data) == 0:
         raise ModelFileError(f"{path}: empty file")
     try:
@@ -79,7 +81,7 @@ def _validate(data: bytes, path: str) -> dict[str, Any]:
     if not parsed.has_graph:
         raise ModelFileError(f"{path}: not an ONNX model (no graph)")
     try:
-        meta = _meta.parse(parsed.metadata)
+        meta = parse_meta(parsed.metadata)
     except _meta.MetadataError as exc:
         raise ModelFileError(f"{path}: {exc}") from None
     got = weights_digest((t.name, t.data_type, t.dims, t.raw) for t in parsed.initializers)
@@ -188,7 +190,7 @@ class MadeRuntime:
         """
         path = os.fspath(path)
         options = session_options(intra_op_threads, cpu_mem_arena, mem_pattern)
-        session, meta, key = open_validated(path, options, _validate)
+        session, meta, key = open_validated(path, options, validate_model_bytes)
         _check_io(session, meta, path)
         return cls(session, meta, path, key)
 
@@ -196,7 +198,7 @@ class MadeRuntime:
     def from_bytes(cls, data: bytes, path: str = "<bytes>", *, stat_key: tuple[int, int, int] | None = None,
                    options: ort.SessionOptions | None = None) -> "MadeRuntime":
         """Validate and load model bytes (the same checks as :meth:`load`)."""
-        meta = _validate(data, path)
+        meta = validate_model_bytes(data, path)
         session = _session(data, options or session_options(), path)
         _check_io(session, meta, path)
         return cls(session, meta, path, stat_key)

@@ -59,8 +59,9 @@ import numpy as np
 import onnxruntime as ort
 
 from export import _meta
-from export._proto import INTEGRITY_KEY, ProtoError, integrity_digest, parse_model, sha256, weights_digest
-from export.runtime import MAX_MODEL_BYTES, InputError, ModelFileError, open_validated, session_options
+from export._proto import ProtoError, parse_model, sha256
+from export.runtime import (MAX_MODEL_BYTES, InputError, ModelFileError, open_validated, session_options,
+                            validate_model_bytes)
 
 __all__ = ["FORMAT", "TextClassifierRuntime", "TokenizerError", "parse_metadata", "default_tokenizer_path",
            "model_format", "CHUNK_TEXTS"]
@@ -177,29 +178,8 @@ def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
 
 
 def _validate(data: bytes, path: str) -> dict[str, Any]:
-    if len(data) == 0:
-        raise ModelFileError(f"{path}: empty file")
-    try:
-        parsed = parse_model(data)
-    except ProtoError as exc:
-        raise ModelFileError(f"{path}: not a valid ONNX model file ({exc}); truncated or corrupted?") from None
-    if not parsed.has_graph:
-        raise ModelFileError(f"{path}: not an ONNX model (no graph)")
-    try:
-        meta = parse_metadata(parsed.metadata)
-    except _meta.MetadataError as exc:
-        raise ModelFileError(f"{path}: {exc}") from None
-    got = weights_digest((t.name, t.data_type, t.dims, t.raw) for t in parsed.initializers)
-    if got != meta["weights_sha256"]:
-        raise ModelFileError(f"{path}: weights hash mismatch (metadata {meta['weights_sha256'][:12]}..., "
-                             f"weights {got[:12]}...): tampered or corrupted")
-    try:
-        whole = integrity_digest(data, parsed.metadata_spans[INTEGRITY_KEY])
-    except ProtoError as exc:
-        raise ModelFileError(f"{path}: {exc}") from None
-    if whole != meta["integrity_sha256"]:
-        raise ModelFileError(f"{path}: file integrity hash mismatch: modified or corrupted after export")
-    return meta
+    """The MADE runtime's file checks with this format's metadata schema."""
+    return validate_model_bytes(data, path, parse_metadata)
 
 
 def _check_io(session: ort.InferenceSession, meta: dict[str, Any], path: str) -> None:
