@@ -19,6 +19,7 @@ import numpy as np
 
 from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, Tensor, decode
 from fclcore.signing import SignatureError, verify
+from fclcore.strategy import Checked, Update
 
 MAX_SAMPLES = 2**31 - 1  # a sample count is a FedAvg weight: it must stay a sane float
 
@@ -31,33 +32,9 @@ class Rejection:
     late: bool = False
 
 
-@dataclass(frozen=True)
-class Update:
-    client: str
-    frame: Frame
-    n_samples: int
-    packet_bytes: int
-    payload_bytes: int
-    tensors: Mapping[str, Tensor]  # as the strategy normalised them (full shapes)
-
-
-# The strategy's view of an update's tensors: full-shape tensors, or ValueError saying why not.
-Normalizer = Callable[[Frame], dict[str, Tensor]]
-
-
-def template_check(template: Mapping[str, tuple[int, ...]]) -> Normalizer:
-    """A normaliser that accepts exactly the tensors of ``template`` with those shapes."""
-    def normalize(frame: Frame) -> dict[str, Tensor]:
-        names = set(frame.tensors)
-        if names != set(template):
-            missing, extra = sorted(set(template) - names), sorted(names - set(template))
-            raise ValueError(f"tensors: missing {missing}, unexpected {extra}")
-        for name, tensor in frame.tensors.items():
-            shape = tuple(tensor.shape)
-            if shape != tuple(template[name]):
-                raise ValueError(f"{name}: expected shape {tuple(template[name])}, got {shape}")
-        return dict(frame.tensors)
-    return normalize
+# The strategy's view of an update: full-shape tensors (or a ``Checked`` with its parse), or
+# ValueError saying why not.
+Normalizer = Callable[[Frame], "dict[str, Tensor] | Checked"]
 
 
 @dataclass
@@ -103,11 +80,13 @@ class Inbox:
         if problem is not None:
             return Rejection("content", problem, client)
         tensors: Mapping[str, Tensor] = {}
+        parsed = None
         if kind is Kind.UPDATE:
             try:
-                tensors = self.normalize(frame)
+                checked = self.normalize(frame)
             except ValueError as exc:
                 return Rejection("content", str(exc), client)
+            tensors, parsed = (checked.tensors, checked.parsed) if isinstance(checked, Checked) else (checked, None)
             if self.max_update_norm is not None and current is not None:
                 norm = update_distance(tensors, current)
                 if not norm <= self.max_update_norm:
@@ -115,7 +94,7 @@ class Inbox:
                                              f"max_update_norm {self.max_update_norm:.4g}", client)
         self.last_seq[client] = frame.header.sequence
         n_samples = frame.meta["n_samples"] if kind is Kind.UPDATE else 0
-        return Update(client, frame, n_samples, packet_bytes, len(payload), tensors)
+        return Update(client, frame, n_samples, packet_bytes, len(payload), tensors, parsed)
 
     def _header_problem(self, frame: Frame, client: str, open_round: int, kind: Kind) -> Rejection | None:
         h = frame.header

@@ -104,10 +104,12 @@ class RunLog:
         return mean
 
     def summary(self, *, method: str, federation: str, clients: list[str], tasks: int, rounds: int,
-                rounds_per_task: int, **extra: object) -> dict:
+                rounds_per_task: int, task_ends: list[int], **extra: object) -> dict:
+        """``task_ends``: the last round of each task (the schedule's), whose evaluations are
+        the rows of the continual metrics."""
         per_client = {}
         for client in clients:
-            found = self._task_matrix(client, tasks, rounds_per_task)
+            found = self._task_matrix(client, task_ends)
             if found is not None:
                 metric, matrix = found
                 scores = continual_metrics(matrix) if metric == "nll" else accuracy_metrics(matrix)
@@ -133,11 +135,11 @@ class RunLog:
         os.replace(tmp, self.dir / "summary.json")
         return out
 
-    def _task_matrix(self, client: str, tasks: int, rounds_per_task: int) -> tuple[str, np.ndarray] | None:
+    def _task_matrix(self, client: str, task_ends: list[int]) -> tuple[str, np.ndarray] | None:
         """(metric, n[t][i]) from the evaluation after the last round of each task, if all are present."""
         rows, metric = [], "nll"
-        for t in range(tasks):
-            report = self.evals.get(client, {}).get((t + 1) * rounds_per_task - 1)
+        for last in task_ends:
+            report = self.evals.get(client, {}).get(last)
             if report is None:
                 return None
             metric = eval_metric(report)

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.inbox import Inbox, Rejection, Update, is_finite_number
+from aggregator.inbox import Inbox, Rejection, is_finite_number
 from aggregator.metrics import AggregatorMetrics
 from aggregator.runlog import RunLog
+import methods
 from aggregator.state import Committed, StateStore, fingerprint
-from aggregator.strategy import make_strategy
 from fclcore import topics
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
@@ -30,6 +30,7 @@ from fclcore.exitcodes import ExitCode
 from fclcore.schema import AggregatorConfig
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import load_keys
+from fclcore.strategy import Update
 from fclcore.transport import MqttLink, TransportError, parse_status, publish_packet_bytes
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,13 @@ class NotEnoughClients(RuntimeError):
 
 
 class AggregatorService:
-    def __init__(self, cfg: AggregatorConfig, stop: threading.Event | None = None) -> None:
+    def __init__(self, cfg: AggregatorConfig, stop: threading.Event | None = None, link_factory=MqttLink) -> None:
+        """``link_factory``: how to reach the broker (``MqttLink``, or an in-process link)."""
         self.cfg = cfg
-        self.fed = cfg.federation
         self.stop = stop or threading.Event()
-        self.made = self.fed.model.made_config(cfg.input_dim)
-        self.strategy = make_strategy(self.fed, self.made, cfg.expected_clients, aux_dir=cfg.aux_dir)
+        self.method, _, self.fed = methods.resolve(cfg.federation, "aggregator config")
+        self.strategy = methods.strategy_for(self.fed, cfg.input_dim, aux_dir=cfg.aux_dir)
+        self.schedule = self.strategy.schedule
         self.global_params = self.strategy.initial_model()
         self.limits = CodecLimits(max_frame_bytes=int(self.fed.wire.max_frame_mb * 2**20))
         keys = None
@@ -77,7 +79,7 @@ class AggregatorService:
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
         self.metrics = AggregatorMetrics(self.fed.name, cfg.metrics_port, cfg.metrics_addr)
-        self.link = MqttLink(cfg.broker, f"fcl-{self.fed.name}-aggregator",
+        self.link = link_factory(cfg.broker, f"fcl-{self.fed.name}-aggregator",
                              status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
                              subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
                              on_message=lambda t, p, n: self.queue.put(Incoming(t, p, n)))
@@ -165,8 +167,8 @@ class AggregatorService:
 
     # -- one round -------------------------------------------------------------------
     def _run_round(self, rnd: int, received: dict[str, Update]) -> None:
-        task = rnd // self.fed.rounds_per_task
-        knowledge = self._send_knowledge(task) if rnd % self.fed.rounds_per_task == 0 else {}
+        task = self.schedule.task_of(rnd)
+        knowledge = self._send_downlinks(rnd, task)
         self.metrics.round_started(rnd, task)
         for attempt in range(1, self.fed.rounds.max_attempts + 1):
             started = time.monotonic()
@@ -186,28 +188,26 @@ class AggregatorService:
                         rnd, attempt, len(received), self._quorum())
         raise NotEnoughClients(f"round {rnd} missed its quorum in {self.fed.rounds.max_attempts} attempts")
 
-    def _send_knowledge(self, task: int) -> dict[str, tuple[int, int]]:
-        """Publish each client's knowledge-base entries for ``task`` (retained, before the round)."""
-        if not self.strategy.uses_knowledge:
-            return {}
+    def _send_downlinks(self, rnd: int, task: int) -> dict[str, tuple[int, int]]:
+        """Publish the strategy's per-client frames for round ``rnd`` (retained, before the round);
+        today's use: each client's knowledge-base entries at a task start."""
         sizes = {}
-        for client, (meta, tensors) in self.strategy.knowledge_for(task).items():
+        for client, (meta, tensors) in self.strategy.client_downlinks(rnd, self.cfg.expected_clients).items():
             self.sequence += 1
-            header = Header(Kind.KNOWLEDGE, self.fed.name, task * self.fed.rounds_per_task, task,
-                            topics.AGGREGATOR_ID, self.sequence)
+            header = Header(Kind.KNOWLEDGE, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
             payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
             topic = topics.knowledge_topic(self.fed.name, client)
             self.link.publish(topic, payload, retain=True, tag=f"knowledge:{task}")
             self.retained[topic] = payload
             sizes[client] = (publish_packet_bytes(topic, len(payload)), len(payload))
-            self.runlog.write("knowledge", task=task, client=client, entries=[e["id"] for e in meta["entries"]],
-                              bytes=sizes[client][0])
+            self.runlog.write("knowledge", task=task, client=client, bytes=sizes[client][0],
+                              **self.strategy.downlink_log(meta))
         return sizes
 
     def _announce(self, kind: Kind, rnd: int, task: int, attempt: int = 1) -> tuple[int, int]:
         meta = {"federation": to_dict(self.fed), "input_dim": self.cfg.input_dim,
                 "total_rounds": self.fed.total_rounds, "attempt": attempt,
-                "knowledge": self.strategy.uses_knowledge, **self.strategy.announce_meta(rnd)}
+                "schedule": self._schedule_meta(rnd), **self.strategy.announce_meta(rnd)}
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
         payload = encode(Frame(header, meta, self.global_params), self.fed.wire.value_dtype, self.limits)
@@ -215,6 +215,12 @@ class AggregatorService:
         self.link.publish(topic, payload, retain=True, tag=f"{kind.name.lower()}:{rnd}")
         self.retained[topic] = payload
         return publish_packet_bytes(topic, len(payload)), len(payload)
+
+    def _schedule_meta(self, rnd: int) -> dict:
+        """This round's place in the task schedule and the previous round's (what the device's
+        evaluation in this round's reply is of)."""
+        previous = self.schedule.place(rnd - 1).to_meta() if rnd > 0 else None
+        return {**self.schedule.place(rnd).to_meta(), "previous": previous}
 
     def _after_outage(self) -> None:
         """After a reconnect, publish the round's retained messages again: a broker that
@@ -268,7 +274,7 @@ class AggregatorService:
     def _request(self, kind: Kind, rnd: int, missing: list[str]) -> None:
         """Ask ``missing`` clients to send their update (or evaluation) for ``rnd`` again."""
         self.sequence += 1
-        task = min(rnd // self.fed.rounds_per_task, self.fed.num_tasks - 1)
+        task = self.schedule.task_of(rnd)
         header = Header(Kind.REQUEST, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
         payload = encode(Frame(header, {"missing": missing, "kind": kind.name}, {}), limits=self.limits)
         self.link.publish(topics.round_topic(self.fed.name), payload, tag=f"request:{rnd}")
@@ -348,21 +354,22 @@ class AggregatorService:
         self.link.publish_status("online", role="aggregator", task=task, round=rnd,
                                  bytes_up=meter["up"]["bytes"], bytes_down=meter["down"]["bytes"])
         if rnd > 0:
-            self.runlog.round_summary(rnd - 1, (rnd - 1) // self.fed.rounds_per_task)
+            self.runlog.round_summary(rnd - 1, self.schedule.task_of(rnd - 1))
 
     # -- end of run ------------------------------------------------------------------
     def _finish(self) -> None:
         """Send the final model; clients answer with an evaluation of it."""
         last = self.fed.total_rounds
-        self._announce(Kind.FINISH, last, self.fed.num_tasks - 1)
+        self._announce(Kind.FINISH, last, self.schedule.task_of(last))
         received = self._collect(last, kind=Kind.EVAL)
-        self.runlog.round_summary(last - 1, self.fed.num_tasks - 1)
+        self.runlog.round_summary(last - 1, self.schedule.task_of(last - 1))
         log.info("final evaluation from %d/%d clients", len(received), len(self.cfg.expected_clients))
 
     def _write_summary(self, duration: float) -> None:
         self.runlog.summary(method=self.fed.method, federation=self.fed.name,
                             clients=list(self.cfg.expected_clients), tasks=self.fed.num_tasks,
                             rounds=self.fed.total_rounds, rounds_per_task=self.fed.rounds_per_task,
+                            task_ends=[self.schedule.last_round(t) for t in range(self.schedule.num_tasks)],
                             duration_s=round(duration, 2), meter=self.link.meter.snapshot())
 
     def _quorum(self) -> int:

@@ -45,11 +45,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_fedet_bbc as bbc  # noqa: E402
 import torch  # noqa: E402
 
-from edge_client.fedet import FedETClient  # noqa: E402
 from export.onnx_fedet import export_fedet_client, int8_path_for  # noqa: E402
 from export.text_runtime import TextClassifierRuntime  # noqa: E402
 from fclcore.models.enhancer import FrozenBackbone, default_minilm_dir, enhanced_logits, load_minilm  # noqa: E402
 from fclcore.text import load_bbc, split_corpus  # noqa: E402
+from methods.fedet.client import FedETClient  # noqa: E402
 
 RSS_CHILD = r"""
 import json, sys, time

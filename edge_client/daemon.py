@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+import methods
 from edge_client.control import ControlServer
-from edge_client.learners import Learner, make_learner
 from edge_client.serving import ServedModelWriter
 from edge_client.state import ClientState, ClientStateStore
 from edge_client.taskdir import TaskDirectory
@@ -36,6 +36,8 @@ from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, 
 from fclcore.config import ConfigError, from_dict, to_dict
 from fclcore.data import ClientTasks, client_task_split, load_dataset
 from fclcore.exitcodes import ExitCode
+from fclcore.learner import Learner
+from fclcore.schedule import RoundPlace
 from fclcore.schema import ClientConfig, FederationSpec
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import read_key, sign
@@ -50,7 +52,8 @@ class RejectedFrame(ValueError):
 
 
 class ClientDaemon:
-    def __init__(self, cfg: ClientConfig, stop: threading.Event | None = None) -> None:
+    def __init__(self, cfg: ClientConfig, stop: threading.Event | None = None, link_factory=MqttLink) -> None:
+        """``link_factory``: how to reach the broker (``MqttLink``, or an in-process link)."""
         self.cfg = cfg
         self.stop = stop or threading.Event()
         self.out_dir = Path(cfg.out_dir)
@@ -87,7 +90,7 @@ class ClientDaemon:
         self.serving = ServedModelWriter(self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8)
         self.control = ControlServer(self.store.path.parent / "control.sock", self.status_snapshot,
                                      self.serving.model_path)
-        self.link = MqttLink(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
+        self.link = link_factory(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
                              status_topic=topics.status_topic(cfg.federation, cfg.client_id),
                              subscriptions=[topics.round_topic(cfg.federation),
                                             topics.knowledge_topic(cfg.federation, cfg.client_id)],
@@ -113,11 +116,11 @@ class ClientDaemon:
         try:
             fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
             self.knowledge = {t: decode(raw, self.limits) for t, raw in state.knowledge.items()}
-            self.learner = make_learner(fed, fed.model.made_config(self.input_dim), self.client_index)
+            self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             for t in range(state.task + 1):
                 self.learner.start_task(t, self.knowledge.get(t))
             self.learner.load_state(state.learner_meta, state.learner_arrays)
-        except (ConfigError, CodecError, ValueError) as exc:
+        except (CodecError, ValueError) as exc:  # ConfigError is a ValueError
             raise ConfigError(f"state_dir {self.store.path.parent}: cannot resume ({exc}); "
                               f"move it away to rejoin from scratch") from None
         self.fed, self.task, self.done_round = fed, state.task, state.done_round
@@ -158,6 +161,7 @@ class ClientDaemon:
                 finished = self._handle(topic, payload, size)
         finally:
             self.notifier.stopping("shutting down")
+            self.serving.close()
             self.control.stop()
             self.link.close("stopped")
             self._write_wire_log()
@@ -213,7 +217,8 @@ class ClientDaemon:
         return self._handle_round(frame, size)
 
     def _needs_knowledge(self, frame: Frame) -> bool:
-        return (frame.meta.get("knowledge") is True and frame.header.task != self.task
+        """The round says the strategy sent this device its own frame for it, and it is not here yet."""
+        return (frame.meta.get("client_frames") is True and frame.header.task != self.task
                 and frame.header.task not in self.knowledge)
 
     def _resend(self, rnd: int, why: str) -> None:
@@ -228,10 +233,8 @@ class ClientDaemon:
     def _on_knowledge(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
         if topic != topics.knowledge_topic(self.cfg.federation, self.cfg.client_id):
             raise RejectedFrame(f"topic: knowledge frame on {topic}")
-        entries = frame.meta.get("entries")
-        if frame.meta.get("for_task") != frame.header.task or not isinstance(entries, list) or not all(
-                isinstance(e, dict) and isinstance(e.get("id"), str) for e in entries):
-            raise RejectedFrame("knowledge: expected meta.for_task == task and a list of entries with ids")
+        if frame.meta.get("for_task", frame.header.task) != frame.header.task:
+            raise RejectedFrame("knowledge: meta.for_task differs from the header's task")
         self.knowledge[frame.header.task] = frame
         self.knowledge_raw[frame.header.task] = payload
         self.knowledge_bytes[frame.header.task] = size
@@ -265,7 +268,8 @@ class ClientDaemon:
                 log.info("round %d is on task %d: waiting for its folder in %s", frame.header.round,
                          frame.header.task, self.task_dir.root)
                 if self.task >= 0:  # meanwhile, serve what the federation learned up to here
-                    self._serve(after_round=frame.header.round - 1, task_ended=frame.header.task != self.task)
+                    self.serving.submit(self._served(frame.header.round - 1, _places(frame)[1],
+                                                     task_ended=frame.header.task != self.task))
                 self.link.publish_status("online", waiting_for_task=frame.header.task)
             self.waiting = (frame, size)
             return False
@@ -290,6 +294,7 @@ class ClientDaemon:
             return frame, self.fed
         try:
             fed = from_dict(FederationSpec, frame.meta.get("federation"), "round message", "federation")
+            methods.resolve(fed, "round message")
         except ConfigError as exc:
             raise RejectedFrame(f"federation: {exc}") from None
         dim = frame.meta.get("input_dim")
@@ -298,6 +303,7 @@ class ClientDaemon:
             raise RejectedFrame(f"input_dim: model expects {dim!r}, this device's data has {self.input_dim}")
         if self.task_dir is None and len(self.data.train) < fed.num_tasks:
             raise RejectedFrame(f"tasks: federation has {fed.num_tasks} tasks, this device has {len(self.data.train)}")
+        _places(frame)  # the schedule is checked before anything acts on the frame
         return frame, fed
 
     def _load(self, frame: Frame, fed: FederationSpec) -> None:
@@ -307,7 +313,7 @@ class ClientDaemon:
         if self.learner is None:
             self.input_dim = frame.meta["input_dim"]  # checked by _check
             try:
-                self.learner = make_learner(fed, fed.model.made_config(self.input_dim), self.client_index)
+                self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             except ValueError as exc:
                 raise RejectedFrame(f"federation: {exc}") from None
             self.fed = fed
@@ -324,8 +330,10 @@ class ClientDaemon:
     def _round(self, frame: Frame) -> None:
         cpu_start = time.process_time()
         rnd, task = frame.header.round, frame.header.task
-        report = self._evaluate(rnd - 1)
-        self._serve(after_round=rnd - 1, task_ended=task != self.task and self.task >= 0)
+        place, previous = _places(frame)
+        report = self._evaluate(rnd - 1, previous)
+        served = self._served(after_round=rnd - 1, previous=previous,
+                              task_ended=task != self.task and self.task >= 0)
         if task != self.task:
             try:  # a device that joined late (or was away for a whole task) starts the tasks it missed
                 for t in range(self.task + 1, task + 1):
@@ -334,46 +342,51 @@ class ClientDaemon:
                 raise RejectedFrame(f"knowledge: {exc}") from None
             self.task = task
         seen = self.data.train if self.learner.sees_all_tasks else self.data.train[: task + 1]
-        n_samples, train_nll = self.learner.train_round(seen, rnd)
-        task_end = (rnd + 1) % self.fed.rounds_per_task == 0
-        tensors = self.learner.upload(rnd, task_end)
+        n_samples, train_nll = self.learner.train_round(seen, rnd, place)
+        tensors = self.learner.upload(rnd, place)
         meta = {"n_samples": n_samples, "train_nll": round(train_nll, 4), "eval": report,
-                "rejected": dict(self.rejected), **self.learner.report(task_end)}
+                "rejected": dict(self.rejected), **self.learner.report(place)}
         payload = self._frame(Kind.UPDATE, rnd, task, meta, tensors)
         self.done_round, self.unacked = rnd, payload
         self._checkpoint(payload)  # before publishing: a crash after this re-sends, never retrains
         self._send(payload, f"update:{rnd}")
         self.sent_at = time.monotonic()
+        self.serving.submit(served)  # exported in the background, never before the update is out
         self.round_cpu_s[rnd] = round(time.process_time() - cpu_start, 4)
         meter = self.link.meter.snapshot()
         self.link.publish_status("online", task=task, round=rnd, bytes_up=meter["up"]["bytes"],
                                  bytes_down=meter["down"]["bytes"], waiting_for_task=None)
         self.notifier.status(f"round {rnd}, task {task}")
-        log.info("round %d task %d: %d samples, train NLL %.3f", rnd, task, n_samples, train_nll)
+        log.info("round %d task %d: %d samples, train loss %.3f", rnd, task, n_samples, train_nll)
 
     def _finish(self, frame: Frame) -> None:
-        report = self._evaluate(frame.header.round - 1, everything=True)
-        self._serve(after_round=frame.header.round - 1, task_ended=True)
+        _, previous = _places(frame)
+        report = self._evaluate(frame.header.round - 1, previous, everything=True)
+        served = self._served(after_round=frame.header.round - 1, previous=previous, task_ended=True)
         payload = self._frame(Kind.EVAL, frame.header.round, frame.header.task,
                               {"eval": report, "rejected": dict(self.rejected)}, {})
         self._send(payload, f"eval:{frame.header.round}").wait_for_publish(10)
+        self.serving.submit(served)
+        self.serving.wait()  # the final model is in service before the daemon exits
         log.info("run finished; final %s per task %s", self.learner.metric, report[self.learner.metric])
 
-    def _serve(self, after_round: int, task_ended: bool) -> None:
-        """Export the merged model after a task (or every round, if so configured)."""
+    def _served(self, after_round: int, previous: RoundPlace | None, task_ended: bool):
+        """The model to serve after ``after_round`` (a snapshot the background export may
+        read while training goes on), or None: after a task, or every round if so configured."""
         every = self.cfg.serve.every
-        if after_round < 0 or every == "never" or (every == "task" and not task_ended) \
+        if after_round < 0 or previous is None or every == "never" or (every == "task" and not task_ended) \
                 or after_round == self.served_round:
-            return
-        task = after_round // self.fed.rounds_per_task
-        self.serving.write(self.learner, task, self.data.test[task].x)
+            return None
         self.served_round = after_round
+        task = previous.task
+        return self.serving.snapshot(self.learner, task, self.data.test[task].x)
 
-    def _evaluate(self, rnd: int, everything: bool = False) -> dict:
-        """Held-out NLL (or accuracy) of the loaded model after round ``rnd``: on every task seen so far after
-        a task's last round (the continual metrics) or when asked, else on the current task."""
-        task = max(0, rnd) // self.fed.rounds_per_task
-        full = everything or (rnd + 1) % self.fed.rounds_per_task == 0
+    def _evaluate(self, rnd: int, place: RoundPlace | None, everything: bool = False) -> dict:
+        """Held-out NLL (or accuracy) of the loaded model after round ``rnd`` (at ``place`` in
+        the schedule): on every task seen so far after a task's last round (the continual
+        metrics) or when asked, else on the current task."""
+        task = place.task if place is not None else 0
+        full = everything or place is None or place.task_end
         tests = [d if full or i == task else None for i, d in enumerate(self.data.test[: task + 1])]
         return {"round": rnd, "task": task, self.learner.metric: self.learner.evaluate(tests)}
 
@@ -397,6 +410,19 @@ class ClientDaemon:
                                    "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                                    **self.link.meter.snapshot()}, indent=2))
         os.replace(tmp, self.out_dir / "wire.json")
+
+
+def _places(frame: Frame) -> tuple[RoundPlace, RoundPlace | None]:
+    """(this round's place in the task schedule, the previous round's), from the round message."""
+    schedule = frame.meta.get("schedule")
+    try:
+        place = RoundPlace.from_meta(schedule, frame.header.task)
+        previous = schedule.get("previous")
+        before = None if previous is None else RoundPlace.from_meta(previous, previous.get("task") if isinstance(
+            previous, dict) else -1)
+    except ValueError as exc:
+        raise RejectedFrame(str(exc)) from None
+    return place, before
 
 
 def load_client_data(cfg: ClientConfig) -> ClientTasks:

@@ -69,3 +69,29 @@ class ClientStateStore:
                 learner_arrays={k[len(_LEARNER):]: v for k, v in arrays.items() if k.startswith(_LEARNER)})
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: malformed state ({exc})") from None
+
+
+def served_from_state(state_dir: str | os.PathLike) -> object:
+    """What the device whose checkpoint is in ``state_dir`` serves now (a ``fclcore.served``
+    description), rebuilt through the method registry; ValueError if there is none."""
+    import methods
+    from fclcore.codec import CodecError, decode
+    from fclcore.config import from_dict
+    from fclcore.schema import FederationSpec
+
+    try:
+        state = ClientStateStore(state_dir).load()
+        if state is None:
+            raise ValueError(f"{state_dir}: no client.npz checkpoint in this directory")
+        fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
+        learner = methods.learner_for(fed, state.input_dim, 0, "checkpoint")
+        for task in range(state.task + 1):
+            raw = state.knowledge.get(task)
+            learner.start_task(task, decode(raw) if raw is not None else None)
+        learner.load_state(state.learner_meta, state.learner_arrays)
+    except (CheckpointError, CodecError) as exc:
+        raise ValueError(f"{state_dir}: {exc}") from None
+    served = learner.served_model(max(state.task, 0))
+    if served is None:
+        raise ValueError(f"{state_dir}: the device serves nothing yet")
+    return served

@@ -51,8 +51,8 @@ def add_export_parser(subparsers: Any) -> None:
                     "it loads in onnxruntime and its logits match the torch MADE within 1e-5. Prints a JSON "
                     "report. Exit 2 for a bad snapshot or option, 1 if verification fails.")
     p.add_argument("snapshot", help="served-model snapshot .npz (see export/snapshot.py for the format), or the "
-                                    "state directory of a fedet device (its checkpoint: backbone + selector + "
-                                    "Enhancer groups are exported as one text classifier)")
+                                    "a device's state directory (its checkpoint: what the device serves is rebuilt and "
+                                    "exported in its served format, e.g. a text classifier)")
     p.add_argument("--out", required=True, help="output ONNX path, e.g. model.onnx")
     p.add_argument("--int8", action="store_true",
                    help="also write <stem>.int8.onnx (int8 weights, dynamic quantisation) with its NLL change "
@@ -94,7 +94,7 @@ def run_export(args: argparse.Namespace) -> int:
         _err("export", f"--parity-rows must be >= 1, got {args.parity_rows}")
         return int(ExitCode.BAD_INPUT)
     if os.path.isdir(args.snapshot):
-        return _export_fedet_state(args)
+        return _export_state_dir(args)
     try:
         model = load_snapshot(args.snapshot)
         x = _parity_data(args.parity_data, model.made.input_dim, args.parity_rows)
@@ -111,33 +111,23 @@ def run_export(args: argparse.Namespace) -> int:
     return int(ExitCode.OK)
 
 
-def _export_fedet_state(args: argparse.Namespace) -> int:
-    """A fedet device's checkpoint (``state_dir``) -> one ONNX text classifier; parity rows are
-    seeded random token rows (the exporter's default)."""
-    from edge_client.learners import make_learner
-    from edge_client.state import ClientStateStore
-    from export.onnx_fedet import ExportError, export_fedet_client
-    from fclcore.checkpoint import CheckpointError
-    from fclcore.config import ConfigError, from_dict
-    from fclcore.schema import FederationSpec
+def _export_state_dir(args: argparse.Namespace) -> int:
+    """A device's state directory -> the ONNX file of what it serves, in its served format.
+    ``args.state_loader`` (set by the ``fcl`` entry point, which may import the device side)
+    rebuilds the served model from the checkpoint; parity rows are the exporter's seeded ones."""
+    from export.formats import ExportError, export_served
 
+    loader = getattr(args, "state_loader", None)
+    if loader is None:
+        _err("export", f"{args.snapshot}: a state directory needs the fcl entry point (fcl export DIR)")
+        return int(ExitCode.BAD_INPUT)
     try:
-        state = ClientStateStore(args.snapshot).load()
-        if state is None:
-            raise ValueError(f"{args.snapshot}: no client.npz checkpoint in this directory")
-        fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
-        if fed.method != "fedet":
-            raise ValueError(f"{args.snapshot}: a {fed.method} device; export its served.npz instead")
-        learner = make_learner(fed, fed.model.made_config(state.input_dim), 0)
-        for task in range(state.task + 1):
-            learner.start_task(task, None)
-        learner.load_state(state.learner_meta, state.learner_arrays)
-    except (CheckpointError, ConfigError, ValueError) as exc:
+        served = loader(args.snapshot)
+    except ValueError as exc:
         _err("export", str(exc))
         return int(ExitCode.BAD_INPUT)
     try:
-        report = export_fedet_client(learner.client, args.out, int8=args.int8, task=max(state.task, 0),
-                                     max_length=fed.fedet.max_length, toolkit_version=_toolkit_version())
+        report = export_served(served, args.out, int8=args.int8, toolkit_version=_toolkit_version())
     except ExportError as exc:
         _err("export", str(exc))
         return int(ExitCode.FAILURE)

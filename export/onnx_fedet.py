@@ -16,7 +16,7 @@ shared by all passes).
 The graph is traced with torch's TorchScript-based exporter (``dynamo=False``; the
 torch.export-based one needs onnxscript, which is not installed), opset 17, with dynamic
 ``batch`` and ``seq`` axes.  Metadata: format ``fcl-fedet/1`` (see ``export.text_runtime``),
-sealed with the same weights and integrity hashes as the MADE exports (``export._proto``).
+sealed with the same weights and integrity hashes as the MADE exports (``export.publish.seal``).
 
 The exported file is written to a temporary file, reloaded and validated by the torch-free
 :class:`export.text_runtime.TextClassifierRuntime`, parity-checked against the torch
@@ -25,7 +25,6 @@ computation, and only then moved over the destination with ``os.replace``.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -36,15 +35,30 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from edge_client.fedet.selector import PrototypeSelector, normalize_rows
 from export._proto import sha256
-from export.onnx_made import (OPSET, ExportError, _DropPreprocessHint, _file_sha256, _seal, _temp_path, _write,
-                              int8_path_for)
+from export.publish import (
+    OPSET,
+    ExportError,
+    file_sha256,
+    int8_path_for,
+    publish,
+    quiet_quantizer,
+    remove_temps,
+    seal,
+    temp_path,
+    write_synced,
+)
 from export.runtime import ModelFileError
 from export.text_runtime import FORMAT, TextClassifierRuntime
-from fclcore.checkpoint import fsync_dir
-from fclcore.models.enhancer import (EnhancerGroup, FrozenBackbone, attention_bias, mean_pool, pooled_embeddings,
-                                     predict_logits)
+from fclcore.models.enhancer import (
+    EnhancerGroup,
+    FrozenBackbone,
+    attention_bias,
+    mean_pool,
+    pooled_embeddings,
+    predict_logits,
+)
+from fclcore.models.prototypes import PrototypeSelector, normalize_rows
 
 __all__ = ["export_fedet", "export_fedet_client", "build_fedet_onnx", "fedet_reference", "FedETGraph",
            "ExportError", "PARITY_TOL", "ROUTE_TOL", "INT8_MIN_AGREEMENT", "int8_path_for"]
@@ -317,17 +331,12 @@ def _selector_nodes(proto: onnx.ModelProto) -> list[str]:
 def _quantize(src: Path, dst: Path, exclude: list[str], per_channel: bool) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    root = logging.getLogger()
-    quiet, hint = logging.NullHandler(), _DropPreprocessHint()
-    root.addHandler(quiet)  # keeps logging.warning() inside the quantiser from calling basicConfig()
-    root.addFilter(hint)
     try:
-        quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=per_channel, nodes_to_exclude=exclude)
+        with quiet_quantizer():
+            quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=per_channel,
+                             nodes_to_exclude=exclude)
     except Exception as exc:
         raise ExportError(f"int8 quantisation failed: {exc}") from exc
-    finally:
-        root.removeFilter(hint)
-        root.removeHandler(quiet)
 
 
 def _load(path: Path, what: str) -> TextClassifierRuntime:
@@ -345,14 +354,14 @@ def _export_int8(fp32_tmp: Path, q_tmp: Path, q_path: Path, ref: dict[str, np.nd
     proto = onnx.load(q_tmp)
     meta = dict(metadata, quantization="int8-dynamic", int8_label_agreement=0.0, int8_group_agreement=0.0,
                 int8_min_agreement=min_agreement, int8_eval=desc)
-    _write(q_tmp, _seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
     labels, groups, _ = _load(q_tmp, "int8").predict_ids(ids, mask)
     agree, g_agree = float((labels == ref["label"]).mean()), float((groups == ref["group"]).mean())
     if not agree >= min_agreement:
         raise ExportError(f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows "
                           f"({desc}); nothing written")
     meta.update(int8_label_agreement=agree, int8_group_agreement=g_agree)
-    _write(q_tmp, _seal(proto, meta).SerializeToString())
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())
     rt = _load(q_tmp, "int8")
     again, g_again, _ = rt.predict_ids(ids, mask)
     if not (np.array_equal(again, labels) and np.array_equal(g_again, groups)):
@@ -432,9 +441,9 @@ def export_fedet(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], prot
     ref = fedet_reference(backbone, groups, selector, classes, ids, mask)
     temps: list[Path] = []
     try:
-        tmp = _temp_path(path)
+        tmp = temp_path(path)
         temps.append(tmp)
-        _write(tmp, _seal(proto, metadata).SerializeToString())
+        write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
         rt = _load(tmp, "fp32")
         wrong = [k for k, v in metadata.items() if rt.metadata.get(k) != v]
@@ -446,25 +455,19 @@ def export_fedet(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], prot
                                   **_compare(ref, labels, routes, logits, "fp32", desc),
                                   "sha256": rt.metadata["weights_sha256"]}
         del rt
-        publish = [(tmp, path)]
+        pairs = [(tmp, path)]
         if int8:
             q_path = int8_path_for(path)
-            q_tmp = _temp_path(q_path)
+            q_tmp = temp_path(q_path)
             temps.append(q_tmp)
             report.update(_export_int8(tmp, q_tmp, q_path, ref, ids, mask, desc, metadata, int8_min_agreement,
                                        int8_per_channel, int8_exclude_selector))
-            publish.append((q_tmp, q_path))
-        report["file_sha256"] = _file_sha256(tmp)
-        for src, dst in publish:
-            os.replace(src, dst)
-        fsync_dir(path.parent)
+            pairs.append((q_tmp, q_path))
+        report["file_sha256"] = file_sha256(tmp)
+        publish(pairs, path.parent)
         return report
     finally:
-        for t in temps:
-            try:
-                t.unlink()
-            except FileNotFoundError:
-                pass
+        remove_temps(temps)
 
 
 def _tokenizer_metadata(tokenizer_json: str | os.PathLike, vocab_size: int, embed: bool) -> dict[str, Any]:
@@ -487,7 +490,8 @@ def _tokenizer_metadata(tokenizer_json: str | os.PathLike, vocab_size: int, embe
 
 def export_fedet_client(client: Any, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
     """:func:`export_fedet` of a ``FedETClient`` (or anything with ``backbone``, ``groups``,
-    ``selector`` and optionally ``task``): the state ``client.predict`` serves."""
+    ``selector`` (a :class:`fclcore.models.prototypes.PrototypeSelector`) and optionally ``task``):
+    the state ``client.predict`` serves."""
     try:
         backbone, groups, selector = client.backbone, list(client.groups), client.selector
     except AttributeError as exc:

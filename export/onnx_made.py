@@ -13,10 +13,7 @@ torch is imported lazily, only for the parity check against ``fclcore.models.mad
 """
 from __future__ import annotations
 
-import logging
 import os
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,79 +22,31 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from export import _meta
-from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
-from fclcore.checkpoint import fsync_dir
-from fclcore.made_spec import MadeConfig, input_order, made_masks, mask_for_param, param_shapes
+from export.publish import (
+    OPSET,
+    ExportError,
+    file_sha256,
+    int8_path_for,
+    publish,
+    quiet_quantizer,
+    remove_temps,
+    seal,
+    temp_path,
+    write_synced,
+)
+from fclcore.made_spec import input_order, made_masks, mask_for_param
+from fclcore.served import ServedModel
 
-__all__ = ["ServedModel", "ExportError", "build_onnx", "export_served_model", "int8_path_for",
+__all__ = ["ServedModel", "ExportError", "base_metadata", "build_onnx", "export_served_model", "int8_path_for",
            "PARITY_TOL", "OPSET"]
 
-OPSET = 17
 IR_VERSION = 8  # the IR version that introduced opset 17: readable by older device runtimes
 PARITY_TOL = 1e-5
 _PARITY_RANDOM_ROWS = 64
 
 
-class ExportError(RuntimeError):
-    """The model could not be exported, or the exported file failed verification."""
-
-
-@dataclass(frozen=True, eq=False)
-class ServedModel:
-    """The plain MADE weights a device serves, plus where they came from.
-
-    ``params`` are already composed by the learning method (e.g. ``B*sigmoid(m) + A + sum
-    alpha*A_kb``) and keyed like ``param_shapes(made)``; they are validated and stored as
-    read-only float32 copies.
-    """
-
-    made: MadeConfig
-    params: dict[str, np.ndarray]
-    order_index: int
-    method: str
-    task: int
-    binarize: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.made, MadeConfig):
-            raise ValueError(f"made must be a MadeConfig, got {type(self.made).__name__}")
-        for name, minimum in (("order_index", 0), ("task", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-                raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-            object.__setattr__(self, name, int(v))
-        if not isinstance(self.method, str) or not self.method.strip():
-            raise ValueError(f"method must be a non-empty string, got {self.method!r}")
-        if not isinstance(self.binarize, str):
-            raise ValueError(f"binarize must be a string, got {self.binarize!r}")
-        if not isinstance(self.params, dict):
-            raise ValueError(f"params must be a dict of arrays, got {type(self.params).__name__}")
-        expected = param_shapes(self.made)
-        missing = [n for n in expected if n not in self.params]
-        unexpected = [n for n in self.params if n not in expected]
-        if missing or unexpected:
-            raise ValueError(f"parameter names mismatch: missing {missing}, unexpected {unexpected}")
-        params = {}
-        for name, shape in expected.items():
-            a = np.asarray(self.params[name])
-            if a.dtype == object or not np.issubdtype(a.dtype, np.floating):
-                raise ValueError(f"parameter {name!r} must be a float array, got dtype {a.dtype}")
-            if a.shape != shape:
-                raise ValueError(f"parameter {name!r}: expected shape {shape}, got {a.shape}")
-            a = np.array(a, dtype=np.float32, order="C", copy=True)
-            if not np.isfinite(a).all():
-                raise ValueError(f"parameter {name!r} contains NaN or infinite values")
-            a.flags.writeable = False
-            params[name] = a
-        object.__setattr__(self, "params", params)
-
-    @property
-    def order_k(self) -> int:
-        """The order index reduced modulo ``num_orders`` (the masks that get baked in)."""
-        return self.order_index % self.made.num_orders
-
-
-def _base_metadata(model: ServedModel, toolkit_version: str) -> dict[str, Any]:
+def base_metadata(model: ServedModel, toolkit_version: str) -> dict[str, Any]:
+    """The ``fcl.*`` metadata of ``model``'s fp32 export (without the hashes :func:`seal` adds)."""
     cfg = model.made
     return {
         "format": _meta.FORMAT,
@@ -115,34 +64,6 @@ def _base_metadata(model: ServedModel, toolkit_version: str) -> dict[str, Any]:
         "toolkit_version": str(toolkit_version),
         "quantization": "none",
     }
-
-
-def _seal(proto: onnx.ModelProto, metadata: dict[str, Any]) -> onnx.ModelProto:
-    """Set the ``fcl.*`` metadata (``metadata`` without the hashes) and both hashes, in place.
-
-    Initializers are first rewritten with ``raw_data`` (quantisers sometimes use typed
-    fields) so the runtime can hash exactly what it reads.  The integrity hash is computed on
-    the serialisation with a placeholder value of the same length, then patched in, so the
-    final bytes differ from the hashed ones only inside that value.
-    """
-    inits = list(proto.graph.initializer)
-    for i, t in enumerate(inits):
-        if t.data_location != TensorProto.DEFAULT:
-            raise ExportError(f"initializer {t.name!r} uses external data")
-        if not t.HasField("raw_data") or len(t.float_data) or len(t.int32_data) or len(t.int64_data):
-            proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t), t.name))
-    digest = weights_digest((t.name, t.data_type, list(t.dims), t.raw_data) for t in proto.graph.initializer)
-    props = _meta.encode(metadata)
-    props[_meta.PREFIX + "weights_sha256"] = digest
-    props[INTEGRITY_KEY] = PLACEHOLDER.decode()
-    helper.set_model_props(proto, props)
-    data = proto.SerializeToString()
-    span = parse_model(data).metadata_spans[INTEGRITY_KEY]
-    whole = integrity_digest(data, span)
-    for entry in proto.metadata_props:
-        if entry.key == INTEGRITY_KEY:
-            entry.value = whole
-    return proto
 
 
 def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
@@ -187,7 +108,7 @@ def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
                               producer_name="fcl-edge", producer_version=str(toolkit_version))
     onnx.checker.check_model(proto)
-    return _seal(proto, _base_metadata(model, toolkit_version))
+    return seal(proto, base_metadata(model, toolkit_version))
 
 
 def _torch_logits(model: ServedModel, x: np.ndarray) -> np.ndarray:
@@ -202,26 +123,6 @@ def _torch_logits(model: ServedModel, x: np.ndarray) -> np.ndarray:
     net.eval()
     with torch.no_grad():
         return net(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
-
-
-def int8_path_for(path: str | os.PathLike) -> Path:
-    """``model.onnx`` -> ``model.int8.onnx`` (same directory)."""
-    p = Path(path)
-    stem = p.name[: -len(".onnx")] if p.name.endswith(".onnx") else p.name
-    return p.with_name(stem + ".int8.onnx")
-
-
-def _temp_path(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.onnx")
-    os.close(fd)
-    return Path(name)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _parity_inputs(model: ServedModel, parity_inputs: np.ndarray | None) -> tuple[np.ndarray, str]:
@@ -270,11 +171,11 @@ def export_served_model(model: ServedModel, path: str | os.PathLike, *, parity_i
     proto = build_onnx(model, toolkit_version)
     temps: list[Path] = []
     try:
-        tmp = _temp_path(path)
+        tmp = temp_path(path)
         temps.append(tmp)
-        _write(tmp, proto.SerializeToString())
+        write_synced(tmp, proto.SerializeToString())
         rt = _load_verified(tmp, "fp32")
-        expected = _base_metadata(model, toolkit_version)
+        expected = base_metadata(model, toolkit_version)
         wrong = [k for k, v in expected.items() if rt.metadata.get(k) != v]
         if wrong:
             raise ExportError(f"exported metadata does not round-trip: {wrong}")
@@ -291,38 +192,18 @@ def export_served_model(model: ServedModel, path: str | os.PathLike, *, parity_i
             "path": str(path), "bytes": tmp.stat().st_size, "max_abs_err": err, "max_scaled_err": scaled,
             "sha256": rt.metadata["weights_sha256"], "parity_rows": int(x.shape[0]), "parity_data": x_desc,
         }
-        publish = [(tmp, path)]
+        pairs = [(tmp, path)]
         if int8:
             q_path = int8_path_for(path)
-            q_tmp = _temp_path(q_path)
+            q_tmp = temp_path(q_path)
             temps.append(q_tmp)
             report.update(_export_int8(rt, tmp, q_tmp, q_path, x, x_desc, expected))
-            publish.append((q_tmp, q_path))
-        report["file_sha256"] = _file_sha256(tmp)
-        for src, dst in publish:
-            os.replace(src, dst)
-        fsync_dir(path.parent)
+            pairs.append((q_tmp, q_path))
+        report["file_sha256"] = file_sha256(tmp)
+        publish(pairs, path.parent)
         return report
     finally:
-        for t in temps:
-            try:
-                t.unlink()
-            except FileNotFoundError:
-                pass
-
-
-def _file_sha256(path: Path) -> str:
-    import hashlib
-
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
-
-
-class _DropPreprocessHint(logging.Filter):
-    """The quantiser always suggests shape-inference pre-processing; MADE graphs need none."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "pre-processing before quantization" not in record.getMessage()
+        remove_temps(temps)
 
 
 def _export_int8(fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.ndarray, x_desc: str,
@@ -332,17 +213,11 @@ def _export_int8(fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.
 
     from export.runtime import session_options
 
-    root = logging.getLogger()
-    quiet, hint = logging.NullHandler(), _DropPreprocessHint()
-    root.addHandler(quiet)  # keeps logging.warning() inside the quantiser from calling basicConfig()
-    root.addFilter(hint)
     try:
-        quantize_dynamic(fp32_tmp, q_tmp, weight_type=QuantType.QInt8, per_channel=False)
+        with quiet_quantizer():
+            quantize_dynamic(fp32_tmp, q_tmp, weight_type=QuantType.QInt8, per_channel=False)
     except Exception as exc:
         raise ExportError(f"int8 quantisation failed: {exc}") from exc
-    finally:
-        root.removeFilter(hint)
-        root.removeHandler(quiet)
     proto = onnx.load(q_tmp)
     # Measure the NLL change before sealing (row by row: activation scales are per tensor).
     sess = ort.InferenceSession(proto.SerializeToString(), sess_options=session_options(),
@@ -354,7 +229,7 @@ def _export_int8(fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.
     if not np.isfinite(delta):
         raise ExportError("int8 model produces non-finite log-likelihoods")
     meta = dict(metadata, quantization="int8-dynamic", int8_nll_delta=delta, int8_eval=x_desc)
-    _write(q_tmp, _seal(proto, meta).SerializeToString())
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())
     rt = _load_verified(q_tmp, "int8")
     check = float(np.max(np.abs(-rt.log_likelihood(x) - nll_q)))
     if check > 1e-3:

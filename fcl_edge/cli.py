@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from export.cli import add_export_parser, add_infer_parser
     add_export_parser(sub)
+    sub.choices["export"].set_defaults(state_loader=_served_from_state)
     add_infer_parser(sub)
 
     p = sub.add_parser("report", help="plots and a table from one or more run directories",
@@ -111,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _served_from_state(state_dir: str) -> object:
+    from edge_client.state import served_from_state
+    return served_from_state(state_dir)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from fcl_edge.simulate import simulate
     return simulate(args.scenario, args.out, broker=args.broker, overrides=args.set, timeout=args.timeout)
@@ -120,7 +126,9 @@ def _aggregator(args: argparse.Namespace) -> int:
     from aggregator.service import AggregatorService
     from fclcore.config import load_config
     from fclcore.schema import AggregatorConfig
+    import methods
     cfg = load_config(AggregatorConfig, args.config, args.set)
+    methods.resolve(cfg.federation, args.config)  # an unknown method or option: one line, exit 2
     return _serve(lambda stop: AggregatorService(cfg, stop).run())
 
 

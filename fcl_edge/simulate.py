@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 from tqdm import tqdm
 
+import methods
 from fcl_edge.broker import free_port, wait_for_port
 from fclcore.config import ConfigError, load_config, to_dict
 from fclcore.data import DataError, client_task_split, load_dataset, random_client_tasks
@@ -48,9 +49,10 @@ class Plan:
 def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     """Load and check everything up front, so a bad scenario fails before any process starts."""
     sc = load_config(Scenario, scenario_path, overrides)
-    fed = sc.federation
+    spec, options, fed = methods.resolve(sc.federation, scenario_path)
+    sc = dataclasses.replace(sc, federation=fed)
     try:
-        train, test = load_dataset(sc.data.dataset, sc.data.path, fed.seed, fed.fedet.max_length)
+        train, test = load_dataset(sc.data.dataset, sc.data.path, fed.seed, _text_length(spec, options))
         classes = sorted(int(c) for c in np.unique(train.y))
         if sc.tasks.random is not None:
             r = sc.tasks.random
@@ -77,6 +79,12 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     except DataError as exc:
         raise ConfigError(f"{scenario_path}: data: {exc}") from None
     return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]), test_tasks)
+
+
+def _text_length(spec: methods.MethodSpec, options: object) -> int:
+    """Tokens per text for a text dataset: the method's input length (64 if it has none)."""
+    length = spec.data_length(options)
+    return 64 if length is None else int(length)
 
 
 def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrides: Sequence[str] = (),
@@ -129,7 +137,8 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
     keys_dir = out_dir / "keys" if p.scenario.sign_updates else None
     for cid in p.client_ids if keys_dir else ():
         write_key(keys_dir / f"{cid}.key")
-    aux_dir = _write_aux_texts(p, out_dir / "aux") if fed.method == "fedet" else None
+    method, options, _ = methods.resolve(fed)
+    aux_dir = _write_aux_texts(p, out_dir / "aux") if method.needs_aux_data else None
     configs = {"aggregator": AggregatorConfig(federation=fed, expected_clients=p.client_ids, out_dir=str(out_dir),
                                               broker=broker, input_dim=p.input_dim,
                                               keys_dir=str(keys_dir) if keys_dir else None, aux_dir=aux_dir)}
@@ -138,7 +147,7 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
         data = ClientDataSpec(dataset=spec.dataset, path=spec.path, client_tasks=p.client_tasks,
                               client_index=index, seed=fed.seed,
                               test_tasks=p.test_tasks[index] if p.test_tasks else None, per_class=spec.per_class,
-                              test_per_class=spec.test_per_class, max_length=fed.fedet.max_length)
+                              test_per_class=spec.test_per_class, max_length=_text_length(method, options))
         configs[cid] = ClientConfig(client_id=cid, federation=fed.name, data=data, broker=broker,
                                     out_dir=str(out_dir / "clients" / cid),
                                     key_file=str(keys_dir / f"{cid}.key") if keys_dir else None)
@@ -151,10 +160,10 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
 
 
 def _write_aux_texts(p: Plan, aux_dir: Path) -> str:
-    """FedET's server-side pool: the corpus's auxiliary split as unlabelled .txt files (the
-    aggregator reads a folder of texts, as it would on a real deployment)."""
+    """A server-side pool for methods that read ``aux_dir``: the corpus's auxiliary split as
+    unlabelled .txt files (the aggregator reads a folder of texts, as on a real deployment)."""
     if p.scenario.data.dataset != "bbc":
-        raise ConfigError("fedet: needs a text dataset (data.dataset: bbc)")
+        raise ConfigError(f"{p.scenario.federation.method}: needs a text dataset (data.dataset: bbc)")
     corpus, _, _, aux = bbc_split(p.scenario.data.path, p.scenario.federation.seed)
     shutil.rmtree(aux_dir, ignore_errors=True)
     aux_dir.mkdir(parents=True)
@@ -175,7 +184,7 @@ def _follow(p: Plan, out_dir: Path, procs: dict[str, subprocess.Popen], timeout:
     tail = _Tail(out_dir / "metrics.jsonl")
     rounds: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
-    score = "mean acc" if fed.method == "fedet" else "mean NLL"
+    score = "mean acc" if methods.lookup(fed.method).metric == "accuracy" else "mean NLL"
     tqdm.write(f"{'round':>5} {'task':>4} {score:>9} {'bytes up':>10} {'bytes down':>11}")
     with tqdm(total=fed.total_rounds, unit="round", dynamic_ncols=True) as bar:
         while procs["aggregator"].poll() is None and time.monotonic() < deadline:

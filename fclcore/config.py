@@ -102,7 +102,10 @@ def from_dict(cls: type[T], raw: Any, source: str, prefix: str = "") -> T:
         raise ConfigError(f"{source}: {prefix or '<top>'}: expected a mapping, got {_describe(raw)}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    moved = getattr(cls, "moved_keys", {})
     for key in raw:
+        if key in moved:
+            raise ConfigError(f"{source}: {_join(prefix, str(key))}: this key moved to {moved[key]}")
         if key not in fields:
             known = ", ".join(sorted(fields))
             name = str(key) if str(key).isprintable() else repr(str(key))  # keep the error on one line

@@ -6,15 +6,16 @@ aggregator agree without exchanging masks.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fclcore.made_spec import MadeConfig, order_schedule
-from fclcore.schema import MethodOptions
 
 
-def step_order(made: MadeConfig, options: MethodOptions, rnd: int, step: int) -> int:
+def step_order(made: MadeConfig, options: Any, rnd: int, step: int) -> int:
     """Order of local mini-batch ``step`` in round ``rnd`` (per batch, or fixed per round)."""
     return order_schedule(made, rnd, 0 if options.order_per == "round" else step)
 
 
-def upload_order(made: MadeConfig, options: MethodOptions, rnd: int) -> int:
+def upload_order(made: MadeConfig, options: Any, rnd: int) -> int:
     """The order whose MADE mask restricts the base uploaded in round ``rnd``."""
     return order_schedule(made, rnd, 0)

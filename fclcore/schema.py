@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
 from fclcore.made_spec import MadeConfig
@@ -118,33 +118,6 @@ class ModelSpec:
 
 
 @dataclass
-class MethodOptions:
-    """Hyperparameters of the learning methods; each method reads the ones it uses.
-
-    Defaults for the decomposed methods follow the ConFedMADE paper (appendix B.1)."""
-
-    lambda1: float = 1e-4  # L1 sparsity of the task-adaptive parameters A
-    lambda2: float = 100.0  # drift penalty on B*sigmoid(m_i) + A_i of earlier tasks
-    lambda3: float = 10.0  # A_t starts as B / lambda3
-    mask_init: float = 2.0  # initial unit-mask logit m (sigmoid(2) = 0.88)
-    keep_units: float = 1.0  # share of output units (ranked by sigmoid(m)) whose base goes up each round
-    upload_made_mask: bool = True  # confedmade: restrict uploads to the round's MADE mask (ablation switch)
-    kb_threshold: float = 1e-3  # |A_t| below this is not sent to the knowledge base
-    kb_policy: Literal["all", "recent", "random"] = "all"  # which entries a client gets (Algorithm 2 line 6)
-    kb_k: int = 4  # entries per client for the recent/random policies
-    prox_mu: float = 0.01  # fedprox proximal weight
-    ewc_lambda: float = 100.0  # fedcurv/EWC penalty weight
-    order_per: Literal["batch", "round"] = "batch"  # how often the MADE order changes
-
-    def __post_init__(self) -> None:
-        for name in ("lambda1", "lambda2", "kb_threshold", "prox_mu", "ewc_lambda"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
-        if self.lambda3 <= 0 or not 0 < self.keep_units <= 1 or self.kb_k < 1:
-            raise ValueError("expected lambda3 > 0, keep_units in (0, 1], kb_k >= 1")
-
-
-@dataclass
 class TrainSpec:
     local_epochs: int = 1
     batch_size: int = 32
@@ -187,43 +160,22 @@ class WireSpec:
 
 
 @dataclass
-class FedETSpec:
-    """FedET (method ``fedet``): Enhancer groups on a frozen all-MiniLM-L6-v2; the device's
-    learning rate, batch size and epochs come from ``train``."""
-
-    num_groups: int = 2  # J, Enhancer groups per device
-    bottleneck: int = 64  # Enhancer width m
-    max_length: int = 64  # tokens per text (the model's input size)
-    gamma: float = 0.1  # sample memory store ratio
-    weight_decay: float = 0.01
-    distill_epochs: int = 1  # device: double-distillation epochs per round
-    server_epochs: int = 4  # aggregator: entropy-aware distillation epochs per round
-    aux_per_round: int = 40  # aggregator: auxiliary texts per distillation
-    proto_init: float = 0.0  # > 0: new head rows start as a nearest-prototype classifier (logit scale)
-
-    def __post_init__(self) -> None:
-        if min(self.num_groups, self.bottleneck, self.distill_epochs, self.aux_per_round) < 1 \
-                or self.server_epochs < 0 or self.max_length < 2:
-            raise ValueError("fedet: expected num_groups, bottleneck, distill_epochs, aux_per_round >= 1, "
-                             "server_epochs >= 0, max_length >= 2")
-        if not 0 < self.gamma <= 1 or self.weight_decay < 0 or self.proto_init < 0:
-            raise ValueError(f"fedet: expected gamma in (0, 1] and weight_decay >= 0, got {self.gamma}, "
-                             f"{self.weight_decay}")
-
-
-@dataclass
 class FederationSpec:
+    """``method`` names a registered learning method (``methods/``); ``options`` are that
+    method's options, validated by its package (the runtimes pass them through)."""
+
     name: str
     method: str = "fedavg"
     seed: int = 0
     num_tasks: int = 1
     rounds_per_task: int = 10
-    model: ModelSpec = field(default_factory=ModelSpec)
+    model: ModelSpec = field(default_factory=ModelSpec)  # the MADE architecture (MADE methods)
     train: TrainSpec = field(default_factory=TrainSpec)
-    options: MethodOptions = field(default_factory=MethodOptions)
+    options: dict[str, Any] = field(default_factory=dict)
     rounds: RoundSpec = field(default_factory=RoundSpec)
     wire: WireSpec = field(default_factory=WireSpec)
-    fedet: FedETSpec = field(default_factory=FedETSpec)
+
+    moved_keys = {"fedet": "federation.options (the options of method fedet)"}  # old key -> where it went
 
     def __post_init__(self) -> None:
         validate_id(self.name, "federation name")

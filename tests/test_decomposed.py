@@ -8,17 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.decomposed import DecomposedStrategy
-from aggregator.fedavg import weighted_average
-from aggregator.inbox import Update
-from edge_client.learners.decomposed import DecomposedLearner
+from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.data import Dataset
 from fclcore.made_spec import MadeConfig, input_degrees, input_order, made_masks, mask_for_param
 from fclcore.masked_upload import pack, unpack
 from fclcore.models.decomposed_made import DecomposedMADE
 from fclcore.orders import upload_order
-from fclcore.schema import FederationSpec, MethodOptions, ModelSpec, TrainSpec
+from fclcore.schedule import TaskSchedule
+from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
+from fclcore.strategy import Update
+from methods import learner_for, strategy_for
+from methods.confedmade.decomposed_learner import DecomposedLearner
+from methods.confedmade.strategy import DecomposedStrategy, KnowledgeEntry
 
 D = 10
 
@@ -27,11 +29,15 @@ def _fed(method: str = "confedmade", **options) -> FederationSpec:
     return FederationSpec(name="t", method=method, num_tasks=3, rounds_per_task=2,
                           model=ModelSpec(hidden_sizes=[24], num_orders=3, mask_seed=3),
                           train=TrainSpec(batch_size=8, lr=0.01),
-                          options=MethodOptions(order_per="round", keep_units=0.5, **options))
+                          options={"order_per": "round", "keep_units": 0.5, **options})
 
 
 def _made(fed: FederationSpec) -> MadeConfig:
     return fed.model.made_config(D)
+
+
+def _place(rnd: int):
+    return TaskSchedule.uniform(3, 2).place(rnd)
 
 
 def _data(seed: int, n: int = 40) -> Dataset:
@@ -85,7 +91,7 @@ def test_pack_unpack_round_trip_and_errors():
 
 
 def _learner(client: int, fed: FederationSpec, strategy: DecomposedStrategy) -> DecomposedLearner:
-    learner = DecomposedLearner(fed, _made(fed), client)
+    learner = learner_for(fed, D, client)
     learner.load_global(strategy.initial_model(), 0)
     return learner
 
@@ -99,14 +105,14 @@ def _update(client: str, rnd: int, tensors: dict, strategy: DecomposedStrategy, 
 @pytest.mark.parametrize("rnd", [0, 1, 4])
 def test_no_uploaded_element_lies_outside_the_made_mask(rnd):
     fed = _fed()
-    strategy = DecomposedStrategy(fed, _made(fed), ["c0"])
+    strategy = strategy_for(fed, D)
     learner = _learner(0, fed, strategy)
     learner.start_task(0, None)
-    learner.train_round([_data(0)], rnd)
+    learner.train_round([_data(0)], rnd, _place(rnd))
     task_end = (rnd + 1) % fed.rounds_per_task == 0
-    update = _update("c0", rnd, learner.upload(rnd, task_end=task_end), strategy)
+    update = _update("c0", rnd, learner.upload(rnd, _place(rnd)), strategy)
     assert any(n.startswith("kb:") for n in update.tensors) == task_end
-    masks = made_masks(_made(fed), upload_order(_made(fed), fed.options, rnd))
+    masks = made_masks(_made(fed), upload_order(_made(fed), strategy.options, rnd))
     for name, tensor in update.tensors.items():
         if name.endswith(".weight") and not name.startswith("kb:"):  # kb entries are the whole A_t
             mask = mask_for_param(masks, name).ravel()
@@ -118,14 +124,14 @@ def test_no_uploaded_element_lies_outside_the_made_mask(rnd):
 def test_upload_is_gated_base_and_merge_restores_it():
     """One client: aggregate(upload) then merge gives back the same base (B <- G / sigmoid(m))."""
     fed = _fed()
-    strategy = DecomposedStrategy(fed, _made(fed), ["c0"])
+    strategy = strategy_for(fed, D)
     learner = _learner(0, fed, strategy)
     learner.start_task(0, None)
-    learner.train_round([_data(0)], 0)
+    learner.train_round([_data(0)], 0, _place(0))
     before = {p: l.weight.detach().clone() for p, l in learner.model.layers.items()}
     gates = {p: torch.sigmoid(l.unit_logits[0]).detach() for p, l in learner.model.layers.items()}
     global_model = strategy.initial_model()
-    frame_tensors = learner.upload(0, task_end=False)
+    frame_tensors = learner.upload(0, _place(0))
     sparse = strategy.normalize(Frame(Header(Kind.UPDATE, "t", 0, 0, "c0", 1), {}, frame_tensors))
     for prefix in before:
         t = sparse[f"{prefix}.weight"]
@@ -139,20 +145,20 @@ def test_upload_is_gated_base_and_merge_restores_it():
 
 def test_knowledge_base_round_trip_through_the_wire():
     fed = _fed(kb_threshold=0.01)
-    strategy = DecomposedStrategy(fed, _made(fed), ["c0", "c1"])
+    strategy = strategy_for(fed, D)
     learners = [_learner(i, fed, strategy) for i in range(2)]
     for rnd in range(fed.rounds_per_task):  # task 0 for both clients
         updates = []
         for i, learner in enumerate(learners):
             if rnd == 0:
                 learner.start_task(0, None)
-            learner.train_round([_data(i)], rnd)
-            updates.append(_update(f"c{i}", rnd, learner.upload(rnd, task_end=rnd == 1), strategy))
+            learner.train_round([_data(i)], rnd, _place(rnd))
+            updates.append(_update(f"c{i}", rnd, learner.upload(rnd, _place(rnd)), strategy))
         merged = strategy.aggregate(updates, strategy.initial_model())
         for learner in learners:
             learner.load_global(merged, rnd + 1)
     sent_a = {p: l.adaptive[0].detach().numpy().copy() for p, l in learners[1].model.layers.items()}
-    meta, tensors = strategy.knowledge_for(1)["c0"]
+    meta, tensors = strategy.client_downlinks(2, ["c0", "c1"])["c0"]  # round 2 starts task 1
     assert [e["id"] for e in meta["entries"]] == ["c1/t0"]  # only the other client's entry
     wire = decode(encode(Frame(Header(Kind.KNOWLEDGE, "t", 2, 1, "aggregator", 9), meta, tensors)))
     learners[0].start_task(1, wire)
@@ -165,10 +171,9 @@ def test_knowledge_base_round_trip_through_the_wire():
 @pytest.mark.parametrize("policy,k,expected", [("all", 1, 4), ("recent", 2, 2), ("random", 2, 2)])
 def test_knowledge_selection_policies(policy, k, expected):
     fed = _fed(kb_policy=policy, kb_k=k)
-    strategy = DecomposedStrategy(fed, _made(fed), ["a", "b", "c"])
-    from aggregator.decomposed import KnowledgeEntry
+    strategy = strategy_for(fed, D)
     strategy.knowledge = [KnowledgeEntry(c, t, {}) for t in range(2) for c in "abc"]
-    chosen = strategy.knowledge_for(2)["a"][0]["entries"]
+    chosen = strategy.client_downlinks(4, ["a", "b", "c"])["a"][0]["entries"]  # round 4 starts task 2
     assert len(chosen) == expected  # "all" ignores k: b and c, tasks 0 and 1
     assert all(e["client"] != "a" for e in chosen)
     if policy == "recent":
@@ -177,8 +182,8 @@ def test_knowledge_selection_policies(policy, k, expected):
 
 def test_fedweit_made_draws_independent_masks():
     fed = dataclasses.replace(_fed(), method="fedweit-made")
-    a, b = (DecomposedLearner(fed, _made(fed), i) for i in range(2))
+    a, b = (learner_for(fed, D, i) for i in range(2))
     assert not torch.equal(a.model.output.mask, b.model.output.mask)
     star = dataclasses.replace(_fed(), method="fedweit-made-star")
-    c, d = (DecomposedLearner(star, _made(star), i) for i in range(2))
+    c, d = (learner_for(star, D, i) for i in range(2))
     assert torch.equal(c.model.output.mask, d.model.output.mask)

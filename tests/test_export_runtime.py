@@ -16,7 +16,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from export.onnx_made import ServedModel, _base_metadata, _seal, build_onnx, export_served_model
+from export.onnx_made import ServedModel, base_metadata, build_onnx, export_served_model
+from export.publish import seal
 from export.runtime import InputError, MadeRuntime, ModelFileError, ModelWatcher, load_inputs, parse_row
 from fclcore.made_spec import MadeConfig, init_params
 
@@ -43,7 +44,7 @@ def model_file(tmp_path: Path) -> Path:
 def _resealed(model: ServedModel, **meta: object) -> bytes:
     """A correctly hashed file whose metadata was changed (tests checks other than the hashes)."""
     proto = build_onnx(model, "0.1.0")
-    return _seal(proto, {**_base_metadata(model, "0.1.0"), **meta}).SerializeToString()
+    return seal(proto, {**base_metadata(model, "0.1.0"), **meta}).SerializeToString()
 
 
 # ------------------------------------------------------------------ rejected files

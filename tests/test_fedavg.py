@@ -1,4 +1,4 @@
-"""Tests for sample-weighted FedAvg over dense and sparse updates (aggregator.fedavg)."""
+"""Tests for sample-weighted FedAvg over dense and sparse updates (fclcore.aggregation)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggregator.fedavg import weighted_average
+from fclcore.aggregation import weighted_average
 from fclcore.codec import SparseTensor
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

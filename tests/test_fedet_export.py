@@ -20,14 +20,20 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from edge_client.fedet import FedETClient, FedETConfig
 from export.onnx_fedet import PARITY_TOL, ExportError, export_fedet, export_fedet_client, fedet_reference, int8_path_for
-from export.onnx_made import _seal
+from export.publish import seal
 from export.runtime import InputError, MadeRuntime, ModelFileError
 from export.text_runtime import FORMAT, TextClassifierRuntime, TokenizerError
-from fclcore.models.enhancer import (BertEncoder, EnhancerConfig, FrozenBackbone, pooled_embeddings, predict_logits,
-                                     tiny_config)
+from fclcore.models.enhancer import (
+    BertEncoder,
+    EnhancerConfig,
+    FrozenBackbone,
+    pooled_embeddings,
+    predict_logits,
+    tiny_config,
+)
 from fclcore.text import EncodedDocs
+from methods.fedet.client import FedETClient, FedETConfig
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -279,7 +285,7 @@ def _resealed(path: Path, **changes: object) -> bytes:
                                                                                 "fcl.integrity_sha256")}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in changes.items()})
     del proto.metadata_props[:]
-    return _seal(proto, meta).SerializeToString()
+    return seal(proto, meta).SerializeToString()
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -379,7 +385,8 @@ def _heavy(proc: subprocess.CompletedProcess) -> list[str]:
 
 def test_runtime_module_imports_no_torch():
     code = ("import sys\nimport export.text_runtime\n"
-            "print(sorted(m for m in ('torch', 'onnx', 'yaml', 'fclcore.models', 'edge_client') if m in sys.modules))")
+            "heavy = ('torch', 'onnx', 'yaml', 'fclcore.models', 'edge_client', 'methods')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
@@ -458,7 +465,7 @@ def test_real_minilm_export_matches_torch(tmp_path):
 
 
 def _selector_of(protos, group_of):
-    from edge_client.fedet.selector import PrototypeSelector
+    from fclcore.models.prototypes import PrototypeSelector
 
     sel = PrototypeSelector()
     sel.update(protos, group_of)

@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 
-from aggregator.inbox import Update
+from fclcore.strategy import Update
 from aggregator.service import AggregatorService, Incoming
 from fclcore import topics
 from fclcore.codec import CodecError, Frame, Header, Kind, SparseTensor, decode, encode

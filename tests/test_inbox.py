@@ -9,7 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggregator.inbox import Inbox, Rejection, Update, eval_problem, template_check
+from aggregator.inbox import Inbox, Rejection, eval_problem
+from fclcore.aggregation import template_check
+from fclcore.strategy import Update
 from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, encode
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

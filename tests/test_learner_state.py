@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.learners import make_learner
+from methods import learner_for
 from fclcore.codec import Frame, Header, Kind, SparseTensor
 from fclcore.data import Dataset
 from fclcore.made_spec import init_params
-from fclcore.schema import FederationSpec, MethodOptions, ModelSpec, TrainSpec
+from fclcore.schedule import TaskSchedule
+from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
 
 D = 10
 METHODS = ["fedavg", "fedprox", "fedcurv", "confedmade", "fedweit-made"]
@@ -19,7 +20,7 @@ def _fed(method: str) -> FederationSpec:
     return FederationSpec(name="t", method=method, num_tasks=3, rounds_per_task=2,
                           model=ModelSpec(hidden_sizes=[16], num_orders=2, mask_seed=3),
                           train=TrainSpec(batch_size=8, lr=0.01),
-                          options=MethodOptions(order_per="round", keep_units=0.5, ewc_lambda=1.0))
+                          options={"order_per": "round", "keep_units": 0.5, "ewc_lambda": 1.0})
 
 
 def _data(seed: int, n: int = 32) -> Dataset:
@@ -40,9 +41,10 @@ def _knowledge(task: int, made) -> Frame | None:
 
 
 def _step(learner, rnd: int, data: list[Dataset], global_params: dict) -> dict:
+    place = TaskSchedule.uniform(3, 2).place(rnd)
     learner.load_global(global_params, rnd)
-    learner.train_round(data, rnd)
-    return learner.upload(rnd, (rnd + 1) % 2 == 0)
+    learner.train_round(data, rnd, place)
+    return learner.upload(rnd, place)
 
 
 def _as_dense(tensors: dict) -> dict[str, np.ndarray]:
@@ -56,7 +58,7 @@ def test_restored_learner_continues_identically(method: str) -> None:
     made = fed.model.made_config(D)
     data = [_data(t) for t in range(3)]
     g = init_params(made, 0)
-    learner = make_learner(fed, made, 0)
+    learner = learner_for(fed, D, 0)
     # two tasks' worth of rounds, so there are earlier-task masks, anchors and Fisher terms
     for rnd in range(3):
         task = rnd // 2
@@ -65,7 +67,7 @@ def test_restored_learner_continues_identically(method: str) -> None:
         _step(learner, rnd, data[: task + 1], g)
     meta, arrays = learner.state()
 
-    rebuilt = make_learner(fed, made, 0)
+    rebuilt = learner_for(fed, D, 0)
     for t in range(learner.task + 1):
         rebuilt.start_task(t, _knowledge(t, made))
     rebuilt.load_state(meta, arrays)
@@ -82,10 +84,10 @@ def test_restored_learner_continues_identically(method: str) -> None:
 def test_state_from_another_structure_is_refused() -> None:
     fed = _fed("confedmade")
     made = fed.model.made_config(D)
-    learner = make_learner(fed, made, 0)
+    learner = learner_for(fed, D, 0)
     learner.start_task(0, None)
     meta, arrays = learner.state()
-    other = make_learner(fed, made, 0)
+    other = learner_for(fed, D, 0)
     other.start_task(0, None)
     other.start_task(1, _knowledge(1, made))
     with pytest.raises(ValueError):
@@ -93,6 +95,6 @@ def test_state_from_another_structure_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         broken = dict(arrays)
         broken.pop(next(k for k in broken if k.startswith("model/")))
-        fresh = make_learner(fed, made, 0)
+        fresh = learner_for(fed, D, 0)
         fresh.start_task(0, None)
         fresh.load_state(meta, broken)

@@ -9,7 +9,7 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from aggregator.strategy import make_strategy
+from methods import strategy_for
 from conftest import run_fcl
 from fcl_edge.cli import main
 from fcl_edge.status import build_views, read_round, read_status
@@ -35,7 +35,7 @@ def announcement(rnd: int = 7, task: int = 1, kind: Kind = Kind.ROUND, sequence:
     """Built the way AggregatorService._announce builds it: header, meta, the global model."""
     fed = FederationSpec(name=fed_name, method="fedavg", num_tasks=2, rounds_per_task=5,
                          model=ModelSpec(hidden_sizes=[8]))
-    strategy = make_strategy(fed, fed.model.made_config(16), list(CLIENTS))
+    strategy = strategy_for(fed, 16)
     meta = {"federation": to_dict(fed), "input_dim": 16, "total_rounds": fed.total_rounds, "attempt": 2,
             "knowledge": False}
     header = Header(kind, fed_name, rnd, task, topics.AGGREGATOR_ID, sequence)

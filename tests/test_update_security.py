@@ -7,7 +7,8 @@ import stat
 import numpy as np
 import pytest
 
-from aggregator.inbox import Rejection, Update, update_distance
+from aggregator.inbox import Rejection, update_distance
+from fclcore.strategy import Update
 from fclcore.codec import SparseTensor
 from fclcore.signing import SignatureError, load_keys, read_key, sign, verify, write_key
 from test_inbox import OPEN, check, dense_tensors, make_inbox, payload

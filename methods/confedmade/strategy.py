@@ -1,4 +1,5 @@
-"""ConFedMADE and FedWeIT-MADE on the server: masked sparse FedAvg of B*sigmoid(m) and a
+"""The ConFedMADE package on the server: sample-weighted FedAvg of every MADE tensor for the
+FedAvg-family baselines, and, for ConFedMADE and FedWeIT-MADE, masked sparse FedAvg of B*sigmoid(m) and a
 knowledge base of task-adaptive parameters (Algorithms 1-2 of the ConFedMADE paper).
 
 Uploads of the base arrive packed (``fclcore.masked_upload``): for ``confedmade`` the
@@ -11,19 +12,18 @@ A_t, which become knowledge-base entries handed to other clients at the next tas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from aggregator.fedavg import weighted_average
-from aggregator.inbox import Update
-from aggregator.strategy import Strategy, register
+from fclcore.aggregation import template_check, weighted_average
 from fclcore.codec import Frame, SparseTensor, Tensor
-from fclcore.made_spec import made_masks, mask_for_param
+from fclcore.made_spec import init_params, made_masks, mask_for_param, param_shapes
 from fclcore.masked_upload import UNITS, unpack
 from fclcore.orders import upload_order
-
-KB_PREFIX = "kb:"
+from fclcore.schema import FederationSpec
+from fclcore.strategy import Downlinks, Strategy, Update
+from methods.confedmade.wire import KB_PREFIX, entry_id, knowledge_key, knowledge_meta
 
 
 @dataclass(frozen=True)
@@ -34,25 +34,52 @@ class KnowledgeEntry:
 
     @property
     def entry_id(self) -> str:
-        return f"{self.client}/t{self.task}"
+        return entry_id(self.client, self.task)
 
 
-@register("confedmade", "fedweit-made", "fedweit-made-star")
-class DecomposedStrategy(Strategy):
-    uses_knowledge = True
+class FedAvgStrategy(Strategy):
+    """Sample-weighted averaging of every trainable MADE tensor; the FedAvg-family baselines
+    differ only on the device (proximal term, EWC penalty, replay)."""
 
-    def __init__(self, fed, made, clients) -> None:
-        super().__init__(fed, made, clients)
-        self.mask_restricted = fed.method == "confedmade" and fed.options.upload_made_mask
+    def __init__(self, fed: FederationSpec, options: Any, input_dim: int, aux_dir: str | None = None) -> None:
+        super().__init__(fed, options, input_dim, aux_dir)
+        self.made = fed.model.made_config(input_dim)
+        self.shapes = param_shapes(self.made)
+
+    @property
+    def dense_fp32_bytes(self) -> int:
+        return 4 * sum(int(np.prod(s)) for s in self.shapes.values())
+
+    def initial_model(self) -> dict[str, np.ndarray]:
+        return init_params(self.made, self.fed.seed)
+
+    def normalize(self, frame: Frame) -> dict[str, Tensor]:
+        return template_check(self.shapes)(frame)
+
+    def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return weighted_average([(u.tensors, float(u.n_samples)) for u in updates], current)
+
+
+class DecomposedStrategy(FedAvgStrategy):
+    """FedWeIT-MADE(*): masked FedAvg of the uploaded base, a knowledge base of A_t."""
+
+    restrict_to_made_mask = False  # uploads restricted to the round's MADE mask (with upload_made_mask)
+
+    def __init__(self, fed: FederationSpec, options: Any, input_dim: int, aux_dir: str | None = None) -> None:
+        super().__init__(fed, options, input_dim, aux_dir)
+        self.mask_restricted = self.restrict_to_made_mask and options.upload_made_mask
         self.weights = [n for n in self.shapes if n.endswith(".weight")]
         self.knowledge: list[KnowledgeEntry] = []
 
     def is_task_end(self, rnd: int) -> bool:
-        return (rnd + 1) % self.fed.rounds_per_task == 0
+        return self.schedule.place(rnd).task_end
+
+    def announce_meta(self, rnd: int) -> dict:
+        return {"client_frames": self.schedule.place(rnd).task_start}
 
     def normalize(self, frame: Frame) -> dict[str, Tensor]:
         rnd = frame.header.round
-        masks = made_masks(self.made, upload_order(self.made, self.fed.options, rnd)) if self.mask_restricted else None
+        masks = made_masks(self.made, upload_order(self.made, self.options, rnd)) if self.mask_restricted else None
         out: dict[str, Tensor] = {}
         expected = set()
         for name, shape in self.shapes.items():
@@ -76,21 +103,26 @@ class DecomposedStrategy(Strategy):
         merged = weighted_average(base, current)
         rnd = updates[0].frame.header.round
         if self.is_task_end(rnd):
-            task = rnd // self.fed.rounds_per_task
+            task = self.schedule.task_of(rnd)
             for u in sorted(updates, key=lambda u: u.client):
                 kb = {k[len(KB_PREFIX):]: v for k, v in u.tensors.items() if k.startswith(KB_PREFIX)}
                 self.knowledge.append(KnowledgeEntry(u.client, task, kb))
         return merged
 
-    def knowledge_for(self, task: int) -> dict[str, tuple[dict, dict[str, Tensor]]]:
+    def client_downlinks(self, rnd: int, clients: Sequence[str]) -> Downlinks:
+        """At a task start: each client's knowledge frame (other clients' earlier entries)."""
+        place = self.schedule.place(rnd)
+        if not place.task_start:
+            return {}
         out = {}
-        for index, client in enumerate(self.clients):
-            chosen = self._select(client, index, task)
-            tensors = {f"{e.entry_id}|{name}": t for e in chosen for name, t in e.tensors.items()}
-            meta = {"for_task": task, "entries": [{"id": e.entry_id, "client": e.client, "task": e.task}
-                                                  for e in chosen]}
-            out[client] = (meta, tensors)
+        for index, client in enumerate(clients):
+            chosen = self._select(client, index, place.task)
+            tensors = {knowledge_key(e.entry_id, name): t for e in chosen for name, t in e.tensors.items()}
+            out[client] = (knowledge_meta(place.task, [(e.entry_id, e.client, e.task) for e in chosen]), tensors)
         return out
+
+    def downlink_log(self, meta: dict) -> dict:
+        return {"entries": [e["id"] for e in meta["entries"]]}
 
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """The knowledge base, each tensor stored sparse (index, value) with its shape in meta."""
@@ -120,7 +152,7 @@ class DecomposedStrategy(Strategy):
     def _select(self, client: str, index: int, task: int) -> list[KnowledgeEntry]:
         """Entries of other clients' earlier tasks, by the configured policy."""
         pool = [e for e in self.knowledge if e.client != client and e.task < task]
-        opts = self.fed.options
+        opts = self.options
         if opts.kb_policy == "recent":
             pool = sorted(pool, key=lambda e: (e.task, e.client))[-opts.kb_k:]
         elif opts.kb_policy == "random" and len(pool) > opts.kb_k:
@@ -141,3 +173,7 @@ def _full_shape(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -
     if t is None or tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)} at the end of a task")
     return t
+
+
+class ConFedMADEStrategy(DecomposedStrategy):
+    restrict_to_made_mask = True

@@ -1,4 +1,4 @@
-"""FedET in the client daemon: the device half of ``edge_client.fedet`` behind the Learner API.
+"""FedET on the device: ``methods.fedet.client`` (Algorithm 1) behind the Learner API.
 
 Each task runs in two phases that the aggregator announces in the round's meta
 (``meta["fedet"]["phase"]``):
@@ -17,22 +17,26 @@ accuracy: the selector routes each text to a group, whose head predicts over all
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from edge_client.fedet.learner import FedETClient, FedETConfig, _TaskGroup, seeded
-from edge_client.fedet.selector import class_sums
-from edge_client.learners.base import Learner, register
-from fclcore.codec import SparseTensor, Tensor
+from fclcore.codec import Tensor
 from fclcore.data import Dataset
-from fclcore.made_spec import MadeConfig
-from fclcore.models.enhancer import (PHASES, EnhancerConfig, EnhancerGroup, FrozenBackbone, group_prefix,
-                                     group_to_tensors, load_minilm, pooled_embeddings, tensors_to_group)
+from fclcore.learner import Learner
+from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, group_prefix, group_to_tensors,
+                                     load_minilm, pooled_embeddings, tensors_to_group)
+from fclcore.models.prototypes import class_sums
+from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
+from fclcore.served import TextGroupsServed
 from fclcore.text import EncodedDocs
+from methods.fedet.client import FedETClient, FedETConfig, _TaskGroup, seeded
+from methods.fedet.config import FedETOptions
+from methods.fedet.wire import META_KEY, parse_downlink
 
 log = logging.getLogger(__name__)
 
@@ -41,47 +45,12 @@ def encoded(data: Dataset) -> EncodedDocs:
     return EncodedDocs(data.x.astype(np.int64), (data.x != 0).astype(np.int64), data.y.astype(np.int64))
 
 
-def parse_downlink(meta: dict | None, tensors: dict[str, Tensor], cfg: EnhancerConfig,
-                   num_groups: int) -> tuple[str, dict[int, int], dict[int, np.ndarray], dict[int, EnhancerGroup]]:
-    """Validate a round's FedET content: (phase, class -> group, prototypes, changed groups)."""
-    m = (meta or {}).get("fedet")
-    if not isinstance(m, dict) or m.get("phase") not in PHASES:
-        raise ValueError(f"meta.fedet: expected a mapping with phase in {PHASES}")
-    try:
-        classes = [int(c) for c in m.get("classes", [])]
-        group_of = {int(c): int(j) for c, j in m.get("group_of", [])}
-        groups_meta = [(int(g["group"]), [int(c) for c in g["classes"]]) for g in m.get("groups", [])]
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ValueError(f"meta.fedet: malformed ({exc!r})") from None
-    if sorted(group_of) != sorted(classes) or any(not 0 <= j < num_groups for j in group_of.values()):
-        raise ValueError(f"meta.fedet: every class needs one group in [0, {num_groups})")
-    prototypes: dict[int, np.ndarray] = {}
-    if classes:
-        table = tensors.get("prototypes")
-        table = table.to_dense() if isinstance(table, SparseTensor) else table
-        if table is None or tuple(table.shape) != (len(classes), cfg.hidden):
-            raise ValueError(f"prototypes: expected shape {(len(classes), cfg.hidden)}")
-        prototypes = {c: np.asarray(table[i], np.float32) for i, c in enumerate(classes)}
-    groups = {}
-    for j, group_classes in groups_meta:
-        if not 0 <= j < num_groups or j in groups:
-            raise ValueError(f"meta.fedet.groups: bad or repeated group {j}")
-        prefix = group_prefix(j)
-        groups[j] = tensors_to_group({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
-                                     cfg, group_classes)
-    known = {"prototypes"} | {k for k in tensors for j in groups if k.startswith(group_prefix(j))}
-    if set(tensors) - known:
-        raise ValueError(f"tensors: unexpected {sorted(set(tensors) - known)[:5]}")
-    return m["phase"], group_of, prototypes, groups
-
-
-@register("fedet")
 class FedETLearner(Learner):
     metric = "accuracy"
 
-    def __init__(self, fed: FederationSpec, made: MadeConfig, client_index: int) -> None:
-        super().__init__(fed, made, client_index)
-        spec = fed.fedet
+    def __init__(self, fed: FederationSpec, options: FedETOptions, input_dim: int, client_index: int) -> None:
+        super().__init__(fed, options, input_dim, client_index)
+        spec = options
         torch.manual_seed(fed.seed)
         self.backbone = FrozenBackbone(load_minilm())
         self.enhancer = EnhancerConfig(hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck,
@@ -116,7 +85,7 @@ class FedETLearner(Learner):
         return cached[1]
 
     # -- training ------------------------------------------------------------------------
-    def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
+    def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float]:
         data = train[self.task]
         pooled = self._embed(data)
         if self.phase == "sums":
@@ -139,11 +108,11 @@ class FedETLearner(Learner):
         self.out = (tensors, {"phase": "train", "groups": [u.meta() for u in uploads]})
         return sum(u.n_samples for u in uploads), 0.0
 
-    def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
+    def upload(self, rnd: int, place: RoundPlace) -> dict[str, Tensor]:
         return self.out[0]
 
-    def report(self, task_end: bool) -> dict:
-        return {"fedet": self.out[1]}
+    def report(self, place: RoundPlace) -> dict:
+        return {META_KEY: self.out[1]}
 
     # -- serving -------------------------------------------------------------------------
     def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
@@ -159,8 +128,15 @@ class FedETLearner(Learner):
                 out.append(round(float((preds == data.y).mean()), 6))
         return out
 
-    def served_params(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError("fedet serves an Enhancer model (export.onnx_fedet), not MADE parameters")
+    def served_model(self, task: int, binarize: str = "") -> TextGroupsServed | None:
+        """Backbone + prototype selector + Enhancer groups: one text classifier."""
+        selector = self.client.selector
+        if not selector.group_of:
+            return None  # nothing learned yet
+        prototypes = {int(c): selector.prototypes[i] for i, c in enumerate(selector.classes)}
+        groups = [copy.deepcopy(g).eval() for g in self.client.groups]  # training goes on while it exports
+        return TextGroupsServed(self.backbone, groups, prototypes, dict(selector.group_of),
+                                task=task, max_length=self.options.max_length, method=self.fed.method)
 
     # -- checkpoints ---------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:

@@ -1,4 +1,4 @@
-"""FedET in the aggregator service: the round protocol around ``aggregator.fedet``.
+"""FedET on the aggregator: the round protocol around ``methods.fedet.server``.
 
 Each task's first round is the ``sums`` phase: devices send per-class sums of frozen
 embeddings; ``aggregate`` merges them into prototypes and gives the new classes a group
@@ -18,18 +18,19 @@ from typing import Sequence
 
 import numpy as np
 
-from aggregator.fedavg import weighted_average
-from aggregator.fedet import AuxiliaryPool, FedETAggregator, FedETServerConfig, ReceivedGroup
-from aggregator.inbox import Update
-from aggregator.strategy import Strategy, register
+from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.errors import ConfigError
-from fclcore.models.enhancer import (PHASES, EnhancerConfig, FrozenBackbone, backbone_param_count, group_prefix,
+from fclcore.models.enhancer import (EnhancerConfig, FrozenBackbone, backbone_param_count, group_prefix,
                                      group_to_tensors, load_minilm, pooled_embeddings, tensors_to_group)
+from fclcore.schema import FederationSpec
+from fclcore.strategy import Checked, Strategy, Update
 from fclcore.text import TextTokenizer, default_tokenizer_json
+from methods.fedet.config import FedETOptions
+from methods.fedet.server import AuxiliaryPool, FedETAggregator, FedETServerConfig, ReceivedGroup
+from methods.fedet.wire import MAX_CLASS_ID, META_KEY, downlink_meta, phase_of
 
 log = logging.getLogger(__name__)
-MAX_CLASS_ID = 1 << 20
 MAX_AUX_TEXTS = 100_000
 
 
@@ -45,13 +46,12 @@ def load_aux_pool(aux_dir: str | None, backbone: FrozenBackbone, max_length: int
     return AuxiliaryPool(docs, pooled_embeddings(backbone, docs.ids, docs.mask))
 
 
-@register("fedet")
 class FedETStrategy(Strategy):
     min_samples = 0  # a device that holds none of a task's classes has nothing to send but its reply
 
-    def __init__(self, fed, made, clients, aux_dir: str | None = None) -> None:
-        super().__init__(fed, made, clients)
-        spec = fed.fedet
+    def __init__(self, fed: FederationSpec, options: FedETOptions, input_dim: int, aux_dir: str | None = None) -> None:
+        super().__init__(fed, options, input_dim, aux_dir)
+        spec = options
         self.backbone = FrozenBackbone(load_minilm())
         self.enhancer = EnhancerConfig(hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck,
                                        blocks=self.backbone.cfg.layers)
@@ -69,7 +69,7 @@ class FedETStrategy(Strategy):
         return 4 * (backbone_param_count(self.backbone) + hidden * classes + classes)
 
     def phase(self, rnd: int) -> str:
-        return PHASES[0] if rnd % self.fed.rounds_per_task == 0 else PHASES[1]
+        return phase_of(self.schedule.place(rnd).task_start)
 
     def initial_model(self) -> dict[str, np.ndarray]:
         return {}  # every group starts from the same seeded values on every device
@@ -78,23 +78,18 @@ class FedETStrategy(Strategy):
         return True  # the downlink changes shape as classes arrive; ``restore`` checks the groups
 
     def announce_meta(self, rnd: int) -> dict:
-        group_of = self.server.group_of
-        return {"fedet": {"phase": self.phase(rnd), "classes": sorted(group_of),
-                          "group_of": [[c, group_of[c]] for c in sorted(group_of)],
-                          "groups": [{"group": j, "classes": list(self.server.groups[j].classes)}
-                                     for j in self.changed]}}
+        return downlink_meta(self.phase(rnd), self.server.group_of,
+                             [(j, list(self.server.groups[j].classes)) for j in self.changed])
 
     # -- uploads -------------------------------------------------------------------------
-    def normalize(self, frame: Frame) -> dict[str, Tensor]:
-        m = frame.meta.get("fedet")
+    def normalize(self, frame: Frame) -> Checked:
+        """Validated once: the parsed sums or group uploads are kept for ``aggregate``."""
+        m = frame.meta.get(META_KEY)
         phase = self.phase(frame.header.round)
         if not isinstance(m, dict) or m.get("phase") != phase:
             raise ValueError(f"meta.fedet: expected phase {phase!r} in round {frame.header.round}")
-        if phase == "sums":
-            self._sums(frame, m)
-            return dict(frame.tensors)
-        self._groups(frame, m)
-        return dict(frame.tensors)
+        parsed = self._sums(frame, m) if phase == "sums" else self._groups(frame, m)
+        return Checked(dict(frame.tensors), parsed)
 
     def _sums(self, frame: Frame, m: dict) -> dict[int, tuple[np.ndarray, int]]:
         classes, counts = m.get("classes"), m.get("counts")
@@ -143,11 +138,11 @@ class FedETStrategy(Strategy):
         rnd = updates[0].frame.header.round
         self.changed = []
         if self.phase(rnd) == "sums":
-            self.server.open_task([self._sums(u.frame, u.frame.meta["fedet"]) for u in updates])
+            self.server.open_task([u.parsed for u in updates])
         else:
             by_group: dict[int, list[ReceivedGroup]] = {}
             for u in updates:
-                for up in self._groups(u.frame, u.frame.meta["fedet"]):
+                for up in u.parsed:
                     by_group.setdefault(up.group, []).append(up)
             for j, uploads in sorted(by_group.items()):
                 try:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge_client.fedet.learner import FedETConfig, seeded, train_epochs
-from edge_client.fedet.memory import SampleMemory
+from methods.fedet.client import FedETConfig, seeded, train_epochs
+from methods.fedet.memory import SampleMemory
 from fclcore.models.enhancer import (EnhancerGroup, FrozenBackbone, group_to_tensors, predict_logits,
                                      trainable_parameters)
 from fclcore.text import EncodedDocs

@@ -1,4 +1,5 @@
-"""Federated averaging as pure NumPy functions (no torch on the aggregator's path).
+"""Federated averaging and update templates as pure NumPy functions (no torch on the
+aggregator's path); method strategies build on them.
 
 Updates may be dense arrays or ``SparseTensor``s: each element of the global tensor is the
 sample-weighted mean over the clients that sent that element, and elements nobody sent keep
@@ -8,11 +9,11 @@ their previous global value.  With dense updates from every client this is exact
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from fclcore.codec import SparseTensor, Tensor
+from fclcore.codec import Frame, SparseTensor, Tensor
 
 Update = tuple[Mapping[str, Tensor], float]  # (tensors, weight = number of local samples)
 
@@ -56,3 +57,18 @@ def _flat(tensor: Tensor, shape: tuple[int, ...], name: str) -> tuple[np.ndarray
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tensor.shape}")
     return None, tensor.astype(np.float64).ravel()
 
+
+
+def template_check(template: Mapping[str, tuple[int, ...]]) -> Callable[[Frame], dict[str, Tensor]]:
+    """A normaliser that accepts exactly the tensors of ``template`` with those shapes."""
+    def normalize(frame: Frame) -> dict[str, Tensor]:
+        names = set(frame.tensors)
+        if names != set(template):
+            missing, extra = sorted(set(template) - names), sorted(names - set(template))
+            raise ValueError(f"tensors: missing {missing}, unexpected {extra}")
+        for name, tensor in frame.tensors.items():
+            shape = tuple(tensor.shape)
+            if shape != tuple(template[name]):
+                raise ValueError(f"{name}: expected shape {tuple(template[name])}, got {shape}")
+        return dict(frame.tensors)
+    return normalize

@@ -21,36 +21,42 @@ the federation's.  At the end of a task it sends A_t, thresholded, for the knowl
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from edge_client.learners.base import Learner, register
-from edge_client.learners.fedavg import mean_nll
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
-from fclcore.made_spec import MadeConfig, made_masks, mask_for_param
+from fclcore.made_spec import made_masks, mask_for_param
 from fclcore.masked_upload import pack, selection
 from fclcore.models.decomposed_made import DecomposedMADE
 from fclcore.orders import upload_order
+from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
+from fclcore.served import ServedModel
+from methods.confedmade.training import MadeLearner, mean_nll
+from methods.confedmade.wire import KB_PREFIX, knowledge_key, parse_knowledge_meta
 
 MIN_GATE = 0.05  # bound on 1/sigmoid(m) when merging, so a nearly closed unit cannot blow up B
-KB_PREFIX = "kb:"
 
 
-@register("confedmade", "fedweit-made", "fedweit-made-star")
-class DecomposedLearner(Learner):
-    def __init__(self, fed: FederationSpec, made: MadeConfig, client_index: int) -> None:
-        if fed.method == "fedweit-made":  # independent masks: the naive combination
-            made = dataclasses.replace(made, mask_seed=made.mask_seed + 7919 * (client_index + 1))
-        super().__init__(fed, made, client_index)
-        self.opts = fed.options
-        self.masked = fed.method == "confedmade"  # M in the L1 term
-        self.restrict_upload = self.masked and fed.options.upload_made_mask
+class DecomposedLearner(MadeLearner):
+    """FedWeIT-MADE*: synchronised masks, FedWeIT's unmasked L1, unmasked uploads."""
+
+    masked_l1 = False  # M inside the L1 term
+    restrict_to_made_mask = False  # uploads restricted to the round's MADE mask (with upload_made_mask)
+    own_masks = False  # every client draws its own MADE masks
+
+    def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
+        super().__init__(fed, options, input_dim, client_index)
+        if self.own_masks:  # independent masks: the naive combination
+            self.made = dataclasses.replace(self.made, mask_seed=self.made.mask_seed + 7919 * (client_index + 1))
+        self.opts = options
+        self.masked = self.masked_l1
+        self.restrict_upload = self.restrict_to_made_mask and options.upload_made_mask
         torch.manual_seed(fed.seed)
-        self.model = DecomposedMADE(made)
+        self.model = DecomposedMADE(self.made)
         self.sent: dict[str, np.ndarray] = {}  # layer prefix -> entries uploaded last round
         self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # B, A_i at task start
         self.entries: list[list[str]] = []  # knowledge-base entry ids per task
@@ -80,9 +86,9 @@ class DecomposedLearner(Learner):
             gate = torch.sigmoid(layer.unit_logits[self.task]).clamp_min(MIN_GATE)[:, None]  # (out, 1)
             layer.weight.copy_(torch.where(sent, g / gate, layer.weight))
 
-    def start_task(self, task: int, knowledge: Frame | None) -> None:
-        kb, ids = self._knowledge(knowledge)  # validate before any state changes
-        super().start_task(task, knowledge)
+    def start_task(self, task: int, downlink: Frame | None) -> None:
+        kb, ids = self._knowledge(downlink)  # validate before any state changes
+        super().start_task(task, downlink)
         self.anchor = {p: _snapshot(l) for p, l in self.model.layers.items()}
         self.model.add_task(kb, self.opts.mask_init, self.opts.lambda3)
         self.entries.append(ids)
@@ -95,12 +101,12 @@ class DecomposedLearner(Learner):
 
     def _knowledge(self, frame: Frame | None) -> tuple[dict[str, torch.Tensor], list[str]]:
         """Stack the frame's entries per layer: prefix -> (n_kb, out, in)."""
-        ids = [e["id"] for e in (frame.meta.get("entries", []) if frame else [])]
+        ids = parse_knowledge_meta(frame.meta) if frame else []
         out = {}
         for prefix, layer in self.model.layers.items():
             stack = []
             for entry in ids:
-                t = frame.tensors.get(f"{entry}|{prefix}.weight")
+                t = frame.tensors.get(knowledge_key(entry, f"{prefix}.weight"))
                 if t is None or tuple(t.shape) != tuple(layer.weight.shape):
                     raise ValueError(f"knowledge entry {entry}: missing or misshaped {prefix}.weight")
                 stack.append(torch.from_numpy(_dense(t)))
@@ -108,7 +114,7 @@ class DecomposedLearner(Learner):
         return out, ids
 
     # -- training ------------------------------------------------------------------------
-    def train_round(self, train: Sequence[Dataset], rnd: int) -> tuple[int, float]:
+    def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float]:
         x = torch.from_numpy(train[-1].x)
 
         def loss(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +143,7 @@ class DecomposedLearner(Learner):
 
     # -- upload --------------------------------------------------------------------------
     @torch.no_grad()
-    def upload(self, rnd: int, task_end: bool) -> dict[str, Tensor]:
+    def upload(self, rnd: int, place: RoundPlace) -> dict[str, Tensor]:
         masks = made_masks(self.made, upload_order(self.made, self.opts, rnd)) if self.restrict_upload else None
         out: dict[str, Tensor] = {}
         self.values_sent = 0
@@ -151,18 +157,18 @@ class DecomposedLearner(Learner):
             self.values_sent += int(self.sent[prefix].sum())
             if layer.bias is not None:
                 out[f"{prefix}.bias"] = layer.bias.numpy().copy()
-            if task_end:
+            if place.task_end:
                 adaptive = layer.adaptive[self.task].numpy().copy()
                 adaptive[np.abs(adaptive) < self.opts.kb_threshold] = 0.0
                 out[f"{KB_PREFIX}{prefix}.weight"] = SparseTensor.from_dense(adaptive)
         return out
 
-    def report(self, task_end: bool) -> dict:
+    def report(self, place: RoundPlace) -> dict:
         """Base weight values in this upload; at a task end also the learned attention over the
         knowledge-base entries (mean over layers)."""
         out = {"base_values": self.values_sent}
         ids = self.entries[self.task] if self.task >= 0 else []
-        if task_end and ids:
+        if place.task_end and ids:
             alpha = torch.stack([layer.attention[self.task].detach() for layer in self.model.layers.values()])
             out["attention"] = {"entries": ids, "alpha": [round(float(a), 5) for a in alpha.mean(0)]}
         return out
@@ -210,8 +216,24 @@ class DecomposedLearner(Learner):
             return [mean_nll(lambda x: self.model.nll(x, None), d) for d in tests]
         return [mean_nll(lambda x, i=i: self.model.nll(x, min(i, self.task)), d) for i, d in enumerate(tests)]
 
-    def served_params(self) -> dict[str, np.ndarray]:
-        return self.model.composed_params(max(self.task, 0)) if self.task >= 0 else {}
+    def served_model(self, task: int, binarize: str = "") -> ServedModel | None:
+        if self.task < 0:
+            return None
+        return ServedModel(made=self.made, params=self.model.composed_params(self.task), order_index=0,
+                           method=self.fed.method, task=task, binarize=binarize)
+
+
+class FedWeITMadeLearner(DecomposedLearner):
+    """FedWeIT-MADE: the naive combination, every client with its own MADE masks."""
+
+    own_masks = True
+
+
+class ConFedMADELearner(DecomposedLearner):
+    """ConFedMADE: M in the L1 term, uploads inside the round's MADE mask."""
+
+    masked_l1 = True
+    restrict_to_made_mask = True
 
 
 def _snapshot(layer) -> tuple:

@@ -1,5 +1,5 @@
 """FedET on the aggregator: group assignment, the waiting window and entropy-aware multiple
-distillation (paper section 3.2, eq. 6-8).  The only torch module of ``aggregator/``.
+distillation (paper section 3.2, eq. 6-8).  Trains on the server (torch).
 
 Per group j and round, the uploads that arrive inside the waiting window are merged:
 
@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from aggregator.fedavg import weighted_average
+from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame
 from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, enhanced_logits,
                                      group_to_tensors, predict_logits, prototype_rows, tensors_to_group,
@@ -214,7 +214,7 @@ class FedETServerConfig:
 class FedETAggregator:
     def __init__(self, cfg: FedETServerConfig, backbone: FrozenBackbone, aux: AuxiliaryPool) -> None:
         self.cfg, self.backbone, self.aux = cfg, backbone, aux
-        # the same seeded initial groups as every device (edge_client.fedet.learner.seeded(seed, j))
+        # the same seeded initial groups as every device (methods.fedet.client.seeded(seed, j))
         self.groups = [EnhancerGroup(cfg.enhancer, seed=_seeded(cfg.seed, j)) for j in range(cfg.num_groups)]
         self.sums: dict[int, tuple[np.ndarray, int]] = {}
         self.group_of: dict[int, int] = {}

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from edge_client.fedet.selector import normalize_rows
+from fclcore.models.prototypes import normalize_rows
 from fclcore.text import EncodedDocs
 
 __all__ = ["SampleMemory"]

@@ -1,0 +1,137 @@
+"""The publish path every exporter shares: seal, write, verify, then replace atomically.
+
+An exporter builds an ONNX graph, :func:`seal` s it (``fcl.*`` metadata plus the weights and
+integrity hashes the runtimes check), writes it with :func:`write_synced` to a
+:func:`temp_path` next to its destination, verifies the written bytes, and only then
+:func:`publish` es every temporary file over its target (``os.replace`` + a directory fsync).
+Whatever is left is cleaned up with :func:`remove_temps`.  int8 copies live at
+:func:`int8_path_for`; :func:`quiet_quantizer` keeps onnxruntime's ``quantize_dynamic`` from
+configuring the root logger or printing its pre-processing hint.
+
+Only the standard library is imported here (onnx lazily, inside :func:`seal`).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from export import _meta
+from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
+from fclcore.checkpoint import fsync_dir
+
+if TYPE_CHECKING:
+    import onnx
+
+__all__ = ["ExportError", "OPSET", "seal", "temp_path", "write_synced", "file_sha256", "int8_path_for",
+           "quiet_quantizer", "publish", "remove_temps"]
+
+OPSET = 17
+
+
+class ExportError(RuntimeError):
+    """The model could not be exported, or the exported file failed verification."""
+
+
+def seal(proto: "onnx.ModelProto", metadata: dict[str, Any]) -> "onnx.ModelProto":
+    """Set the ``fcl.*`` metadata (``metadata`` without the hashes) and both hashes, in place.
+
+    Initializers are first rewritten with ``raw_data`` (quantisers sometimes use typed
+    fields) so the runtime can hash exactly what it reads.  The integrity hash is computed on
+    the serialisation with a placeholder value of the same length, then patched in, so the
+    final bytes differ from the hashed ones only inside that value.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = list(proto.graph.initializer)
+    for i, t in enumerate(inits):
+        if t.data_location != TensorProto.DEFAULT:
+            raise ExportError(f"initializer {t.name!r} uses external data")
+        if not t.HasField("raw_data") or len(t.float_data) or len(t.int32_data) or len(t.int64_data):
+            proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t), t.name))
+    digest = weights_digest((t.name, t.data_type, list(t.dims), t.raw_data) for t in proto.graph.initializer)
+    props = _meta.encode(metadata)
+    props[_meta.PREFIX + "weights_sha256"] = digest
+    props[INTEGRITY_KEY] = PLACEHOLDER.decode()
+    helper.set_model_props(proto, props)
+    data = proto.SerializeToString()
+    span = parse_model(data).metadata_spans[INTEGRITY_KEY]
+    whole = integrity_digest(data, span)
+    for entry in proto.metadata_props:
+        if entry.key == INTEGRITY_KEY:
+            entry.value = whole
+    return proto
+
+
+def int8_path_for(path: str | os.PathLike) -> Path:
+    """``model.onnx`` -> ``model.int8.onnx`` (same directory)."""
+    p = Path(path)
+    stem = p.name[: -len(".onnx")] if p.name.endswith(".onnx") else p.name
+    return p.with_name(stem + ".int8.onnx")
+
+
+def temp_path(path: str | os.PathLike) -> Path:
+    """A new empty hidden temporary file next to ``path`` (same directory, so ``os.replace`` is atomic)."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.onnx")
+    os.close(fd)
+    return Path(name)
+
+
+def write_synced(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` (truncating it) and fsync the file."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of the file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _DropPreprocessHint(logging.Filter):
+    """The quantiser always suggests shape-inference pre-processing; the exported graphs need none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "pre-processing before quantization" not in record.getMessage()
+
+
+@contextmanager
+def quiet_quantizer() -> Iterator[None]:
+    """Around ``quantize_dynamic``: a root-logger NullHandler (so ``logging.warning()`` inside the
+    quantiser does not call ``basicConfig()``) and a filter dropping its pre-processing hint."""
+    root = logging.getLogger()
+    quiet, hint = logging.NullHandler(), _DropPreprocessHint()
+    root.addHandler(quiet)
+    root.addFilter(hint)
+    try:
+        yield
+    finally:
+        root.removeFilter(hint)
+        root.removeHandler(quiet)
+
+
+def publish(pairs: list[tuple[Path, Path]], directory: Path) -> None:
+    """``os.replace`` every ``(temp, target)`` pair in order, then fsync ``directory``."""
+    for src, dst in pairs:
+        os.replace(src, dst)
+    fsync_dir(directory)
+
+
+def remove_temps(paths: Iterable[Path]) -> None:
+    """Delete the given temporary files; already missing ones (published or never made) are fine."""
+    for t in paths:
+        try:
+            Path(t).unlink()
+        except FileNotFoundError:
+            pass

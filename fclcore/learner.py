@@ -1,0 +1,80 @@
+"""The device half of a learning method, as the client daemon sees it.
+
+The daemon owns the round protocol (what arrives, when to evaluate, when to send); a
+``Learner`` owns the model: it merges the global model, starts tasks, trains a round, says
+what to upload, evaluates, and describes what the device serves (``served_model``, a
+``fclcore.served`` description that ``export`` turns into ONNX).  No torch import here:
+each method's learner brings its own framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from fclcore.codec import Frame, Tensor
+from fclcore.data import Dataset
+from fclcore.schedule import RoundPlace
+from fclcore.schema import FederationSpec
+
+
+def round_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (for per-client, per-round shuffling)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+
+
+class Learner:
+    """One client's model and optimiser state across rounds and tasks."""
+
+    metric = "nll"  # what ``evaluate`` returns per task: "nll" (lower is better) or "accuracy"
+    sees_all_tasks = False  # True: ``train_round`` gets every task's data from the start (offline)
+
+    def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
+        self.fed = fed
+        self.options = options
+        self.input_dim = input_dim
+        self.client_index = client_index
+        self.task = -1
+
+    def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
+        """Merge the aggregator's model (``meta``: the round message's metadata); ValueError if
+        names or shapes do not fit."""
+        raise NotImplementedError
+
+    def start_task(self, task: int, downlink: Frame | None) -> None:
+        """Called once before the first round of each task (with this device's own downlink
+        frame for that round, if the strategy sent one)."""
+        self.task = task
+
+    def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float]:
+        """Local training for round ``rnd``; ``train[i]`` is task i's data for i <= current task
+        (for every task if ``sees_all_tasks``).  Returns (samples used, mean train loss)."""
+        raise NotImplementedError
+
+    def upload(self, rnd: int, place: RoundPlace) -> dict[str, Tensor]:
+        """The tensors to send for this round."""
+        raise NotImplementedError
+
+    def report(self, place: RoundPlace) -> dict:
+        """Extra JSON metadata for this round's upload."""
+        return {}
+
+    def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
+        """Per task, the ``metric`` on its test data; None where no data is given."""
+        raise NotImplementedError
+
+    def served_model(self, task: int, binarize: str = "") -> Any:
+        """What the device serves now (a ``fclcore.served`` description), or None if nothing yet."""
+        return None
+
+    # A restarted daemon rebuilds the learner's structure by calling ``start_task`` for every
+    # task it had started (with the same downlink frames), then ``load_state``.
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON meta, arrays) of everything ``load_state`` needs."""
+        raise NotImplementedError
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        """Inverse of ``state`` on a learner rebuilt to the same structure; ValueError if it
+        does not fit."""
+        raise NotImplementedError

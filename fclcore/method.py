@@ -1,0 +1,86 @@
+"""What a learning method is to the runtimes: a ``MethodSpec`` in one registry.
+
+A method package (``methods/<package>/``) registers one spec per scenario name it answers
+to; baselines are presets of the same package (another name, another learner or strategy
+class, the same options dataclass).  The runtimes never name a method: they look the name
+up here and get the options schema, the server strategy (imported only by the aggregator),
+the device learner (imported only by the device), the metric and the served-model format.
+
+Strategy and learner classes are named as ``"module:Class"`` strings and imported on first
+use, so the aggregator never imports a device learner (nor torch, unless the method declares
+``server_torch``) and the device never imports the server half.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from fclcore.config import from_dict, to_dict
+from fclcore.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fclcore.learner import Learner
+    from fclcore.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # what ``federation.method`` says
+    package: str  # the method package that defines it, e.g. "confedmade"
+    options: type  # dataclass of the package's options (``federation.options``)
+    strategy: str  # "module:Class" of the server half
+    learner: str  # "module:Class" of the device half
+    metric: Literal["nll", "accuracy"] = "nll"
+    served_format: str = "made"  # what the device serves: an ``export`` format name
+    server_torch: bool = False  # the strategy trains on the server (imports torch)
+    needs_aux_data: bool = False  # the strategy reads ``aux_dir`` (server-side unlabelled data)
+    summary: str = ""  # one line for ``--help`` and the docs
+
+    def parse_options(self, raw: Any, source: str = "federation") -> Any:
+        """The options dataclass from ``federation.options``; ConfigError naming the key."""
+        return from_dict(self.options, raw if raw is not None else {}, source, "federation.options")
+
+    def strategy_class(self) -> type["Strategy"]:
+        return _load(self.strategy)
+
+    def learner_class(self) -> type["Learner"]:
+        return _load(self.learner)
+
+    def data_length(self, options: Any) -> int | None:
+        """Tokens per text for text methods (their options' ``max_length``), else None."""
+        return getattr(options, "max_length", None)
+
+
+REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register(*specs: MethodSpec) -> None:
+    """Called by each method package's ``__init__``; a name may be registered once."""
+    for spec in specs:
+        if not dataclasses.is_dataclass(spec.options):
+            raise TypeError(f"{spec.name}: options must be a dataclass")
+        other = REGISTRY.get(spec.name)
+        if other is not None and other != spec:
+            raise ValueError(f"method {spec.name!r} registered twice ({other.package}, {spec.package})")
+        REGISTRY[spec.name] = spec
+
+
+def lookup(name: object, source: str = "federation") -> MethodSpec:
+    """The spec registered under ``name``; ConfigError (one line, file and key) otherwise."""
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise ConfigError(f"{source}: federation.method: unknown method {name!r} "
+                          f"(expected one of: {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[name]
+
+
+def normalized_options(spec: MethodSpec, raw: Any, source: str = "federation") -> dict:
+    """``federation.options`` with the method's defaults filled in (what is sent and hashed)."""
+    return to_dict(spec.parse_options(raw, source))
+
+
+def _load(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,96 @@
+"""The server half of a learning method, as the aggregator service sees it.
+
+The service runs the rounds; a ``Strategy`` says what a round carries and what it does:
+
+* ``configure``: the round's announcement metadata and per-client downlink frames;
+* ``normalize``: validate one update once (names, shapes, the method's metadata) and return
+  its full-shape tensors, or a ``Checked`` that also keeps the method's parsed view;
+* ``aggregate``: accepted updates -> the next global model;
+* ``state`` / ``restore``: what a restarted service needs beyond the global model.
+
+Everything here is NumPy; a strategy that trains on the server imports torch in its own
+module and its spec says ``server_torch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from fclcore.codec import Frame, Tensor
+from fclcore.schedule import TaskSchedule
+from fclcore.schema import FederationSpec
+
+
+@dataclass(frozen=True)
+class Update:
+    """An accepted update: the frame as received and the strategy's checked view of it."""
+
+    client: str
+    frame: Frame
+    n_samples: int
+    packet_bytes: int
+    payload_bytes: int
+    tensors: Mapping[str, Tensor]  # as the strategy normalised them (full shapes)
+    parsed: Any = None  # the strategy's own parse of the update's metadata, kept from ``normalize``
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What ``normalize`` may return instead of bare tensors: tensors plus a parsed view."""
+
+    tensors: Mapping[str, Tensor]
+    parsed: Any = None
+
+
+Downlinks = dict[str, tuple[dict, dict[str, Tensor]]]  # client -> (meta, tensors) of its own frame
+
+
+class Strategy:
+    min_samples = 1  # an update must report at least this many training samples
+
+    def __init__(self, fed: FederationSpec, options: Any, input_dim: int, aux_dir: str | None = None) -> None:
+        self.fed = fed
+        self.options = options
+        self.input_dim = input_dim
+        self.schedule = TaskSchedule.from_federation(fed)
+
+    @property
+    def dense_fp32_bytes(self) -> int:
+        """Bytes of one dense float32 upload of every trainable tensor (the FedAvg reference)."""
+        return 4 * sum(int(np.prod(v.shape)) for v in self.initial_model().values())
+
+    def initial_model(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def fits(self, params: dict[str, np.ndarray]) -> bool:
+        """Whether a committed global model has this federation's names and shapes."""
+        return {k: v.shape for k, v in params.items()} == {k: v.shape for k, v in self.initial_model().items()}
+
+    def announce_meta(self, rnd: int) -> dict:
+        """Extra metadata for the announcement of round ``rnd``."""
+        return {}
+
+    def client_downlinks(self, rnd: int, clients: Sequence[str]) -> Downlinks:
+        """Per-client frames to publish (retained, on each client's own topic) before round
+        ``rnd`` is announced; a device waits for its frame when the round says so."""
+        return {}
+
+    def downlink_log(self, meta: dict) -> dict:
+        """What the run log records about a per-client frame with metadata ``meta``."""
+        return {}
+
+    def normalize(self, frame: Frame) -> dict[str, Tensor] | Checked:
+        raise NotImplementedError
+
+    def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """Server-side state beyond the global model, for the checkpoint: (JSON meta, arrays)."""
+        return {}, {}
+
+    def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        """Inverse of ``state``; ValueError if the checkpoint does not fit this strategy."""

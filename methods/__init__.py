@@ -1,0 +1,46 @@
+"""The learning methods: one package per method, each registering itself in
+``fclcore.method.REGISTRY`` when imported.  Runtimes import this package (never a method
+package directly) and look methods up by the scenario's name.
+
+Adding a method: a package here with its ``config``, ``wire``, ``strategy`` and ``learner``
+modules and a ``register(MethodSpec(...))`` in its ``__init__``, one line below, a scenario
+file and its tests (docs/adding-a-method.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fclcore.method import REGISTRY, MethodSpec, lookup, normalized_options
+from fclcore.schema import FederationSpec
+
+import methods.confedmade  # noqa: F401  (registers ConFedMADE and its baselines)
+import methods.fedet  # noqa: F401  (registers FedET)
+
+__all__ = ["REGISTRY", "MethodSpec", "learner_for", "lookup", "names", "resolve", "strategy_for"]
+
+
+def names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def resolve(fed: FederationSpec, source: str = "federation") -> tuple[MethodSpec, Any, FederationSpec]:
+    """(spec, parsed options, the federation with its options' defaults filled in);
+    ConfigError naming ``source`` and the key for an unknown method or option."""
+    import dataclasses
+
+    spec = lookup(fed.method, source)
+    options = spec.parse_options(fed.options, source)
+    return spec, options, dataclasses.replace(fed, options=normalized_options(spec, fed.options, source))
+
+
+def strategy_for(fed: FederationSpec, input_dim: int, aux_dir: str | None = None, source: str = "federation"):
+    """The server half of ``fed.method`` (imports only the method's strategy module)."""
+    spec, options, fed = resolve(fed, source)
+    return spec.strategy_class()(fed, options, input_dim, aux_dir=aux_dir)
+
+
+def learner_for(fed: FederationSpec, input_dim: int, client_index: int, source: str = "federation"):
+    """The device half of ``fed.method`` (imports only the method's learner module)."""
+    spec, options, fed = resolve(fed, source)
+    return spec.learner_class()(fed, options, input_dim, client_index)

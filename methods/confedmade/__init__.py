@@ -1,0 +1,47 @@
+"""ConFedMADE (federated continual density estimation with MADE) and its baselines.
+
+One package, one options dataclass (``ConFedMADEOptions``), nine scenario names:
+
+| name | server | device |
+|---|---|---|
+| confedmade | masked FedAvg inside the round's MADE mask + knowledge base | ``ConFedMADELearner`` |
+| fedweit-made-star | masked FedAvg + knowledge base | ``DecomposedLearner`` (synchronised masks) |
+| fedweit-made | masked FedAvg + knowledge base | ``FedWeITMadeLearner`` (own masks per client) |
+| fedavg, fedcl-finetune | FedAvg | ``FedAvgLearner`` |
+| fedprox | FedAvg | ``FedProxLearner`` |
+| fedcurv | FedAvg | ``FedCurvLearner`` |
+| fedcl-cumulative-replay | FedAvg | ``ReplayLearner`` |
+| offline | FedAvg | ``OfflineLearner`` (all tasks from the first round) |
+
+Modules: ``config`` (options), ``wire`` (the contract both halves use), ``strategy`` (server,
+NumPy only), ``training`` / ``fedavg_learner`` / ``decomposed_learner`` (device, torch).
+"""
+
+from fclcore.method import MethodSpec, register
+from methods.confedmade.config import ConFedMADEOptions
+
+_STRATEGY = "methods.confedmade.strategy:"
+_FEDAVG = "methods.confedmade.fedavg_learner:"
+_DECOMPOSED = "methods.confedmade.decomposed_learner:"
+
+
+def _spec(name: str, strategy: str, learner: str, summary: str) -> MethodSpec:
+    return MethodSpec(name=name, package="confedmade", options=ConFedMADEOptions, strategy=_STRATEGY + strategy,
+                      learner=learner, metric="nll", served_format="made", summary=summary)
+
+
+register(
+    _spec("confedmade", "ConFedMADEStrategy", _DECOMPOSED + "ConFedMADELearner",
+          "ConFedMADE: decomposed MADE, uploads inside the round's MADE mask, knowledge base"),
+    _spec("fedweit-made-star", "DecomposedStrategy", _DECOMPOSED + "DecomposedLearner",
+          "FedWeIT on MADE with synchronised masks, unmasked L1 and uploads"),
+    _spec("fedweit-made", "DecomposedStrategy", _DECOMPOSED + "FedWeITMadeLearner",
+          "FedWeIT on MADE, every client with its own MADE masks"),
+    _spec("fedavg", "FedAvgStrategy", _FEDAVG + "FedAvgLearner", "FedAvg of a plain MADE"),
+    _spec("fedcl-finetune", "FedAvgStrategy", _FEDAVG + "FedAvgLearner", "FedAvg fine-tuned task after task"),
+    _spec("fedprox", "FedAvgStrategy", _FEDAVG + "FedProxLearner", "FedProx (proximal term to the global model)"),
+    _spec("fedcurv", "FedAvgStrategy", _FEDAVG + "FedCurvLearner", "federated EWC (diagonal Fisher per task)"),
+    _spec("fedcl-cumulative-replay", "FedAvgStrategy", _FEDAVG + "ReplayLearner",
+          "FedAvg on every task seen so far (upper bound)"),
+    _spec("offline", "FedAvgStrategy", _FEDAVG + "OfflineLearner", "joint training on all tasks (reference)"),
+)

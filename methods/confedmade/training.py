@@ -1,0 +1,86 @@
+"""What every learner of the ConFedMADE package shares: a torch MADE-family model trained
+with the synchronised order schedule, and its checkpoint (model + optimiser moments)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fclcore.data import Dataset
+from fclcore.learner import Learner, round_seed
+from fclcore.made_spec import MadeConfig
+from fclcore.orders import step_order
+from fclcore.schema import FederationSpec
+
+EVAL_BATCH = 1024
+
+
+class MadeLearner(Learner):
+    """A learner whose model is a MADE (plain or decomposed) built from ``federation.model``."""
+
+    model: torch.nn.Module
+
+    def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
+        super().__init__(fed, options, input_dim, client_index)
+        self.made: MadeConfig = fed.model.made_config(input_dim)
+        self.optimizer: torch.optim.Optimizer | None = None  # set by the method
+
+    def local_epochs(self, model: torch.nn.Module, x: torch.Tensor, rnd: int,
+                     loss: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The shared local loop: shuffling seeded by (seed, client, round), the MADE order of
+        each step from the synchronised schedule, one optimiser step per mini-batch.
+
+        ``loss(batch)`` returns (mean NLL, NLL + regularisers); the mean NLL is returned."""
+        generator = torch.Generator().manual_seed(round_seed(self.fed.seed, self.client_index, rnd))
+        model.train()
+        losses, step = [], 0
+        for _ in range(self.fed.train.local_epochs):
+            for batch in torch.randperm(len(x), generator=generator).split(self.fed.train.batch_size):
+                model.set_order(step_order(self.made, self.options, rnd, step))
+                nll, total = loss(x[batch])
+                self.optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                self.optimizer.step()
+                losses.append(nll.item())
+                step += 1
+        return float(np.mean(losses))
+
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON meta, arrays): the model, the optimiser's moments, and method extras."""
+        arrays = {f"model/{k}": v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+        if self.optimizer is not None:
+            for index, slots in self.optimizer.state_dict()["state"].items():
+                for key, value in slots.items():
+                    arrays[f"optim/{index}/{key}"] = torch.as_tensor(value).detach().cpu().numpy().copy()
+        return {"task": self.task}, arrays
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        if meta.get("task") != self.task:
+            raise ValueError(f"checkpoint is for task {meta.get('task')}, learner rebuilt to task {self.task}")
+        model = {k[len("model/"):]: torch.from_numpy(v.copy()) for k, v in arrays.items() if k.startswith("model/")}
+        try:
+            self.model.load_state_dict(model, strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"model state does not fit: {str(exc).splitlines()[0]}") from None
+        if self.optimizer is not None:
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for name, value in arrays.items():
+                if name.startswith("optim/"):
+                    index, key = name[len("optim/"):].split("/", 1)
+                    state.setdefault(int(index), {})[key] = torch.from_numpy(value.copy())
+            full = self.optimizer.state_dict()
+            if not set(state) <= {i for g in full["param_groups"] for i in g["params"]}:
+                raise ValueError("optimizer state does not fit the rebuilt optimizer")
+            full["state"] = state
+            self.optimizer.load_state_dict(full)
+
+
+def mean_nll(nll, data: Dataset | None) -> float | None:
+    """Mean per-sample NLL over ``data`` in batches (None for no data)."""
+    if data is None:
+        return None
+    x = torch.from_numpy(data.x)
+    total = sum(nll(x[i:i + EVAL_BATCH]).sum().item() for i in range(0, len(x), EVAL_BATCH))
+    return round(total / len(x), 4)

@@ -1,0 +1,37 @@
+"""The ConFedMADE package's wire contract, used by both halves.
+
+* An update carries, per MADE weight, the packed base ``B*sigmoid(m)`` (``fclcore.masked_upload``:
+  values, plus ``<name>#units`` when not every unit is kept) and every bias dense; the last
+  update of a task also carries ``kb:<weight>``, the client's thresholded A_t (full shape).
+* A knowledge frame (the per-client downlink at a task start) carries the chosen entries:
+  ``meta = {"for_task": t, "entries": [{"id", "client", "task"}, ...]}`` and one tensor per
+  entry and weight, named ``<entry id>|<weight name>``.  An entry id is ``<client>/t<task>``.
+"""
+
+from __future__ import annotations
+
+KB_PREFIX = "kb:"  # prefix of the task-adaptive tensors a task's last update carries
+MAX_ENTRIES = 4096
+
+
+def entry_id(client: str, task: int) -> str:
+    return f"{client}/t{task}"
+
+
+def knowledge_key(entry: str, weight: str) -> str:
+    """The tensor name of ``weight`` of knowledge entry ``entry`` in a knowledge frame."""
+    return f"{entry}|{weight}"
+
+
+def knowledge_meta(task: int, entries: list[tuple[str, str, int]]) -> dict:
+    """The knowledge frame's metadata for ``task``: entries as (id, client, task)."""
+    return {"for_task": task, "entries": [{"id": i, "client": c, "task": t} for i, c, t in entries]}
+
+
+def parse_knowledge_meta(meta: object) -> list[str]:
+    """The entry ids of a knowledge frame's metadata; ValueError if it is malformed."""
+    entries = meta.get("entries") if isinstance(meta, dict) else None
+    if not isinstance(entries, list) or len(entries) > MAX_ENTRIES or not all(
+            isinstance(e, dict) and isinstance(e.get("id"), str) for e in entries):
+        raise ValueError("knowledge: expected meta.entries, a list of entries with string ids")
+    return [e["id"] for e in entries]

@@ -1,0 +1,29 @@
+"""Options of the FedET package (``federation.options`` when ``method: fedet``): Enhancer groups
+on a frozen all-MiniLM-L6-v2.  The device's learning rate, batch size and epochs come from
+``federation.train``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class FedETOptions:
+    num_groups: int = 2  # J, Enhancer groups per device
+    bottleneck: int = 64  # Enhancer width m
+    max_length: int = 64  # tokens per text (the model's input size)
+    gamma: float = 0.1  # sample memory store ratio
+    weight_decay: float = 0.01
+    distill_epochs: int = 1  # device: double-distillation epochs per round
+    server_epochs: int = 4  # aggregator: entropy-aware distillation epochs per round
+    aux_per_round: int = 40  # aggregator: auxiliary texts per distillation
+    proto_init: float = 0.0  # > 0: new head rows start as a nearest-prototype classifier (logit scale)
+
+    def __post_init__(self) -> None:
+        if min(self.num_groups, self.bottleneck, self.distill_epochs, self.aux_per_round) < 1 \
+                or self.server_epochs < 0 or self.max_length < 2:
+            raise ValueError("fedet: expected num_groups, bottleneck, distill_epochs, aux_per_round >= 1, "
+                             "server_epochs >= 0, max_length >= 2")
+        if not 0 < self.gamma <= 1 or self.weight_decay < 0 or self.proto_init < 0:
+            raise ValueError(f"fedet: expected gamma in (0, 1] and weight_decay >= 0, got {self.gamma}, "
+                             f"{self.weight_decay}")
