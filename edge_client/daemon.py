@@ -45,6 +45,9 @@ from fclcore.transport import MqttLink, TransportError
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
+# Learners seed torch's global generator while they build their model: daemons sharing one
+# process (fcl simulate --in-process) build one at a time, so each gets the same values as alone.
+_BUILD_LOCK = threading.Lock()
 
 
 class RejectedFrame(ValueError):
@@ -116,7 +119,8 @@ class ClientDaemon:
         try:
             fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
             self.knowledge = {t: decode(raw, self.limits) for t, raw in state.knowledge.items()}
-            self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
+            with _BUILD_LOCK:
+                self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             for t in range(state.task + 1):
                 self.learner.start_task(t, self.knowledge.get(t))
             self.learner.load_state(state.learner_meta, state.learner_arrays)
@@ -313,7 +317,8 @@ class ClientDaemon:
         if self.learner is None:
             self.input_dim = frame.meta["input_dim"]  # checked by _check
             try:
-                self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
+                with _BUILD_LOCK:
+                    self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             except ValueError as exc:
                 raise RejectedFrame(f"federation: {exc}") from None
             self.fed = fed

@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a scenario key, e.g. --set federation.rounds_per_task=5 (repeatable)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the aggregator and clients as threads of this process over the in-process "
+                        "transport (no broker; for benchmarks and quick experiments)")
     p.set_defaults(run=_simulate)
 
     p = sub.add_parser("aggregator", help="run the aggregator service", description="Run the aggregator service.")
@@ -119,7 +122,10 @@ def _served_from_state(state_dir: str) -> object:
 
 def _simulate(args: argparse.Namespace) -> int:
     from fcl_edge.simulate import simulate
-    return simulate(args.scenario, args.out, broker=args.broker, overrides=args.set, timeout=args.timeout)
+    if args.in_process and args.broker:
+        raise ConfigError("--in-process and --broker: choose one")
+    return simulate(args.scenario, args.out, broker=args.broker, overrides=args.set, timeout=args.timeout,
+                    in_process=args.in_process)
 
 
 def _aggregator(args: argparse.Namespace) -> int:

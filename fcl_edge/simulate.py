@@ -88,12 +88,14 @@ def _text_length(spec: methods.MethodSpec, options: object) -> int:
 
 
 def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrides: Sequence[str] = (),
-             timeout: float = 3600.0) -> int:
+             timeout: float = 3600.0, in_process: bool = False) -> int:
     p = plan(scenario_path, overrides)
     out_dir = Path(out)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     _start_afresh(out_dir)
     (out_dir / "scenario.yaml").write_text(yaml.safe_dump(to_dict(p.scenario), sort_keys=False))
+    if in_process:
+        return _simulate_in_process(p, out_dir, timeout)
     broker_proc, url = _start_broker(broker, out_dir)
     procs = {}
     try:
@@ -105,6 +107,25 @@ def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrid
             _stop(proc)
         if broker_proc is not None:
             _stop(broker_proc)
+
+
+def _simulate_in_process(p: Plan, out_dir: Path, timeout: float) -> int:
+    """The same services as threads over the in-process transport (``fcl_edge.inprocess``)."""
+    from fcl_edge.inprocess import log_to, start_participants
+    from fclcore.inproc import InProcessBroker
+
+    broker = InProcessBroker()
+    handler = log_to(out_dir / "logs" / "in-process.log")
+    participants = {}
+    try:
+        participants = start_participants(write_configs(p, out_dir, "mqtt://in-process:1883"), broker)
+        return _follow(p, out_dir, participants, timeout)
+    finally:
+        for participant in participants.values():
+            _stop(participant)
+        broker.stop()
+        logging.getLogger().removeHandler(handler)
+        handler.close()
 
 
 def _start_afresh(out_dir: Path) -> None:

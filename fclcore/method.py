@@ -38,6 +38,8 @@ class MethodSpec:
     server_torch: bool = False  # the strategy trains on the server (imports torch)
     needs_aux_data: bool = False  # the strategy reads ``aux_dir`` (server-side unlabelled data)
     summary: str = ""  # one line for ``--help`` and the docs
+    example_scenario: str = ""  # a shipped scenario file that runs this method
+    smoke_overrides: tuple[str, ...] = ()  # ``--set`` items that shrink it to seconds (contract tests)
 
     def parse_options(self, raw: Any, source: str = "federation") -> Any:
         """The options dataclass from ``federation.options``; ConfigError naming the key."""

@@ -27,7 +27,10 @@ _DECOMPOSED = "methods.confedmade.decomposed_learner:"
 
 def _spec(name: str, strategy: str, learner: str, summary: str) -> MethodSpec:
     return MethodSpec(name=name, package="confedmade", options=ConFedMADEOptions, strategy=_STRATEGY + strategy,
-                      learner=learner, metric="nll", served_format="made", summary=summary)
+                      learner=learner, metric="nll", served_format="made", summary=summary,
+                      example_scenario="configs/scenarios/digits_continual.yaml",
+                      smoke_overrides=("federation.model.hidden_sizes=[32]", "tasks.shared=[[0, 1], [2, 3]]",
+                                       "federation.options.order_per=round"))
 
 
 register(

