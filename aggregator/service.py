@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+import methods
 from aggregator.inbox import Inbox, Rejection, is_finite_number
 from aggregator.metrics import AggregatorMetrics
 from aggregator.runlog import RunLog
-import methods
 from aggregator.state import Committed, StateStore, fingerprint
 from fclcore import topics
 from fclcore.checkpoint import CheckpointError

@@ -37,7 +37,8 @@ def measure(name: str, rounds_per_task: int, work: Path, broker_url: str) -> dic
            "--out", str(out), "--broker", broker_url, "--set", f"federation.rounds_per_task={rounds_per_task}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
-        raise SystemExit(f"{name}: fcl simulate exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        raise SystemExit(f"{name}: fcl simulate exited {done.returncode}:\n"
+                         f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     wires = [json.loads(p.read_text()) for p in sorted((out / "clients").glob("*/wire.json"))]
     cpu = [s for w in wires for s in w["round_cpu_s"].values()]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

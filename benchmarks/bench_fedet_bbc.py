@@ -36,17 +36,33 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aggregator.fedavg import weighted_average  # noqa: E402
-from aggregator.fedet import (AuxiliaryPool, FedETAggregator, FedETServerConfig, ReceivedGroup,  # noqa: E402
-                              WaitingWindow)
-from edge_client.fedet import FedETClient, FedETConfig  # noqa: E402
-from edge_client.fedet.baselines import GroupFedAvgClient  # noqa: E402
+from fclcore.aggregation import weighted_average  # noqa: E402
 from fclcore.codec import Frame, Header, Kind, decode, encode  # noqa: E402
-from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, backbone_param_count,  # noqa: E402
-                                     default_minilm_dir, group_param_count, group_to_tensors, load_minilm,
-                                     pooled_embeddings, tensors_to_group)
-from fclcore.text import (EncodedDocs, TextTokenizer, class_incremental_tasks, client_class_subsets,  # noqa: E402
-                          client_shards, client_task_indices, load_bbc, split_corpus)
+from fclcore.models.enhancer import (  # noqa: E402
+    EnhancerConfig,
+    EnhancerGroup,
+    FrozenBackbone,
+    backbone_param_count,
+    default_minilm_dir,
+    group_param_count,
+    group_to_tensors,
+    load_minilm,
+    pooled_embeddings,
+    tensors_to_group,
+)
+from fclcore.text import (  # noqa: E402
+    EncodedDocs,
+    TextTokenizer,
+    class_incremental_tasks,
+    client_class_subsets,
+    client_shards,
+    client_task_indices,
+    load_bbc,
+    split_corpus,
+)
+from methods.fedet.baselines import GroupFedAvgClient  # noqa: E402
+from methods.fedet.client import FedETClient, FedETConfig  # noqa: E402
+from methods.fedet.server import AuxiliaryPool, FedETAggregator, FedETServerConfig, ReceivedGroup, WaitingWindow  # noqa: E402
 
 FED = "bench-fedet"
 
@@ -400,7 +416,8 @@ def run_seed(args: argparse.Namespace, backbone: FrozenBackbone) -> dict:
                 "client_classes": sc.subsets, "clients": args.clients, "fraction": args.fraction,
                 "groups": args.groups, "rounds_per_task": args.rounds_per_task, "per_class": args.per_class,
                 "test_texts": len(sc.test), "aux_pool": len(sc.aux.docs), "aux_per_round": args.aux_per_round,
-                "server_epochs": args.server_epochs, "proto_init": args.proto_init, "seq_len": args.seq_len, "bottleneck": args.bottleneck,
+                "server_epochs": args.server_epochs, "proto_init": args.proto_init, "seq_len": args.seq_len,
+                "bottleneck": args.bottleneck,
                 "gamma": args.gamma, "lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
                 "backbone_params": backbone_param_count(backbone), "full_fp32_bytes": full_fp32,
                 "group_params_5_classes": group_param_count(ecfg, n_classes)}

@@ -8,8 +8,9 @@
    distillation, entropy-aware server distillation), shortened: by default 2 rounds per task,
    20 training texts per (client, class), one seed.  The exported state is client 0's after
    the last task (the one ``bench_fedet_bbc`` evaluates).
-2. Exports it with ``export.onnx_fedet.export_fedet_client`` (fp32 + int8, parity-checked on
-   --parity-rows test texts, MiniLM's tokenizer.json embedded).
+2. Exports it with ``export.onnx_text_groups.export_client_text_classifier`` (the text-groups
+   format; fp32 + int8, parity-checked on --parity-rows test texts, MiniLM's tokenizer.json
+   embedded).
 3. On the whole held-out BBC test split (20% of every class; texts never seen in training):
    accuracy of torch (``FedETClient.predict`` on ``TextTokenizer`` ids), of the fp32 and int8
    files through the torch-free ``TextClassifierRuntime`` from the raw texts (its own
@@ -45,7 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_fedet_bbc as bbc  # noqa: E402
 import torch  # noqa: E402
 
-from export.onnx_fedet import export_fedet_client, int8_path_for  # noqa: E402
+from export.onnx_text_groups import export_client_text_classifier, int8_path_for  # noqa: E402
 from export.text_runtime import TextClassifierRuntime  # noqa: E402
 from fclcore.models.enhancer import FrozenBackbone, default_minilm_dir, enhanced_logits, load_minilm  # noqa: E402
 from fclcore.text import load_bbc, split_corpus  # noqa: E402
@@ -186,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     par = np.arange(0, len(texts), max(1, len(texts) // args.parity_rows))[:args.parity_rows]
     log(f"exporting (fp32 + int8, parity on {len(par)} test texts)")
     t0 = time.perf_counter()
-    report = export_fedet_client(client, path, int8=True, parity_ids=sc.test.ids[par], parity_mask=sc.test.mask[par],
-                                 tokenizer_json=tok_json, max_length=args.seq_len, class_names=list(class_names),
-                                 int8_per_channel=not args.int8_per_tensor, toolkit_version="0.1.0")
+    report = export_client_text_classifier(client, path, method="fedet", int8=True, parity_ids=sc.test.ids[par],
+                                           parity_mask=sc.test.mask[par], tokenizer_json=tok_json,
+                                           max_length=args.seq_len, class_names=list(class_names),
+                                           int8_per_channel=not args.int8_per_tensor, toolkit_version="0.1.0")
     export_s = time.perf_counter() - t0
     q_path = int8_path_for(path)
     log(f"exported in {export_s:.0f} s: {report['bytes']:,} B fp32, {report['int8_bytes']:,} B int8; "
@@ -223,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         rt = classify = None  # free this model before loading the next
     # the other int8 weight-scale layout, for information (accuracy only)
     alt_path = tmpdir / "alt.onnx"
-    alt = export_fedet_client(client, alt_path, int8=True, parity_ids=sc.test.ids[par], parity_mask=sc.test.mask[par],
-                              max_length=args.seq_len, int8_per_channel=args.int8_per_tensor, tokenizer_json=tok_json,
-                              int8_min_agreement=0.0)
+    alt = export_client_text_classifier(client, alt_path, method="fedet", int8=True, parity_ids=sc.test.ids[par],
+                                        parity_mask=sc.test.mask[par], max_length=args.seq_len,
+                                        int8_per_channel=args.int8_per_tensor, tokenizer_json=tok_json,
+                                        int8_min_agreement=0.0)
     alt_rt = TextClassifierRuntime(int8_path_for(alt_path), tok_json)
     alt_pred, alt_route, _ = alt_rt.predict_texts(texts)
     alt_latency = latency(lambda t: alt_rt.classify([t]), texts[:args.latency_texts])

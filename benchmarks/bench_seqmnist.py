@@ -31,7 +31,8 @@ METHODS = ["confedmade", "fedweit-made-star", "fedweit-made", "fedprox", "fedcur
            "fedcl-cumulative-replay", "cl-finetune", "offline"]
 ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
     ("B*sigmoid(m), all entries, float32", ["federation.options.upload_made_mask=false",
-                                            "federation.options.keep_units=1.0", "federation.wire.value_dtype=float32"]),
+                                            "federation.options.keep_units=1.0",
+                                            "federation.wire.value_dtype=float32"]),
     ("+ MADE mask (positions from the seed)", ["federation.options.keep_units=1.0",
                                                "federation.wire.value_dtype=float32"]),
     ("+ unit mask (35% of units by sigmoid(m))", ["federation.wire.value_dtype=float32"]),
@@ -144,7 +145,8 @@ def main() -> None:
     if args.update and previous.exists():
         old = json.loads(previous.read_text())
         if old["rounds_per_task"] != meta["rounds_per_task"]:
-            raise SystemExit(f"--update: {previous} has {old['rounds_per_task']} rounds per task, not {meta['rounds_per_task']}")
+            raise SystemExit(f"--update: {previous} has {old['rounds_per_task']} rounds per task, "
+                             f"not {meta['rounds_per_task']}")
         results = {**old["methods"], **results}
         ablation = ablation or old.get("ablation", [])
         meta["command"] = old["command"] + " ; then " + meta["command"]

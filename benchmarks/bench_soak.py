@@ -36,8 +36,7 @@ from fcl_edge.broker import MosquittoProcess  # noqa: E402
 from fclcore import topics  # noqa: E402
 from fclcore.codec import Frame, Header, Kind, decode, encode  # noqa: E402
 from fclcore.config import to_dict  # noqa: E402
-from fclcore.schema import (AggregatorConfig, BrokerSpec, FederationSpec, ModelSpec, RoundSpec,  # noqa: E402
-                            TrainSpec)
+from fclcore.schema import AggregatorConfig, BrokerSpec, FederationSpec, ModelSpec, RoundSpec, TrainSpec  # noqa: E402
 from fclcore.signing import sign, write_key  # noqa: E402
 from fclcore.transport import MqttLink  # noqa: E402
 

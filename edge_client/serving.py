@@ -92,7 +92,7 @@ class ServedModelWriter:
                 job, self._next, self._busy = self._next, None, True
             try:
                 self.write(job)
-            except Exception:  # noqa: BLE001 - a bug in an exporter must not end serving
+            except Exception:
                 log.exception("export of the served model failed")
             finally:
                 with self._cond:

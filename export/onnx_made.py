@@ -83,8 +83,10 @@ def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
         layer = f"hidden.{i}"
         inits.append(numpy_helper.from_array(masked_t(f"{layer}.weight"), f"{layer}.masked_weight_t"))
         inits.append(numpy_helper.from_array(model.params[f"{layer}.bias"].copy(), f"{layer}.bias"))
-        nodes.append(helper.make_node("MatMul", [h, f"{layer}.masked_weight_t"], [f"{layer}.matmul"], name=f"{layer}.matmul"))
-        nodes.append(helper.make_node("Add", [f"{layer}.matmul", f"{layer}.bias"], [f"{layer}.pre"], name=f"{layer}.add"))
+        nodes.append(helper.make_node("MatMul", [h, f"{layer}.masked_weight_t"], [f"{layer}.matmul"],
+                                      name=f"{layer}.matmul"))
+        nodes.append(helper.make_node("Add", [f"{layer}.matmul", f"{layer}.bias"], [f"{layer}.pre"],
+                                      name=f"{layer}.add"))
         nodes.append(helper.make_node("Relu", [f"{layer}.pre"], [f"{layer}.out"], name=f"{layer}.relu"))
         h = f"{layer}.out"
     inits.append(numpy_helper.from_array(masked_t("output.weight"), "output.masked_weight_t"))
@@ -94,7 +96,8 @@ def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
     nodes.append(helper.make_node("Add", ["output.matmul", "output.bias"], [out_name], name="output.add"))
     if cfg.direct:
         inits.append(numpy_helper.from_array(masked_t("direct.weight"), "direct.masked_weight_t"))
-        nodes.append(helper.make_node("MatMul", ["x", "direct.masked_weight_t"], ["direct.matmul"], name="direct.matmul"))
+        nodes.append(helper.make_node("MatMul", ["x", "direct.masked_weight_t"], ["direct.matmul"],
+                                      name="direct.matmul"))
         nodes.append(helper.make_node("Add", ["output.pre", "direct.matmul"], ["logits"], name="direct.add"))
 
     graph = helper.make_graph(

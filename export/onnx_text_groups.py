@@ -1,21 +1,524 @@
-"""The ``text-groups`` served format (:class:`fclcore.served.TextGroupsServed`) as ONNX.
+"""The ``text-groups`` served format (:class:`fclcore.served.TextGroupsServed`) as one ONNX graph.
 
-A thin adapter: the graph, its parity checks and the int8 copy are those of
-:func:`export.onnx_fedet.export_fedet` (backbone + prototype selector + Enhancer groups).
-``export.formats.export_served`` calls :func:`export_text_groups` for this format.
+A frozen MiniLM-style backbone + a nearest-prototype selector + Enhancer groups (the state
+FedET's clients serve; ``methods/fedet`` produces it):
+
+    input_ids, attention_mask (int64 [batch, seq])
+      -> plain backbone -> mean pool -> unit vector -> cosine vs the class prototypes
+      -> nearest class -> its group                                     => group (int64 [batch])
+      -> every non-empty group: embeddings -> (block -> Enhancer) x D -> mean pool -> head
+      -> the routed group's argmax, mapped to its global class id      => label (int64 [batch])
+      -> the routed group's logits in its classes' columns, -inf elsewhere => logits (float32 [batch, C])
+
+This is FedET's ``FedETClient.predict`` as a graph: the selector is ``PrototypeSelector.route``
+and a group's logits are ``enhanced_logits``.  Every group runs for every text (a batch may
+route to several groups), so the cost is 1 + (number of non-empty groups) backbone passes.
+The embedding output is shared, and every weight is stored once (the backbone's initializers
+are shared by all passes).
+
+Entry points: :func:`export_text_groups` (what ``export.formats.export_served`` calls for this
+format), :func:`export_text_classifier` (the lower-level function taking the parts) and
+:func:`export_client_text_classifier` (anything with ``backbone``, ``groups``, ``selector``).
+
+The graph is traced with torch's TorchScript-based exporter (``dynamo=False``; the
+torch.export-based one needs onnxscript, which is not installed), opset 17, with dynamic
+``batch`` and ``seq`` axes.  Metadata: format ``fcl-fedet/1`` (the on-disk name, kept for the
+files already written; see ``export.text_runtime``), sealed with the same weights and
+integrity hashes as the MADE exports (``export.publish.seal``).
+
+The exported file is written to a temporary file, reloaded and validated by the torch-free
+:class:`export.text_runtime.TextClassifierRuntime`, parity-checked against the torch
+computation, and only then moved over the destination with ``os.replace``.
 """
 from __future__ import annotations
 
+import io
 import os
-from typing import Any
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+import onnx
+import torch
+from torch import Tensor, nn
 
-from export.onnx_fedet import export_fedet
-from export.publish import ExportError
+from export._proto import sha256
+from export.publish import (
+    OPSET,
+    ExportError,
+    file_sha256,
+    int8_path_for,
+    publish,
+    quiet_quantizer,
+    remove_temps,
+    seal,
+    temp_path,
+    write_synced,
+)
+from export.runtime import ModelFileError
+from export.text_runtime import FORMAT, TextClassifierRuntime
+from fclcore.models.enhancer import (
+    EnhancerGroup,
+    FrozenBackbone,
+    attention_bias,
+    mean_pool,
+    pooled_embeddings,
+    predict_logits,
+)
+from fclcore.models.prototypes import PrototypeSelector, normalize_rows
 
-__all__ = ["export_text_groups"]
+__all__ = ["export_text_groups", "export_text_classifier", "export_client_text_classifier",
+           "build_text_classifier_onnx", "text_classifier_reference", "TextGroupsGraph", "ExportError", "PARITY_TOL",
+           "ROUTE_TOL", "INT8_MIN_AGREEMENT", "int8_path_for"]
 
+PARITY_TOL = 1e-4  # |onnx - torch| <= PARITY_TOL * max(1, |torch|) for every finite logit
+ROUTE_TOL = 1e-4  # a cosine (selector) or logit (head) top-2 gap below this is a float32 tie
+INT8_MIN_AGREEMENT = 0.9  # default: int8 labels must equal the fp32 torch labels on >= 90% of parity rows
+_PARITY_RANDOM_ROWS = 32
+
+
+# ------------------------------------------------------------------ the graph
+
+class TextGroupsGraph(nn.Module):
+    """The traced module: selector + every given group, returning (label, group, logits)."""
+
+    def __init__(self, backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], group_ids: Sequence[int],
+                 selector: PrototypeSelector, classes: Sequence[int]) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.groups = nn.ModuleList(groups)
+        pos_of = {int(j): i for i, j in enumerate(group_ids)}
+        proto_groups = [selector.group_of[int(c)] for c in selector.classes]
+        col = {int(c): i for i, c in enumerate(classes)}
+        # (D, K): stored transposed so the selector's MatMul reads it directly (and int8 can skip it)
+        self.register_buffer("prototypes_t", torch.from_numpy(np.ascontiguousarray(selector.prototypes.T)))
+        self.register_buffer("proto_group", torch.tensor(proto_groups, dtype=torch.int64))
+        self.register_buffer("proto_pos", torch.tensor([pos_of[j] for j in proto_groups], dtype=torch.int64))
+        for i, g in enumerate(groups):
+            rows = {c: r for r, c in enumerate(g.classes)}
+            self.register_buffer(f"classes_{i}", torch.tensor(g.classes, dtype=torch.int64))
+            self.register_buffer(f"col_rows_{i}", torch.tensor([rows.get(int(c), 0) for c in classes],
+                                                               dtype=torch.int64))
+            self.register_buffer(f"col_mask_{i}", torch.tensor([int(c) in rows for c in classes]))
+        self.n_classes = len(col)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        enc = self.backbone.encoder
+        h0, bias = enc.embed(input_ids), attention_bias(attention_mask)
+        h = h0
+        for block in enc.blocks:
+            h = block(h, bias)
+        pooled = mean_pool(h, attention_mask)  # (B, D), FrozenBackbone.pooled
+        unit = pooled / torch.linalg.vector_norm(pooled, dim=1, keepdim=True).clamp_min(1e-12)  # normalize_rows
+        nearest = torch.argmax(unit @ self.prototypes_t, dim=1)  # (B,) prototype row
+        group, pos = self.proto_group[nearest], self.proto_pos[nearest]
+        label = torch.full_like(group, -1)
+        logits = torch.full_like(pooled[:, :1], float("-inf")).expand(-1, self.n_classes)
+        for i, g in enumerate(self.groups):
+            h = h0
+            for block, enhancer in zip(enc.blocks, g.enhancers):
+                h = enhancer(block(h, bias))
+            lg = g.head(mean_pool(h, attention_mask))  # (B, C_i), enhanced_logits
+            sel = pos == i
+            label = torch.where(sel, getattr(self, f"classes_{i}")[torch.argmax(lg, dim=1)], label)
+            spread = lg[:, getattr(self, f"col_rows_{i}")]  # (B, C)
+            logits = torch.where(sel[:, None] & getattr(self, f"col_mask_{i}")[None, :], spread, logits)
+        return label, group, logits
+
+
+# ------------------------------------------------------------------ the torch reference
+
+def text_classifier_reference(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup],
+                              selector: PrototypeSelector, classes: Sequence[int], ids: np.ndarray,
+                              mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The served prediction (FedET's ``FedETClient.predict``) on (ids, mask), plus what the
+    parity check needs.
+
+    Returns ``label``, ``group`` (N,), ``logits`` (N, C) laid out like the graph's output,
+    ``route_margin`` (top-2 cosine gap of the selector) and ``label_margin`` (top-2 logit gap
+    of the routed head; inf for one-class heads)."""
+    pooled = pooled_embeddings(backbone, ids, mask)
+    sims = normalize_rows(pooled) @ selector.prototypes.T
+    routes = selector.route(pooled)
+    col = {int(c): i for i, c in enumerate(classes)}
+    n = len(ids)
+    label = np.full(n, -1, dtype=np.int64)
+    logits = np.full((n, len(col)), -np.inf, dtype=np.float32)
+    label_margin = np.full(n, np.inf)
+    for j in np.unique(routes):
+        idx = np.flatnonzero(routes == j)
+        g = groups[int(j)]
+        lg = predict_logits(backbone, g, ids[idx], mask[idx])
+        label[idx] = np.asarray(g.classes)[lg.argmax(1)]
+        logits[np.ix_(idx, [col[c] for c in g.classes])] = lg
+        if lg.shape[1] > 1:
+            top = np.sort(lg, axis=1)
+            label_margin[idx] = top[:, -1] - top[:, -2]
+    top = np.sort(sims, axis=1)
+    route_margin = top[:, -1] - top[:, -2] if sims.shape[1] > 1 else np.full(n, np.inf)
+    return {"label": label, "group": routes.astype(np.int64), "logits": logits, "route_margin": route_margin,
+            "label_margin": label_margin}
+
+
+# ------------------------------------------------------------------ building
+
+def _selector(prototypes: Mapping[int, np.ndarray], group_of: Mapping[int, int]) -> PrototypeSelector:
+    if not prototypes:
+        raise ExportError("the selector has no prototypes: nothing can be routed (start a task first)")
+    sel = PrototypeSelector()
+    try:
+        sel.update({int(c): np.asarray(p, np.float32) for c, p in prototypes.items()},
+                   {int(c): int(group_of[c]) for c in prototypes if c in group_of})
+    except (ValueError, KeyError) as exc:
+        raise ExportError(f"selector: {exc}") from None
+    return sel
+
+
+def _plan(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], selector: PrototypeSelector,
+          max_length: int) -> tuple[list[int], list[int]]:
+    """Validate the state; return (exported group indices, sorted classes)."""
+    if not isinstance(backbone, FrozenBackbone):
+        raise ExportError(f"backbone must be a FrozenBackbone, got {type(backbone).__name__}")
+    if len(selector.classes) == 0:
+        raise ExportError("the selector has no prototypes: nothing can be routed (start a task first)")
+    group_ids = [j for j, g in enumerate(groups) if g.classes]
+    if not group_ids:
+        raise ExportError("every group is empty: nothing to export")
+    owner: dict[int, int] = {}
+    for j in group_ids:
+        g = groups[j]
+        if g.cfg.hidden != backbone.cfg.hidden or len(g.enhancers) != backbone.cfg.layers:
+            raise ExportError(f"group {j}: hidden/blocks {g.cfg.hidden}/{len(g.enhancers)} do not match the backbone "
+                              f"{backbone.cfg.hidden}/{backbone.cfg.layers}")
+        for c in g.classes:
+            if c in owner:
+                raise ExportError(f"class {c} is in groups {owner[c]} and {j}")
+            owner[c] = j
+    if selector.prototypes.shape[1] != backbone.cfg.hidden:
+        raise ExportError(f"prototypes have width {selector.prototypes.shape[1]}, the backbone {backbone.cfg.hidden}")
+    for c in selector.classes.tolist():
+        j = selector.group_of[c]
+        if owner.get(c) != j:
+            raise ExportError(f"class {c} is routed to group {j}, which does not cover it "
+                              f"(groups: { {k: groups[k].classes for k in group_ids} })")
+    if not 2 <= max_length <= backbone.cfg.max_positions:
+        raise ExportError(f"max_length must be in [2, {backbone.cfg.max_positions}], got {max_length}")
+    if not np.isfinite(selector.prototypes).all():
+        raise ExportError("prototypes contain NaN or infinite values")
+    return group_ids, sorted(owner)
+
+
+def _inline_initializer_aliases(proto: onnx.ModelProto) -> int:
+    """Replace ``Identity(initializer)`` nodes by the initializer itself; returns how many.
+
+    The exporter stores a weight used by several passes once and feeds the other uses through
+    Identity nodes; int8 quantisation only sees a MatMul weight when it is an initializer
+    input, so without this the backbone would stay fp32 (and be stored twice) in passes 2+."""
+    graph = proto.graph
+    inits = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    alias: dict[str, str] = {}
+    keep = []
+    for node in graph.node:
+        src = alias.get(node.input[0], node.input[0]) if node.input else None
+        if node.op_type == "Identity" and src in inits and node.output[0] not in outputs:
+            alias[node.output[0]] = src
+        else:
+            keep.append(node)
+    for node in keep:
+        node.input[:] = [alias.get(i, i) for i in node.input]
+    del graph.node[:]
+    graph.node.extend(keep)
+    return len(alias)
+
+
+def build_text_classifier_onnx(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup],
+                               selector: PrototypeSelector, *,
+                               max_length: int = 128) -> tuple[onnx.ModelProto, list[int], list[int]]:
+    """Trace the graph (unsealed); returns (proto, exported group indices, classes)."""
+    group_ids, classes = _plan(backbone, groups, selector, max_length)
+    module = TextGroupsGraph(backbone, [groups[j] for j in group_ids], group_ids, selector, classes).eval()
+    was = [g.training for g in groups]
+    for g in groups:
+        g.eval()
+    length = min(8, max_length)
+    ids = torch.zeros((2, length), dtype=torch.int64)
+    mask = torch.ones((2, length), dtype=torch.int64)
+    mask[1, length // 2:] = 0
+    buf = io.BytesIO()
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
+            torch.onnx.export(module, (ids, mask), buf, dynamo=False, opset_version=OPSET,
+                              input_names=["input_ids", "attention_mask"], output_names=["label", "group", "logits"],
+                              dynamic_axes={"input_ids": {0: "batch", 1: "seq"},
+                                            "attention_mask": {0: "batch", 1: "seq"},
+                                            "label": {0: "batch"}, "group": {0: "batch"}, "logits": {0: "batch"}},
+                              do_constant_folding=True)
+    except Exception as exc:
+        raise ExportError(f"torch.onnx.export failed: {exc}") from exc
+    finally:
+        for g, w in zip(groups, was):
+            g.train(w)
+    proto = onnx.load_from_string(buf.getvalue())
+    _inline_initializer_aliases(proto)
+    proto.producer_name = "fcl-edge"
+    proto.graph.name = "fcl_text_groups"
+    proto.graph.doc_string = (f"text-groups classifier: prototype selector over {len(selector.classes)} classes + "
+                              f"Enhancer groups {group_ids} on a frozen {backbone.cfg.layers}-layer encoder; "
+                              "input_ids, attention_mask -> label, group, logits")
+    onnx.checker.check_model(proto)
+    return proto, group_ids, classes
+
+
+# ------------------------------------------------------------------ parity
+
+def _random_parity_rows(vocab: int, max_length: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded random token rows of random length (right-padded with id 0) for the parity check."""
+    rng = np.random.default_rng(0)
+    length = min(max_length, 32)
+    ids = rng.integers(0, vocab, (rows, length), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for i, n in enumerate(rng.integers(2, length + 1, rows)):
+        mask[i, :n] = 1
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _parity_rows(backbone: FrozenBackbone, max_length: int, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, str]:
+    if ids is None:
+        if mask is not None:
+            raise ExportError("parity_mask given without parity_ids")
+        a, m = _random_parity_rows(backbone.cfg.vocab_size, max_length, _PARITY_RANDOM_ROWS)
+        return a, m, f"random_tokens:{_PARITY_RANDOM_ROWS}"
+    a = np.asarray(ids)
+    m = np.ones_like(a) if mask is None else np.asarray(mask)
+    if a.ndim != 2 or a.shape != m.shape or a.shape[0] == 0 or not np.issubdtype(a.dtype, np.integer):
+        raise ExportError(f"parity_ids and parity_mask must be integer arrays of the same shape (N >= 1, L), "
+                          f"got {a.shape} and {m.shape}")
+    if a.shape[1] > max_length or a.min() < 0 or a.max() >= backbone.cfg.vocab_size or not np.isin(m, (0, 1)).all():
+        raise ExportError(f"parity rows must have L <= max_length {max_length}, ids in [0, "
+                          f"{backbone.cfg.vocab_size}) and a 0/1 mask")
+    return np.ascontiguousarray(a, np.int64), np.ascontiguousarray(m, np.int64), f"parity_ids:{a.shape[0]}"
+
+
+def _compare(ref: dict[str, np.ndarray], labels: np.ndarray, groups: np.ndarray, logits: np.ndarray,
+             what: str, desc: str) -> dict[str, Any]:
+    """fp32 parity: labels and groups exactly (except float32 ties), logits within PARITY_TOL."""
+    route_tie = ref["route_margin"] <= ROUTE_TOL
+    same_route = groups == ref["group"]
+    scale = np.abs(ref["logits"]).max(axis=1, initial=0.0, where=np.isfinite(ref["logits"]))
+    label_tie = ref["label_margin"] <= ROUTE_TOL * np.maximum(1.0, scale)
+    bad_route = ~same_route & ~route_tie
+    bad_label = same_route & (labels != ref["label"]) & ~label_tie
+    if bad_route.any() or bad_label.any():
+        rows = np.flatnonzero(bad_route | bad_label)[:5].tolist()
+        raise ExportError(f"{what} parity check failed on {int(bad_route.sum())} routes and {int(bad_label.sum())} "
+                          f"labels of {len(labels)} rows ({desc}; first rows {rows}: onnx label/group "
+                          f"{labels[rows].tolist()}/{groups[rows].tolist()}, torch {ref['label'][rows].tolist()}/"
+                          f"{ref['group'][rows].tolist()})")
+    r, g = ref["logits"][same_route].astype(np.float64), logits[same_route].astype(np.float64)
+    finite = np.isfinite(r)
+    if not np.array_equal(finite, np.isfinite(g)) or np.isnan(g).any():
+        raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
+    diff = np.abs(g[finite] - r[finite])
+    err = float(diff.max()) if diff.size else 0.0
+    scaled = float((diff / np.maximum(1.0, np.abs(r[finite]))).max()) if diff.size else 0.0
+    if not scaled <= PARITY_TOL:
+        raise ExportError(f"{what} parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
+                          f"{PARITY_TOL:g} (max abs logit error {err:.3g}) on {len(labels)} rows ({desc})")
+    return {"max_abs_err": err, "max_scaled_err": scaled, "label_agreement": float((labels == ref["label"]).mean()),
+            "float32_ties": int((~same_route | (labels != ref["label"])).sum())}
+
+
+# ------------------------------------------------------------------ int8
+
+def _selector_nodes(proto: onnx.ModelProto) -> list[str]:
+    """Names of the nodes reading the prototypes (the selector's MatMul): kept in fp32 by int8."""
+    names = {t.name for t in proto.graph.initializer if "prototypes_t" in t.name}
+    return [n.name for n in proto.graph.node if names & set(n.input)]
+
+
+def _quantize(src: Path, dst: Path, exclude: list[str], per_channel: bool) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    try:
+        with quiet_quantizer():
+            quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=per_channel,
+                             nodes_to_exclude=exclude)
+    except Exception as exc:
+        raise ExportError(f"int8 quantisation failed: {exc}") from exc
+
+
+def _load(path: Path, what: str) -> TextClassifierRuntime:
+    try:
+        return TextClassifierRuntime(path, tokenizer=False)
+    except ModelFileError as exc:
+        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
+
+
+def _export_int8(fp32_tmp: Path, q_tmp: Path, q_path: Path, ref: dict[str, np.ndarray], ids: np.ndarray,
+                 mask: np.ndarray, desc: str, metadata: dict[str, Any], min_agreement: float,
+                 per_channel: bool, exclude_selector: bool) -> dict[str, Any]:
+    exclude = _selector_nodes(onnx.load(fp32_tmp, load_external_data=False)) if exclude_selector else []
+    _quantize(fp32_tmp, q_tmp, exclude, per_channel)
+    proto = onnx.load(q_tmp)
+    meta = dict(metadata, quantization="int8-dynamic", int8_label_agreement=0.0, int8_group_agreement=0.0,
+                int8_min_agreement=min_agreement, int8_eval=desc)
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
+    labels, groups, _ = _load(q_tmp, "int8").predict_ids(ids, mask)
+    agree, g_agree = float((labels == ref["label"]).mean()), float((groups == ref["group"]).mean())
+    if not agree >= min_agreement:
+        raise ExportError(f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows "
+                          f"({desc}); nothing written")
+    meta.update(int8_label_agreement=agree, int8_group_agreement=g_agree)
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())
+    rt = _load(q_tmp, "int8")
+    again, g_again, _ = rt.predict_ids(ids, mask)
+    if not (np.array_equal(again, labels) and np.array_equal(g_again, groups)):
+        raise ExportError("the sealed int8 model disagrees with the measured one")
+    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
+    return {"int8_path": str(q_path), "int8_bytes": size_q, "int8_size_ratio": size_q / size_fp32,
+            "int8_label_agreement": agree, "int8_group_agreement": g_agree, "int8_min_agreement": min_agreement,
+            "int8_excluded_nodes": exclude, "int8_per_channel": per_channel,
+            "int8_sha256": rt.metadata["weights_sha256"]}
+
+
+# ------------------------------------------------------------------ export
+
+def export_text_classifier(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup],
+                           prototypes: Mapping[int, np.ndarray], group_of: Mapping[int, int], path: str | os.PathLike,
+                           *, method: str, int8: bool = False, parity_ids: np.ndarray | None = None,
+                           parity_mask: np.ndarray | None = None, tokenizer_json: str | os.PathLike | None = None,
+                           embed_tokenizer: bool = True, max_length: int | None = None,
+                           class_names: Sequence[str] | None = None, task: int = 0, toolkit_version: str = "0.1.0",
+                           int8_min_agreement: float = INT8_MIN_AGREEMENT, int8_per_channel: bool = True,
+                           int8_exclude_selector: bool = True) -> dict[str, Any]:
+    """Write the text classifier as ONNX to ``path`` atomically, after verifying the written bytes.
+
+    ``groups``: every group of the state, indexed like ``group_of``'s values (empty groups are
+    left out of the graph); ``prototypes``: class -> prototype (any scale, normalised as the
+    selector does); ``group_of``: class -> group for the routed classes; ``method``: the name of
+    the learning method that trained the state, recorded as ``fcl.method`` (required, non-empty).
+
+    Checks, on ``parity_ids``/``parity_mask`` (default: 32 seeded random token rows): the file
+    reloads in the torch-free runtime with its metadata intact; the routed group and the label
+    equal the torch computation (:func:`text_classifier_reference`) on every row, except where the torch
+    decision itself is a float32 tie (top-2 cosine or logit gap <= ``ROUTE_TOL``, counted in
+    ``float32_ties``); every finite logit satisfies ``|onnx - torch| <= 1e-4 * max(1, |torch|)``
+    (a 6-layer float32 transformer through different kernels differs by ~1e-6 relative on
+    its embeddings; 1e-4 leaves margin without hiding a wrong weight).  With ``int8``, a copy
+    ``<stem>.int8.onnx`` with int8 weights (onnxruntime ``quantize_dynamic``, per-output-channel
+    weight scales unless ``int8_per_channel=False``: on BBC News they agreed with torch on 98.9%
+    of the test texts vs 97.5% per tensor, see benchmarks/results/fedet_export.md; the selector's
+    prototype MatMul stays fp32 unless ``int8_exclude_selector=False``) must give the torch
+    label on at least ``int8_min_agreement`` of the parity rows (default 0.9); the agreement
+    is stored in its metadata.  Both files are published only if both pass.
+
+    ``tokenizer_json``: the tokenizer the model expects; its sha256 is recorded and, with
+    ``embed_tokenizer``, the file itself is embedded (the runtime then needs nothing else).
+    ``max_length``: tokens per text the runtime keeps (default: min(128, backbone positions);
+    128 is what the MiniLM tokenizer.json truncates to).  ``class_names``: one per exported
+    class in class-id order, or a list indexed by class id.
+    Returns a report dict; raises :class:`ExportError`.
+    """
+    path = Path(path)
+    if not isinstance(method, str) or not method.strip():
+        raise ExportError(f"method must be the non-empty name of the method that trained the model, got {method!r}")
+    if not path.parent.is_dir():
+        raise ExportError(f"output directory {path.parent} does not exist")
+    if not 0.0 <= int8_min_agreement <= 1.0:
+        raise ExportError(f"int8_min_agreement must be in [0, 1], got {int8_min_agreement}")
+    if max_length is None:
+        max_length = min(128, backbone.cfg.max_positions)
+    selector = _selector(prototypes, group_of)
+    proto, group_ids, classes = build_text_classifier_onnx(backbone, groups, selector, max_length=max_length)
+    if class_names is not None:
+        if all(isinstance(n, str) for n in class_names) and len(class_names) > max(classes):
+            class_names = [class_names[c] for c in classes]  # names indexed by class id
+        if len(class_names) != len(classes) or any(not isinstance(n, str) for n in class_names):
+            raise ExportError(f"class_names: expected {len(classes)} strings (or one per class id), "
+                              f"got {class_names!r}")
+    metadata: dict[str, Any] = {
+        "format": FORMAT, "method": method, "task": int(task), "classes": classes, "groups": group_ids,
+        "group_classes": [list(groups[j].classes) for j in group_ids],
+        "group_of": [[int(c), int(selector.group_of[int(c)])] for c in selector.classes],
+        "max_length": int(max_length), "vocab_size": backbone.cfg.vocab_size, "hidden": backbone.cfg.hidden,
+        "layers": backbone.cfg.layers, "bottleneck": groups[group_ids[0]].cfg.bottleneck,
+        "toolkit_version": str(toolkit_version), "quantization": "none",
+    }
+    if class_names is not None:
+        metadata["class_names"] = list(class_names)
+    if tokenizer_json is not None:
+        metadata.update(_tokenizer_metadata(tokenizer_json, backbone.cfg.vocab_size, embed_tokenizer))
+    ids, mask, desc = _parity_rows(backbone, max_length, parity_ids, parity_mask)
+    ref = text_classifier_reference(backbone, groups, selector, classes, ids, mask)
+    temps: list[Path] = []
+    try:
+        tmp = temp_path(path)
+        temps.append(tmp)
+        write_synced(tmp, seal(proto, metadata).SerializeToString())
+        del proto
+        rt = _load(tmp, "fp32")
+        wrong = [k for k, v in metadata.items() if rt.metadata.get(k) != v]
+        if wrong:
+            raise ExportError(f"exported metadata does not round-trip: {wrong}")
+        labels, routes, logits = rt.predict_ids(ids, mask)
+        report: dict[str, Any] = {"path": str(path), "bytes": tmp.stat().st_size, "classes": classes,
+                                  "groups": group_ids, "parity_rows": len(ids), "parity_data": desc,
+                                  **_compare(ref, labels, routes, logits, "fp32", desc),
+                                  "sha256": rt.metadata["weights_sha256"]}
+        del rt
+        pairs = [(tmp, path)]
+        if int8:
+            q_path = int8_path_for(path)
+            q_tmp = temp_path(q_path)
+            temps.append(q_tmp)
+            report.update(_export_int8(tmp, q_tmp, q_path, ref, ids, mask, desc, metadata, int8_min_agreement,
+                                       int8_per_channel, int8_exclude_selector))
+            pairs.append((q_tmp, q_path))
+        report["file_sha256"] = file_sha256(tmp)
+        publish(pairs, path.parent)
+        return report
+    finally:
+        remove_temps(temps)
+
+
+def _tokenizer_metadata(tokenizer_json: str | os.PathLike, vocab_size: int, embed: bool) -> dict[str, Any]:
+    try:
+        raw = Path(tokenizer_json).read_bytes()
+        from tokenizers import Tokenizer
+
+        n = Tokenizer.from_str(raw.decode("utf-8")).get_vocab_size(with_added_tokens=True)
+    except ImportError as exc:
+        raise ExportError("tokenizer_json needs the 'tokenizers' package") from exc
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a plain Exception for malformed JSON
+        raise ExportError(f"{tokenizer_json}: not a usable tokenizer.json ({str(exc).splitlines()[0][:160]})") from None
+    if n > vocab_size:
+        raise ExportError(f"{tokenizer_json}: {n} tokens, but the backbone has only {vocab_size} embeddings")
+    out: dict[str, Any] = {"tokenizer_sha256": sha256(raw).hexdigest()}
+    if embed:
+        out["tokenizer_json"] = raw.decode("utf-8")
+    return out
+
+
+def export_client_text_classifier(client: Any, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
+    """:func:`export_text_classifier` of anything with ``backbone``, ``groups``, ``selector`` (a
+    :class:`fclcore.models.prototypes.PrototypeSelector`) and optionally ``task`` (e.g. a
+    ``FedETClient``): the state ``client.predict`` serves.  ``method`` (keyword, required unless
+    the client has a non-empty ``method`` attribute) is recorded as ``fcl.method``."""
+    try:
+        backbone, groups, selector = client.backbone, list(client.groups), client.selector
+    except AttributeError as exc:
+        raise ExportError(f"expected an object with backbone, groups and selector: {exc}") from None
+    prototypes = {int(c): selector.prototypes[i] for i, c in enumerate(selector.classes)}
+    kwargs.setdefault("task", max(0, int(getattr(client, "task", 0))))
+    kwargs.setdefault("method", getattr(client, "method", ""))
+    return export_text_classifier(backbone, groups, prototypes, dict(selector.group_of), path, **kwargs)
+
+
+# ------------------------------------------------------------------ the served format
 
 def export_text_groups(served: Any, path: str | os.PathLike, *, parity_inputs: np.ndarray | None = None,
                        int8: bool = False, toolkit_version: str = "0.1.0") -> dict[str, Any]:
@@ -23,17 +526,21 @@ def export_text_groups(served: Any, path: str | os.PathLike, *, parity_inputs: n
 
     ``parity_inputs``: int64 token ids ``(N, L)``, right-padded with id 0 (the attention mask
     is ``ids != 0``), or None for the exporter's seeded random token rows.  The recorded
-    ``fcl.method`` is ``served.method`` when it is set.  Raises :class:`ExportError`."""
+    ``fcl.method`` is ``served.method``, which the learner that made ``served`` sets; an empty
+    one is refused.  Raises :class:`ExportError`."""
     try:
         backbone, groups = served.backbone, list(served.groups)
         prototypes, group_of = dict(served.prototypes), dict(served.group_of)
         task, max_length, method = served.task, served.max_length, getattr(served, "method", "")
     except (AttributeError, TypeError) as exc:
         raise ExportError(f"not a text-groups served model: {exc}") from None
+    if not isinstance(method, str) or not method.strip():
+        raise ExportError(f"the served model names no method (served.method = {method!r}): the learner that "
+                          "made it must set it")
     ids = mask = None
     if parity_inputs is not None:
         ids = np.asarray(parity_inputs)
         mask = (ids != 0).astype(np.int64)
-    kwargs: dict[str, Any] = {"method": method} if isinstance(method, str) and method.strip() else {}
-    return export_fedet(backbone, groups, prototypes, group_of, path, int8=int8, parity_ids=ids, parity_mask=mask,
-                        task=task, max_length=max_length, toolkit_version=toolkit_version, **kwargs)
+    return export_text_classifier(backbone, groups, prototypes, group_of, path, method=method, int8=int8,
+                                  parity_ids=ids, parity_mask=mask, task=task, max_length=max_length,
+                                  toolkit_version=toolkit_version)

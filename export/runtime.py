@@ -100,7 +100,7 @@ def validate_model_bytes(data: bytes, path: str,
 def _session(source: str | bytes, options: ort.SessionOptions, path: str) -> ort.InferenceSession:
     try:
         session = ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime raises several private exception types
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises several private exception types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelFileError(f"{path}: onnxruntime cannot load the model: {first[:200]}") from None
     if getattr(session, "_model_bytes", None) is source:

@@ -1,7 +1,8 @@
-"""Torch-free runtime for exported FedET text classifiers (numpy + onnxruntime + tokenizers only).
+"""Torch-free runtime for exported text classifiers, the ``text-groups`` served format (numpy +
+onnxruntime + tokenizers only; FedET is the method that produces this format).
 
 It never imports torch, onnx or yaml.  A model file (format ``fcl-fedet/1``, written by
-``export.onnx_fedet``) is validated completely before onnxruntime sees it -- protobuf
+``export.onnx_text_groups``) is validated completely before onnxruntime sees it -- protobuf
 structure, the ``fcl.*`` metadata below, the weights hash and the whole-file integrity hash
 (the same ``export._proto`` hashes as the MADE exports) -- so a truncated, corrupted, foreign
 or tampered file is rejected with :class:`export.runtime.ModelFileError`.
@@ -28,7 +29,7 @@ Metadata (``fcl.*`` strings in ``metadata_props``; JSON unless noted; helpers in
 | key                     | meaning |
 |-------------------------|---------|
 | fcl.format              | str ``fcl-fedet/1`` |
-| fcl.method              | str, learning method (``fedet``) |
+| fcl.method              | str, the learning method that trained it (e.g. ``fedet``) |
 | fcl.task                | int, task index of the exported state |
 | fcl.classes             | sorted global class ids = columns of ``logits`` |
 | fcl.groups              | group indices present in the graph (non-empty groups) |
@@ -60,13 +61,19 @@ import onnxruntime as ort
 
 from export import _meta
 from export._proto import ProtoError, parse_model, sha256
-from export.runtime import (MAX_MODEL_BYTES, InputError, ModelFileError, open_validated, session_options,
-                            validate_model_bytes)
+from export.runtime import (
+    MAX_MODEL_BYTES,
+    InputError,
+    ModelFileError,
+    open_validated,
+    session_options,
+    validate_model_bytes,
+)
 
 __all__ = ["FORMAT", "TextClassifierRuntime", "TokenizerError", "parse_metadata", "default_tokenizer_path",
            "model_format", "CHUNK_TEXTS"]
 
-FORMAT = "fcl-fedet/1"
+FORMAT = "fcl-fedet/1"  # the on-disk format name: kept as is so that files already written load
 CHUNK_TEXTS = 4  # fp32: texts per onnxruntime call.  MiniLM at 64 tokens, 1 thread: 4 texts per call was the
 #                  fastest of 1/4/8/16 (45 vs 50-55 ms/text) and kept peak RSS at the model's (202 MB); 8 and 16
 #                  raised it to 293 and 377 MB (onnxruntime without its arena + glibc fragmentation)
@@ -133,7 +140,7 @@ OPTIONAL: dict[str, Callable[[str, str], Any]] = {
 
 
 def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
-    """Validate the ``fcl.*`` entries of a FedET model; return them parsed, keys without the prefix."""
+    """Validate the ``fcl.*`` entries of a text-groups model; return them parsed, keys without the prefix."""
     p = _meta.PREFIX
     fmt = raw.get(p + "format")
     if fmt is None:
@@ -251,7 +258,7 @@ def _load_tokenizer(meta: dict[str, Any], explicit: str | os.PathLike | None, mo
                              f"(sha256 {sha256(raw).hexdigest()[:12]}..., model expects {want[:12]}...)")
     try:
         tok = Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as exc:  # tokenizers raises a plain Exception for malformed JSON
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a plain Exception for malformed JSON
         raise TokenizerError(f"{source}: not a usable tokenizer.json ({str(exc).splitlines()[0][:160]})") from None
     tok.no_padding()  # padding is done here, per chunk (the MiniLM file pads to a fixed 128)
     tok.enable_truncation(max_length=meta["max_length"])
@@ -274,7 +281,7 @@ def _softmax_at(logits: np.ndarray, col: np.ndarray) -> np.ndarray:
 
 
 class TextClassifierRuntime:
-    """A validated FedET text classifier: ``classify(texts)`` -> one dict per text."""
+    """A validated text classifier (text-groups format): ``classify(texts)`` -> one dict per text."""
 
     def __init__(self, model_path: str | os.PathLike, tokenizer_json: str | os.PathLike | None = None, *,
                  intra_op_threads: int | None = 1, tokenizer: bool = True) -> None:

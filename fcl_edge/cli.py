@@ -129,10 +129,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _aggregator(args: argparse.Namespace) -> int:
+    import methods
     from aggregator.service import AggregatorService
     from fclcore.config import load_config
     from fclcore.schema import AggregatorConfig
-    import methods
     cfg = load_config(AggregatorConfig, args.config, args.set)
     methods.resolve(cfg.federation, args.config)  # an unknown method or option: one line, exit 2
     return _serve(lambda stop: AggregatorService(cfg, stop).run())

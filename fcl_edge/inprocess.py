@@ -42,7 +42,7 @@ class Participant:
         try:
             self._service = self._build(self.stop)
             self.returncode = int(self._service.run())
-        except Exception:  # noqa: BLE001 - a failed participant is an exit code, as a process would be
+        except Exception:
             log.exception("%s failed", self.name)
             self.returncode = int(ExitCode.FAILURE)
 

@@ -25,11 +25,10 @@ import methods
 from fcl_edge.broker import free_port, wait_for_port
 from fclcore.config import ConfigError, load_config, to_dict
 from fclcore.data import DataError, client_task_split, load_dataset, random_client_tasks
-from fclcore.text import bbc_split, class_incremental_tasks, client_class_subsets
 from fclcore.exitcodes import ExitCode
-from fclcore.schema import (AggregatorConfig, BrokerSpec, ClientConfig, ClientDataSpec, Scenario,
-                            parse_broker_url)
+from fclcore.schema import AggregatorConfig, BrokerSpec, ClientConfig, ClientDataSpec, Scenario, parse_broker_url
 from fclcore.signing import write_key
+from fclcore.text import bbc_split, class_incremental_tasks, client_class_subsets
 
 log = logging.getLogger(__name__)
 

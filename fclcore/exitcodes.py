@@ -14,5 +14,6 @@ class ExitCode(IntEnum):
     BROKER_UNREACHABLE = 3  # could not connect to the MQTT broker in time
     NOT_ENOUGH_CLIENTS = 4  # too few clients came online, or a round missed its quorum every attempt
     CLIENT_FAILED = 5  # fcl simulate: a client or the aggregator process exited non-zero
-    STATE_ERROR = 6  # the state directory (out_dir/state_dir, StateDirectory=) cannot be written: permissions, disk full
+    # the state directory (out_dir/state_dir, StateDirectory=) cannot be written: permissions, disk full
+    STATE_ERROR = 6
     INTERRUPTED = 130  # stopped by SIGINT/SIGTERM before the run finished

@@ -29,7 +29,8 @@ class RoundPlace:
         """The place a round message states; ValueError if it is malformed or names another task."""
         if not isinstance(meta, dict) or meta.get("task") != task or \
                 not all(isinstance(meta.get(k), bool) for k in ("task_start", "task_end")):
-            raise ValueError(f"schedule: expected {{task: {task}, task_start: bool, task_end: bool}}, got {meta!r}"[:200])
+            raise ValueError(f"schedule: expected {{task: {task}, task_start: bool, task_end: bool}}, "
+                             f"got {meta!r}"[:200])
         return cls(task, meta["task_start"], meta["task_end"])
 
 

@@ -240,7 +240,7 @@ class MqttLink:
         size = self.meter.record("down", message.topic, len(payload), tag)
         try:
             self._on_message(message.topic, payload, size)
-        except Exception:  # noqa: BLE001 - a handler bug must not kill paho's network thread
+        except Exception:
             log.exception("message handler failed on %s", message.topic)
 
 

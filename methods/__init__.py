@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import methods.confedmade
+import methods.fedet  # noqa: F401  (registers FedET)
 from fclcore.method import REGISTRY, MethodSpec, lookup, normalized_options
 from fclcore.schema import FederationSpec
-
-import methods.confedmade  # noqa: F401  (registers ConFedMADE and its baselines)
-import methods.fedet  # noqa: F401  (registers FedET)
 
 __all__ = ["REGISTRY", "MethodSpec", "learner_for", "lookup", "names", "resolve", "strategy_for"]
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from support.mosquitto import Mosquitto  # noqa: E402
+from support.mosquitto import Mosquitto
 
 
 @pytest.fixture

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.mosquitto import Mosquitto
 
 from fclcore import topics
 from fclcore.codec import CodecLimits
 from fclcore.config import ConfigError, load_config
 from fclcore.schema import BrokerSpec, ClientConfig, WireSpec, parse_broker_url
 from fclcore.transport import MqttLink, TransportError, parse_status
-from support.mosquitto import Mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "mosquitto"

@@ -5,9 +5,9 @@ round is counted and dropped."""
 from __future__ import annotations
 
 import paho.mqtt.client as mqtt
+from support.fleet import Fleet
 
 from fclcore.codec import Frame, Header, Kind, encode
-from support.fleet import Fleet
 
 OVERRIDES = ["federation.method=confedmade", "federation.rounds_per_task=6", "federation.rounds.quorum=0.6",
              "federation.rounds.deadline_s=20", "federation.rounds.start_timeout_s=3",

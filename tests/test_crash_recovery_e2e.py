@@ -8,8 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from support.fleet import QUICK_OVERRIDES as OVERRIDES
+from support.fleet import QUICK_SCENARIO as SCENARIO
+from support.fleet import Fleet, assert_each_round_once, matrices
 
-from support.fleet import QUICK_OVERRIDES as OVERRIDES, QUICK_SCENARIO as SCENARIO, Fleet, assert_each_round_once, matrices
 
 def test_aggregator_and_client_killed_mid_round_resume(mosquitto, tmp_path, repo_root, quickstart_reference) -> None:
     fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES)

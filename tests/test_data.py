@@ -9,8 +9,17 @@ import numpy as np
 import pytest
 
 from fclcore.data import (
-    ClientTasks, DataError, Dataset, client_task_split, default_mnist_dir, load_dataset,
-    load_digits, load_mnist, random_client_tasks, read_idx, stratified_split,
+    ClientTasks,
+    DataError,
+    Dataset,
+    client_task_split,
+    default_mnist_dir,
+    load_dataset,
+    load_digits,
+    load_mnist,
+    random_client_tasks,
+    read_idx,
+    stratified_split,
 )
 
 _CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(np.int16): 0x0B,

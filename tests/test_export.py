@@ -241,7 +241,8 @@ def test_cli_export_digits_parity_data(tmp_path: Path, capsys: pytest.CaptureFix
     assert rc == ExitCode.OK
     assert json.loads(capsys.readouterr().out)["parity_data"] == "parity_inputs:100"
     # Dataset whose dimension does not match the model: bad input, one line.
-    rc = cli_main(["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m2.onnx"), "--parity-data", "mnist"])
+    rc = cli_main(["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m2.onnx"),
+                   "--parity-data", "mnist"])
     err = capsys.readouterr().err
     assert rc == ExitCode.BAD_INPUT and "784" in err and len(err.strip().splitlines()) == 1
 

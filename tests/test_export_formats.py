@@ -84,6 +84,13 @@ def test_text_groups_export(tmp_path):
         export_served(served, tmp_path / "f.onnx", parity_inputs=ids.astype(np.float32))
     assert not (tmp_path / "f.onnx").exists()
 
+    import dataclasses
+
+    unnamed = dataclasses.replace(served, method="")  # the learner must name its method: no default
+    with pytest.raises(ExportError, match="names no method"):
+        export_served(unnamed, tmp_path / "u.onnx", parity_inputs=ids)
+    assert not (tmp_path / "u.onnx").exists()
+
 
 def test_importing_formats_is_cheap():
     code = ("import sys\nimport export.formats\n"

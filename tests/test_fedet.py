@@ -13,17 +13,44 @@ import numpy as np
 import pytest
 import torch
 
-from methods.fedet.server import (AuxiliaryPool, FedETAggregator, FedETServerConfig, ReceivedGroup, WaitingWindow,
-                              assign_groups, aux_quotas, emd_targets, emd_weights)
+from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
+from fclcore.models.enhancer import (
+    BertEncoder,
+    EnhancedTransformer,
+    EnhancerConfig,
+    EnhancerGroup,
+    FrozenBackbone,
+    enhanced_logits,
+    group_to_tensors,
+    mean_pool,
+    pooled_embeddings,
+    prototype_rows,
+    tensors_to_group,
+    tiny_config,
+    trainable_parameters,
+)
+from fclcore.text import (
+    EncodedDocs,
+    class_incremental_tasks,
+    client_class_subsets,
+    client_shards,
+    load_text_folders,
+    split_corpus,
+)
 from methods.fedet.client import FedETClient, FedETConfig
 from methods.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
 from methods.fedet.memory import SampleMemory
-from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
-from fclcore.models.enhancer import (BertEncoder, EnhancedTransformer, EnhancerConfig, EnhancerGroup, FrozenBackbone,
-                                     enhanced_logits, group_to_tensors, mean_pool, pooled_embeddings,
-                                     prototype_rows, tensors_to_group, tiny_config, trainable_parameters)
-from fclcore.text import (EncodedDocs, class_incremental_tasks, client_class_subsets, client_shards,
-                          load_text_folders, split_corpus)
+from methods.fedet.server import (
+    AuxiliaryPool,
+    FedETAggregator,
+    FedETServerConfig,
+    ReceivedGroup,
+    WaitingWindow,
+    assign_groups,
+    aux_quotas,
+    emd_targets,
+    emd_weights,
+)
 
 torch.set_num_threads(1)
 ECFG = EnhancerConfig(hidden=32, bottleneck=8, blocks=2)

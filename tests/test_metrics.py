@@ -8,10 +8,10 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.mosquitto import free_port
 
 from aggregator.metrics import AggregatorMetrics
 from fclcore.errors import ConfigError
-from support.mosquitto import free_port
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -13,10 +13,12 @@ import urllib.request
 
 import paho.mqtt.client as mqtt
 from prometheus_client.parser import text_string_to_metric_families
+from support.fleet import QUICK_OVERRIDES as OVERRIDES
+from support.fleet import QUICK_SCENARIO as SCENARIO
+from support.fleet import Fleet, assert_each_round_once, matrices
+from support.mosquitto import free_port
 
 from fclcore.exitcodes import ExitCode
-from support.fleet import QUICK_OVERRIDES as OVERRIDES, QUICK_SCENARIO as SCENARIO, Fleet, assert_each_round_once, matrices
-from support.mosquitto import free_port
 
 
 def _scrape(port: int) -> dict[str, float]:

@@ -8,9 +8,8 @@ import time
 
 import paho.mqtt.client as mqtt
 import pytest
-
-from methods import strategy_for
 from conftest import run_fcl
+
 from fcl_edge.cli import main
 from fcl_edge.status import build_views, read_round, read_status
 from fclcore import topics
@@ -18,6 +17,7 @@ from fclcore.codec import Frame, Header, Kind, encode
 from fclcore.config import to_dict
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import FederationSpec, ModelSpec
+from methods import strategy_for
 
 FED = "fleet"
 NOW = time.time()

@@ -7,10 +7,10 @@ import time
 
 import paho.mqtt.client as mqtt
 import pytest
+from support.mqtt_counter import MqttCounter
 
 from fclcore.schema import BrokerSpec
 from fclcore.transport import MqttLink, TransportError, parse_status, publish_packet_bytes
-from support.mqtt_counter import MqttCounter
 
 
 @pytest.mark.parametrize("topic,payload,qos,expected", [

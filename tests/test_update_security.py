@@ -6,12 +6,12 @@ import stat
 
 import numpy as np
 import pytest
+from test_inbox import OPEN, check, dense_tensors, make_inbox, payload
 
 from aggregator.inbox import Rejection, update_distance
-from fclcore.strategy import Update
 from fclcore.codec import SparseTensor
 from fclcore.signing import SignatureError, load_keys, read_key, sign, verify, write_key
-from test_inbox import OPEN, check, dense_tensors, make_inbox, payload
+from fclcore.strategy import Update
 
 KEY_A, KEY_B = bytes(range(32)), bytes(range(1, 33))
 

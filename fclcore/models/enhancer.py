@@ -28,7 +28,6 @@ from torch import Tensor, nn
 
 from fclcore.codec import SparseTensor
 
-
 # ------------------------------------------------------------------ backbone
 
 @dataclass(frozen=True)

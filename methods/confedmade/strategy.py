@@ -143,7 +143,8 @@ class DecomposedStrategy(FedAvgStrategy):
             tensors = {}
             for name, shape in entry["shapes"].items():
                 if tuple(shape) != tuple(self.shapes.get(name, ())):
-                    raise ValueError(f"knowledge entry {i}: {name} has shape {shape}, the model {self.shapes.get(name)}")
+                    raise ValueError(f"knowledge entry {i}: {name} has shape {shape}, "
+                                     f"the model {self.shapes.get(name)}")
                 tensors[name] = SparseTensor(tuple(shape), arrays[f"kb/{i}/{name}/indices"],
                                              arrays[f"kb/{i}/{name}/values"])
             knowledge.append(KnowledgeEntry(str(entry["client"]), int(entry["task"]), tensors))

@@ -14,11 +14,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fclcore.models.enhancer import (
+    EnhancerGroup,
+    FrozenBackbone,
+    group_to_tensors,
+    predict_logits,
+    trainable_parameters,
+)
+from fclcore.text import EncodedDocs
 from methods.fedet.client import FedETConfig, seeded, train_epochs
 from methods.fedet.memory import SampleMemory
-from fclcore.models.enhancer import (EnhancerGroup, FrozenBackbone, group_to_tensors, predict_logits,
-                                     trainable_parameters)
-from fclcore.text import EncodedDocs
 
 __all__ = ["GroupFedAvgClient"]
 

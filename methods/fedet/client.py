@@ -24,13 +24,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fclcore.codec import SparseTensor
+from fclcore.models.enhancer import (
+    EnhancerConfig,
+    EnhancerGroup,
+    FrozenBackbone,
+    enhanced_logits,
+    group_to_tensors,
+    predict_logits,
+    prototype_rows,
+    trainable_parameters,
+)
+from fclcore.models.prototypes import PrototypeSelector, class_sums
+from fclcore.text import EncodedDocs
 from methods.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
 from methods.fedet.memory import SampleMemory
-from fclcore.models.prototypes import PrototypeSelector, class_sums
-from fclcore.codec import SparseTensor
-from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, enhanced_logits,
-                                     group_to_tensors, predict_logits, prototype_rows, trainable_parameters)
-from fclcore.text import EncodedDocs
 
 __all__ = ["FedETConfig", "GroupUpload", "FedETClient", "train_epochs", "seeded"]
 

@@ -27,8 +27,16 @@ import torch
 from fclcore.codec import Tensor
 from fclcore.data import Dataset
 from fclcore.learner import Learner
-from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, group_prefix, group_to_tensors,
-                                     load_minilm, pooled_embeddings, tensors_to_group)
+from fclcore.models.enhancer import (
+    EnhancerConfig,
+    EnhancerGroup,
+    FrozenBackbone,
+    group_prefix,
+    group_to_tensors,
+    load_minilm,
+    pooled_embeddings,
+    tensors_to_group,
+)
 from fclcore.models.prototypes import class_sums
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
@@ -183,12 +191,16 @@ class FedETLearner(Learner):
             for a in meta["active"]:
                 j = int(a["group"])
                 temp = _get(arrays, f"active/{j}/temp", self.enhancer, a["temp"])
-                docs = {n: EncodedDocs(arrays[f"active/{j}/{n}/ids"], (arrays[f"active/{j}/{n}/ids"] != 0)
-                                       .astype(np.int64), arrays[f"active/{j}/{n}/labels"]) for n in ("data", "distill")}
+                docs = {n: _docs(arrays[f"active/{j}/{n}/ids"], arrays[f"active/{j}/{n}/labels"])
+                        for n in ("data", "distill")}
                 self.client.active[j] = _TaskGroup(_get(arrays, f"active/{j}/old", self.enhancer, a["old"]).eval(),
                                                    temp, self.client._optimizer(temp), docs["data"], docs["distill"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"fedet checkpoint does not fit: {exc!r}") from None
+
+
+def _docs(ids: np.ndarray, labels: np.ndarray) -> EncodedDocs:
+    return EncodedDocs(ids, (ids != 0).astype(np.int64), labels)
 
 
 def _put(arrays: dict[str, np.ndarray], prefix: str, group: EnhancerGroup) -> None:

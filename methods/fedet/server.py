@@ -31,9 +31,17 @@ import torch
 
 from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame
-from fclcore.models.enhancer import (EnhancerConfig, EnhancerGroup, FrozenBackbone, enhanced_logits,
-                                     group_to_tensors, predict_logits, prototype_rows, tensors_to_group,
-                                     trainable_parameters)
+from fclcore.models.enhancer import (
+    EnhancerConfig,
+    EnhancerGroup,
+    FrozenBackbone,
+    enhanced_logits,
+    group_to_tensors,
+    predict_logits,
+    prototype_rows,
+    tensors_to_group,
+    trainable_parameters,
+)
 from fclcore.text import EncodedDocs, entropy_nats
 
 __all__ = ["merge_class_sums", "assign_groups", "emd_weights", "emd_targets", "aux_quotas", "WaitingWindow",

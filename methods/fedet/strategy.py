@@ -19,10 +19,18 @@ from typing import Sequence
 import numpy as np
 
 from fclcore.aggregation import weighted_average
-from fclcore.codec import Frame, SparseTensor, Tensor
+from fclcore.codec import Frame, SparseTensor
 from fclcore.errors import ConfigError
-from fclcore.models.enhancer import (EnhancerConfig, FrozenBackbone, backbone_param_count, group_prefix,
-                                     group_to_tensors, load_minilm, pooled_embeddings, tensors_to_group)
+from fclcore.models.enhancer import (
+    EnhancerConfig,
+    FrozenBackbone,
+    backbone_param_count,
+    group_prefix,
+    group_to_tensors,
+    load_minilm,
+    pooled_embeddings,
+    tensors_to_group,
+)
 from fclcore.schema import FederationSpec
 from fclcore.strategy import Checked, Strategy, Update
 from fclcore.text import TextTokenizer, default_tokenizer_json
@@ -171,7 +179,8 @@ class FedETStrategy(Strategy):
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         s = self.server
         meta = {"changed": self.changed, "group_of": sorted(s.group_of.items()),
-                "groups": [list(g.classes) for g in s.groups], "old": {str(j): list(g.classes) for j, g in s.old.items()},
+                "groups": [list(g.classes) for g in s.groups],
+                "old": {str(j): list(g.classes) for j, g in s.old.items()},
                 "counts": {str(c): n for c, (_, n) in s.sums.items()}}
         arrays = {f"sums/{c}": v for c, (v, _) in s.sums.items()}
         for j, g in enumerate(s.groups):

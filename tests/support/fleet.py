@@ -18,7 +18,6 @@ import yaml
 
 from fcl_edge.simulate import plan, write_configs
 
-
 # A short run used by the crash, outage and service tests (8 rounds, 3 devices); a re-send
 # request every 2 s so a lost update is asked for quickly.
 QUICK_SCENARIO = "configs/scenarios/quickstart.yaml"
