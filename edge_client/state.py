@@ -71,9 +71,9 @@ class ClientStateStore:
             raise CheckpointError(f"{self.path}: malformed state ({exc})") from None
 
 
-def served_from_state(state_dir: str | os.PathLike) -> object:
-    """What the device whose checkpoint is in ``state_dir`` serves now (a ``fclcore.served``
-    description), rebuilt through the method registry; ValueError if there is none."""
+def learner_from_state(state_dir: str | os.PathLike) -> tuple[object, ClientState]:
+    """The learner of the device whose checkpoint is in ``state_dir``, rebuilt through the
+    method registry as a restarted daemon rebuilds it; ValueError if there is none."""
     import methods
     from fclcore.codec import CodecError, decode
     from fclcore.config import from_dict
@@ -91,6 +91,13 @@ def served_from_state(state_dir: str | os.PathLike) -> object:
         learner.load_state(state.learner_meta, state.learner_arrays)
     except (CheckpointError, CodecError) as exc:
         raise ValueError(f"{state_dir}: {exc}") from None
+    return learner, state
+
+
+def served_from_state(state_dir: str | os.PathLike) -> object:
+    """What the device whose checkpoint is in ``state_dir`` serves (a ``fclcore.served``
+    description of the checkpointed model); ValueError if there is none."""
+    learner, state = learner_from_state(state_dir)
     served = learner.served_model(max(state.task, 0))
     if served is None:
         raise ValueError(f"{state_dir}: the device serves nothing yet")

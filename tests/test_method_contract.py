@@ -63,7 +63,7 @@ def test_server_half_imports_no_device_code(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_path, repo_root) -> None:
-    from edge_client.state import served_from_state
+    from edge_client.state import learner_from_state, served_from_state
     from export.formats import export_served
     from fcl_edge.simulate import simulate
 
@@ -81,14 +81,15 @@ def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_
     accepted = [e for e in events if e.get("event") == "round_client" and e["status"] == "accepted"]
     assert len(accepted) == 2 * 4  # every client in every round
     for client in ("client-0", "client-1"):
-        served = served_from_state(out / "clients" / client / "state")  # rebuilt through the registry
+        state_dir = out / "clients" / client / "state"
+        learner, state = learner_from_state(state_dir)  # rebuilt through the registry, as on a restart
+        meta, arrays = learner.state()
+        assert json.loads(json.dumps(meta)) == state.learner_meta
+        assert set(arrays) == set(state.learner_arrays)
+        for key, value in arrays.items():  # restored exactly: continuing from here is continuing the run
+            np.testing.assert_array_equal(value, state.learner_arrays[key], err_msg=key)
+        served = served_from_state(state_dir)
         assert served.format == spec.served_format
-        report = export_served(served, tmp_path / f"{client}.onnx")
+        report = export_served(served, tmp_path / f"{client}.onnx")  # raises unless ONNX matches torch
         assert report["bytes"] > 0
-        written = out / "clients" / client / "model.onnx"
-        assert written.exists()  # the daemon served the same task's model in the background
-        if spec.served_format == "made":
-            from export.runtime import MadeRuntime
-            x = (np.random.default_rng(0).random((8, served.made.input_dim)) > 0.5).astype(np.float32)
-            np.testing.assert_allclose(MadeRuntime.load(written).logits(x),
-                                       MadeRuntime.load(tmp_path / f"{client}.onnx").logits(x), rtol=0, atol=1e-5)
+        assert (out / "clients" / client / "model.onnx").exists()  # served by the daemon in the background
