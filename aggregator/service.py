@@ -25,7 +25,7 @@ from fclcore import topics
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
 from fclcore.config import to_dict
-from fclcore.errors import ConfigError
+from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import AggregatorConfig
 from fclcore.sdnotify import Notifier, WatchdogThread
@@ -42,10 +42,6 @@ class Incoming:
     topic: str
     payload: bytes
     packet_bytes: int
-
-
-class NotEnoughClients(RuntimeError):
-    pass
 
 
 class AggregatorService:
@@ -138,7 +134,7 @@ class AggregatorService:
             self._finish()
         except NotEnoughClients as exc:
             log.error("%s", exc)
-            return ExitCode.NOT_ENOUGH_CLIENTS
+            return exc.exit_code
         except OSError as exc:  # the state or run directory cannot be written
             log.error("cannot write state: %s", exc)
             return ExitCode.STATE_ERROR

@@ -31,12 +31,14 @@ import math
 import re
 from typing import Any, Callable
 
+from fclcore.errors import BadInput
+
 FORMAT = "fcl-made/1"
 PREFIX = "fcl."
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-class MetadataError(ValueError):
+class MetadataError(BadInput):
     """A missing or invalid ``fcl.*`` metadata entry."""
 
 

@@ -31,6 +31,8 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from fclcore.errors import BadInput
+
 try:  # CPython's built-in SHA-256: hashlib would load OpenSSL, ~4 MB of RSS on a device
     from _sha256 import sha256  # Python <= 3.11
 except ImportError:  # pragma: no cover - depends on the interpreter
@@ -50,7 +52,7 @@ _TENSOR_TYPED_FIELDS = {4: "float_data", 5: "int32_data", 6: "string_data", 7: "
                         10: "double_data", 11: "uint64_data", 13: "external_data"}
 
 
-class ProtoError(ValueError):
+class ProtoError(BadInput):
     """The bytes are not a well-formed ONNX ModelProto (or use a feature we refuse)."""
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 from export import _meta
 from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
 from fclcore.checkpoint import fsync_dir
+from fclcore.errors import FclError
 
 if TYPE_CHECKING:
     import onnx
@@ -33,7 +34,7 @@ __all__ = ["ExportError", "OPSET", "seal", "temp_path", "write_synced", "file_sh
 OPSET = 17
 
 
-class ExportError(RuntimeError):
+class ExportError(FclError, RuntimeError):
     """The model could not be exported, or the exported file failed verification."""
 
 

@@ -29,6 +29,7 @@ import onnxruntime as ort
 
 from export import _meta
 from export._proto import INTEGRITY_KEY, ProtoError, integrity_digest, parse_model, weights_digest
+from fclcore.errors import BadInput
 
 __all__ = ["ModelFileError", "InputError", "MadeRuntime", "ModelWatcher", "load_inputs", "parse_row",
            "session_options"]
@@ -40,11 +41,11 @@ CHUNK_ROWS = 32  # rows per onnxruntime call: bounds activation memory (1000 row
 MAX_MODEL_BYTES = 1 << 31  # protobuf's 2 GiB limit; anything larger is not a single-file ONNX model
 
 
-class ModelFileError(ValueError):
+class ModelFileError(BadInput):
     """A model file that must not be served: unreadable, not ONNX, bad metadata, hash mismatch."""
 
 
-class InputError(ValueError):
+class InputError(BadInput):
     """Inference inputs with the wrong shape, type or values."""
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from fclcore.errors import BadInput
 from fclcore.made_spec import MadeConfig
 
 __all__ = ["SnapshotError", "save_snapshot", "load_snapshot", "SNAPSHOT_FORMAT"]
@@ -41,7 +42,7 @@ _MADE_DEFAULTS = {"connectivity_agnostic": False}  # fields added after the form
 _OTHER_FIELDS = ("order_index", "method", "task", "binarize")
 
 
-class SnapshotError(ValueError):
+class SnapshotError(BadInput):
     """A served-model snapshot that cannot be used; the message names the file and the problem."""
 
 

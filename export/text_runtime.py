@@ -69,6 +69,7 @@ from export.runtime import (
     session_options,
     validate_model_bytes,
 )
+from fclcore.errors import BadInput
 
 __all__ = ["FORMAT", "TextClassifierRuntime", "TokenizerError", "parse_metadata", "default_tokenizer_path",
            "model_format", "CHUNK_TEXTS"]
@@ -81,7 +82,7 @@ _INPUTS = ("input_ids", "attention_mask")
 _OUTPUTS = {"label": "tensor(int64)", "group": "tensor(int64)", "logits": "tensor(float)"}
 
 
-class TokenizerError(ValueError):
+class TokenizerError(BadInput):
     """No usable tokenizer.json, or one that does not match the model."""
 
 

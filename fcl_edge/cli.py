@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from fclcore.errors import ConfigError
+from fclcore.errors import ConfigError, FclError
 from fclcore.exitcodes import ExitCode
 
 log = logging.getLogger("fcl")
@@ -26,7 +26,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except (ConfigError, FileNotFoundError) as exc:
+    except FclError as exc:  # the toolkit's own errors: one line, the documented exit code
+        print(f"fcl: error: {exc}", file=sys.stderr)
+        return int(exc.exit_code)
+    except FileNotFoundError as exc:
         print(f"fcl: error: {exc}", file=sys.stderr)
         return int(ExitCode.BAD_INPUT)
     except KeyboardInterrupt:

@@ -27,6 +27,7 @@ import paho.mqtt.client as mqtt
 
 from fclcore import topics
 from fclcore.codec import CodecError, CodecLimits, Kind, decode
+from fclcore.errors import BrokerUnreachable
 from fclcore.schema import parse_broker_url
 from fclcore.transport import parse_status
 
@@ -139,7 +140,7 @@ def read_round(fed: str, payload: bytes) -> RoundView | str | None:
 
 
 # -- collecting from the broker ------------------------------------------------------------------
-class StatusError(RuntimeError):
+class StatusError(BrokerUnreachable):
     """The broker could not be reached or refused us."""
 
 

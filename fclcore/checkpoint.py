@@ -17,10 +17,12 @@ from typing import Mapping
 
 import numpy as np
 
+from fclcore.errors import StateError
+
 META_KEY = "__meta__"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StateError):
     """A state file exists but cannot be used (truncated, tampered, wrong version)."""
 
 

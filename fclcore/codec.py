@@ -56,6 +56,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from fclcore.errors import BadInput
+
 MAGIC = b"FCLW"
 VERSION = 1
 
@@ -70,7 +72,7 @@ _DTYPES = {"float32": (1, np.dtype("<f4")), "float16": (2, np.dtype("<f2"))}
 _DTYPE_BY_CODE = {code: dt for code, dt in _DTYPES.values()}
 
 
-class CodecError(ValueError):
+class CodecError(BadInput):
     """The one error raised for malformed frames or unencodable input."""
 
 

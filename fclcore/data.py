@@ -17,6 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
+from fclcore.errors import BadInput
+
 __all__ = [
     "DataError", "Dataset", "ClientTasks", "read_idx", "default_mnist_dir",
     "load_mnist", "load_digits", "stratified_split", "load_dataset",
@@ -24,7 +26,7 @@ __all__ = [
 ]
 
 
-class DataError(ValueError):
+class DataError(BadInput):
     """Bad data file, path or argument; the message names the culprit."""
 
 

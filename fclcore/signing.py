@@ -25,12 +25,14 @@ import secrets
 from pathlib import Path
 from typing import Iterable
 
+from fclcore.errors import BadInput
+
 MAGIC = b"FCLS"
 TAG_BYTES = 32
 KEY_BYTES = 32
 
 
-class SignatureError(ValueError):
+class SignatureError(BadInput):
     """A signed envelope that is malformed, unsigned where a signature is required, or forged."""
 
 

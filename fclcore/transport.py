@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import paho.mqtt.client as mqtt
 
+from fclcore.errors import BrokerUnreachable
 from fclcore.schema import BrokerSpec, parse_broker_url
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ _PAHO_LOG = logging.getLogger("paho")
 _PAHO_LOG.addFilter(_DropSocketGoneNoise())
 
 
-class TransportError(RuntimeError):
+class TransportError(BrokerUnreachable):
     """The broker could not be reached or refused us."""
 
 

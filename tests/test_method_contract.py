@@ -93,3 +93,19 @@ def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_
         report = export_served(served, tmp_path / f"{client}.onnx")  # raises unless ONNX matches torch
         assert report["bytes"] > 0
         assert (out / "clients" / client / "model.onnx").exists()  # served by the daemon in the background
+
+
+def test_misspelled_method_is_one_line_and_exit_2(tmp_path, repo_root) -> None:
+    """``fcl aggregator`` with a misspelled method: one line naming the file and key, exit 2."""
+    from fcl_edge.cli import main
+    from fcl_edge.simulate import plan, write_configs
+
+    configs = write_configs(plan(str(repo_root / "configs/scenarios/quickstart.yaml")), tmp_path, "mqtt://127.0.0.1:1")
+    path = configs["aggregator"][1]
+    proc = subprocess.run([sys.executable, "-m", "fcl_edge.cli", "aggregator", "--config", str(path), "--set",
+                           "federation.method=fedavgg"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{path}: federation.method: unknown method 'fedavgg'" in lines[0], proc.stderr
+    assert main(["simulate", str(repo_root / "configs/scenarios/quickstart.yaml"), "--out", str(tmp_path / "s"),
+                 "--set", "federation.options.keep_unitz=0.5"]) == 2
