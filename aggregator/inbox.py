@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Container, Mapping
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class Inbox:
     """Checks update/eval frames against the federation, the open round and the template."""
 
     federation: str
-    clients: frozenset[str]
+    clients: Container[str]  # the live client set (membership is what is checked)
     normalize: Normalizer  # from the strategy, for UPDATE frames
     num_tasks: int
     limits: CodecLimits = field(default_factory=CodecLimits)

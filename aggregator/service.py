@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import methods
+from aggregator.clients import ClientSet
 from aggregator.inbox import Inbox, Rejection, is_finite_number
 from aggregator.metrics import AggregatorMetrics
 from aggregator.runlog import RunLog
@@ -60,17 +61,19 @@ class AggregatorService:
                 keys = load_keys(cfg.keys_dir, cfg.expected_clients)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"keys_dir: {exc}") from None
-        self.inbox = Inbox(self.fed.name, frozenset(cfg.expected_clients), self.strategy.normalize,
+        self.clients = ClientSet(cfg.expected_clients, open_enrollment=cfg.enrollment == "open",
+                                 max_clients=cfg.max_clients, drop_after_missed=cfg.drop_after_missed,
+                                 admit=self._admit)
+        self.inbox = Inbox(self.fed.name, self.clients, self.strategy.normalize,
                            self.fed.num_tasks, self.limits, keys=keys,
                            max_update_norm=self.fed.rounds.max_update_norm, min_samples=self.strategy.min_samples)
         self.runlog = RunLog(cfg.out_dir)
         self.queue: queue.Queue[Incoming] = queue.Queue()
-        self.online: set[str] = set()
         self.sequence = 0
         self.retained: dict[str, bytes] = {}  # what this service last published retained, per topic
         self.seen_connects = 0
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
-        self.fingerprint = fingerprint(to_dict(self.fed), list(cfg.expected_clients), cfg.input_dim)
+        self.fingerprint = fingerprint(to_dict(self.fed), cfg.input_dim)
         self.next_round = self._resume()
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
@@ -90,12 +93,13 @@ class AggregatorService:
         if committed is None:
             return 0
         if committed.fingerprint != self.fingerprint:
-            raise ConfigError(f"state_dir {self.store.dir}: it belongs to a different federation, client list "
-                              f"or input_dim; move it away to start afresh, or restore the old config")
+            raise ConfigError(f"state_dir {self.store.dir}: it belongs to a different federation or input_dim; "
+                              f"move it away to start afresh, or restore the old config")
         if not self.strategy.fits(committed.global_params):
             raise ConfigError(f"state_dir {self.store.dir}: the committed model does not fit this federation")
         try:
             self.strategy.restore(committed.strategy, committed.strategy_arrays)
+            self.clients.restore(committed.clients)
             self.runlog.resume(committed.metrics_offset, committed.rejections)
         except (KeyError, ValueError, OSError) as exc:  # OSError: metrics.jsonl gone
             raise ConfigError(f"state_dir {self.store.dir}: cannot resume ({exc})") from None
@@ -109,7 +113,18 @@ class AggregatorService:
         meta, arrays = self.strategy.state()
         self.store.commit(Committed(self.fingerprint, rnd, self.sequence, dict(self.inbox.last_seq),
                                     dict(self.runlog.rejections), self.runlog.offset(), meta,
-                                    self.global_params, arrays))
+                                    self.global_params, arrays, self.clients.state()))
+
+    def _admit(self, client: str) -> bool:
+        """A device may enroll when updates need signatures only if its key is provisioned."""
+        if not self.cfg.keys_dir:
+            return True
+        try:
+            self.inbox.keys.update(load_keys(self.cfg.keys_dir, [client]))
+        except (OSError, ValueError) as exc:
+            log.warning("client %s not enrolled: %s", client, exc)
+            return False
+        return True
 
     def run(self) -> ExitCode:
         log.info("aggregator for %s, broker %s", self.fed.name, self.cfg.broker.redacted())
@@ -150,45 +165,48 @@ class AggregatorService:
     def _wait_for_clients(self, carried: dict[str, Update]) -> None:
         """Wait for the clients' online status.  After a restart the round in progress is open
         already (its announcement is retained), so updates queued for it are taken here."""
-        expected = set(self.cfg.expected_clients)
+        expected = set(self.clients.roster())
         deadline = time.monotonic() + self.fed.rounds.start_timeout_s
         open_round = self.next_round if self.next_round > 0 else -1
-        while not expected <= self.online and time.monotonic() < deadline and not self.stop.is_set():
+        while not expected <= self.clients.online and time.monotonic() < deadline and not self.stop.is_set():
             self._drain(open_round, carried, timeout=POLL_S)
-        need = self._quorum()
-        if len(self.online & expected) < need:
-            raise NotEnoughClients(f"{len(self.online & expected)} of {len(expected)} clients online after "
+        need = self._quorum(len(expected))
+        online = len(self.clients.online & expected)
+        if online < need:
+            raise NotEnoughClients(f"{online} of {len(expected)} clients online after "
                                    f"{self.fed.rounds.start_timeout_s:.0f} s; quorum needs {need}")
-        log.info("%d/%d clients online", len(self.online & expected), len(expected))
+        log.info("%d/%d clients online", online, len(expected))
 
     # -- one round -------------------------------------------------------------------
     def _run_round(self, rnd: int, received: dict[str, Update]) -> None:
         task = self.schedule.task_of(rnd)
-        knowledge = self._send_downlinks(rnd, task)
+        roster = self.clients.open_round(rnd)  # who this round is run with (the quorum is a share of it)
+        knowledge = self._send_downlinks(rnd, task, roster)
         self.metrics.round_started(rnd, task)
         for attempt in range(1, self.fed.rounds.max_attempts + 1):
             started = time.monotonic()
             self.notifier.status(f"round {rnd + 1}/{self.fed.total_rounds}, task {task}, attempt {attempt}")
             down, payload_down = self._announce(Kind.ROUND, rnd, task, attempt)
-            self._collect(rnd, received)
+            self._collect(rnd, roster, received)
             if self.stop.is_set():
                 return  # SIGTERM: the round stays open; its journal carries over to the restart
-            if len(received) >= self._quorum():
+            if len(received) >= self._quorum(len(roster)):
                 updates = [received[c] for c in sorted(received)]  # arrival order must not change the sums
                 self.global_params = self.strategy.aggregate(updates, self.global_params)
-                self._record_round(rnd, task, received, down, payload_down, attempt, time.monotonic() - started,
-                                   knowledge)
+                self._record_round(rnd, task, roster, received, down, payload_down, attempt,
+                                   time.monotonic() - started, knowledge)
+                self.clients.close_round(roster, received)
                 self._commit(rnd)
                 return
             log.warning("round %d attempt %d: %d updates, quorum %d; re-announcing",
-                        rnd, attempt, len(received), self._quorum())
+                        rnd, attempt, len(received), self._quorum(len(roster)))
         raise NotEnoughClients(f"round {rnd} missed its quorum in {self.fed.rounds.max_attempts} attempts")
 
-    def _send_downlinks(self, rnd: int, task: int) -> dict[str, tuple[int, int]]:
+    def _send_downlinks(self, rnd: int, task: int, roster: list[str]) -> dict[str, tuple[int, int]]:
         """Publish the strategy's per-client frames for round ``rnd`` (retained, before the round);
         today's use: each client's knowledge-base entries at a task start."""
         sizes = {}
-        for client, (meta, tensors) in self.strategy.client_downlinks(rnd, self.cfg.expected_clients).items():
+        for client, (meta, tensors) in self.strategy.client_downlinks(rnd, roster).items():
             self.sequence += 1
             header = Header(Kind.KNOWLEDGE, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
             payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
@@ -242,15 +260,15 @@ class AggregatorService:
             log.info("round %d: %d update(s) recovered from the journal", rnd, len(received))
         return received
 
-    def _collect(self, rnd: int, received: dict[str, Update] | None = None,
+    def _collect(self, rnd: int, roster: list[str], received: dict[str, Update] | None = None,
                  kind: Kind = Kind.UPDATE) -> dict[str, Update]:
-        """Fill ``received`` until every expected client replied or the deadline passes; clients
-        still missing are asked to re-send every ``resend_after_s`` (their update may have been
-        lost with a broker, or sent while this service was down)."""
+        """Fill ``received`` until every client of the round's roster replied or the deadline
+        passes; clients still missing are asked to re-send every ``resend_after_s`` (their update
+        may have been lost with a broker, or sent while this service was down)."""
         received = {} if received is None else received
         now = time.monotonic()
         deadline, resend_at = now + self.fed.rounds.deadline_s, now + self.fed.rounds.resend_after_s
-        expected = set(self.cfg.expected_clients)
+        expected = set(roster)
         while not self._round_complete(received, expected) and time.monotonic() < deadline \
                 and not self.stop.is_set():
             self._drain(rnd, received, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())), kind=kind)
@@ -265,7 +283,7 @@ class AggregatorService:
         (their status is "stopped" or the last-will "dead"), so waiting for the deadline is moot."""
         if set(received) >= expected:
             return True
-        return len(received) >= self._quorum() and set(received) >= (expected & self.online)
+        return len(received) >= self._quorum(len(expected)) and set(received) >= (expected & self.clients.online)
 
     def _request(self, kind: Kind, rnd: int, missing: list[str]) -> None:
         """Ask ``missing`` clients to send their update (or evaluation) for ``rnd`` again."""
@@ -317,17 +335,15 @@ class AggregatorService:
             self._reject(topics.status_topic(self.fed.name, who),
                          Rejection("status", "not a JSON status object", who), open_round)
             return
-        if status["state"] == "online":
-            self.online.add(who)
-        else:
-            self.online.discard(who)
+        self.clients.on_status(who, status["state"])
+        if status["state"] != "online":
             log.info("client %s is %s", who, status["state"])
-        self.metrics.clients_online(len(self.online & set(self.cfg.expected_clients)))
+        self.metrics.clients_online(len(self.clients.online & set(self.clients.enrolled)))
 
-    def _record_round(self, rnd: int, task: int, received: dict[str, Update], down: int,
+    def _record_round(self, rnd: int, task: int, roster: list[str], received: dict[str, Update], down: int,
                       payload_down: int, attempt: int, duration: float,
                       knowledge: dict[str, tuple[int, int]]) -> None:
-        for client in self.cfg.expected_clients:
+        for client in roster:
             update = received.get(client)
             meta = update.frame.meta if update else {}
             kb_bytes, kb_payload = knowledge.get(client, (0, 0))
@@ -342,10 +358,10 @@ class AggregatorService:
             if "attention" in meta:
                 self.runlog.write("attention", round=rnd, task=task, client=client, **_attention(meta["attention"]))
         self.runlog.write("round", round=rnd, task=task, attempt=attempt, accepted=len(received),
-                          expected=len(self.cfg.expected_clients), duration_s=round(duration, 3))
+                          expected=len(roster), duration_s=round(duration, 3))
         self.metrics.round_done(rnd, task, len(received), duration)
         self.metrics.add_bytes(up=sum(u.packet_bytes for u in received.values()),
-                               down=sum(down + knowledge.get(c, (0, 0))[0] for c in self.cfg.expected_clients))
+                               down=sum(down + knowledge.get(c, (0, 0))[0] for c in roster))
         meter = self.link.meter.snapshot()
         self.link.publish_status("online", role="aggregator", task=task, round=rnd,
                                  bytes_up=meter["up"]["bytes"], bytes_down=meter["down"]["bytes"])
@@ -357,19 +373,21 @@ class AggregatorService:
         """Send the final model; clients answer with an evaluation of it."""
         last = self.fed.total_rounds
         self._announce(Kind.FINISH, last, self.schedule.task_of(last))
-        received = self._collect(last, kind=Kind.EVAL)
+        roster = self.clients.roster()
+        received = self._collect(last, roster, kind=Kind.EVAL)
         self.runlog.round_summary(last - 1, self.schedule.task_of(last - 1))
-        log.info("final evaluation from %d/%d clients", len(received), len(self.cfg.expected_clients))
+        log.info("final evaluation from %d/%d clients", len(received), len(roster))
 
     def _write_summary(self, duration: float) -> None:
         self.runlog.summary(method=self.fed.method, federation=self.fed.name,
-                            clients=list(self.cfg.expected_clients), tasks=self.fed.num_tasks,
+                            clients=list(self.clients.known), tasks=self.fed.num_tasks,
                             rounds=self.fed.total_rounds, rounds_per_task=self.fed.rounds_per_task,
                             task_ends=[self.schedule.last_round(t) for t in range(self.schedule.num_tasks)],
                             duration_s=round(duration, 2), meter=self.link.meter.snapshot())
 
-    def _quorum(self) -> int:
-        return max(1, int(np.ceil(self.fed.rounds.quorum * len(self.cfg.expected_clients))))
+    def _quorum(self, enrolled: int) -> int:
+        """Updates a round needs: the configured share of the clients enrolled for it."""
+        return max(1, int(np.ceil(self.fed.rounds.quorum * enrolled)))
 
 
 def _attention(report: object) -> dict:

@@ -45,12 +45,13 @@ class Committed:
     strategy: dict = field(default_factory=dict)
     global_params: dict[str, np.ndarray] = field(default_factory=dict)
     strategy_arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    clients: dict = field(default_factory=dict)  # the live client set (aggregator.clients.ClientSet.state)
 
 
-def fingerprint(federation: dict, clients: list[str], input_dim: int) -> str:
-    """What must not change between a checkpoint and the config that resumes it."""
-    text = json.dumps({"federation": federation, "clients": sorted(clients), "input_dim": input_dim},
-                      sort_keys=True)
+def fingerprint(federation: dict, input_dim: int) -> str:
+    """What must not change between a checkpoint and the config that resumes it (not the
+    client list: devices enroll and leave, and the committed state carries the live set)."""
+    text = json.dumps({"federation": federation, "input_dim": input_dim}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -71,7 +72,8 @@ class StateStore:
                               sequence=int(meta["sequence"]),
                               last_seq={str(k): int(v) for k, v in meta["last_seq"].items()},
                               rejections={str(k): int(v) for k, v in meta["rejections"].items()},
-                              metrics_offset=int(meta["metrics_offset"]), strategy=dict(meta["strategy"]))
+                              metrics_offset=int(meta["metrics_offset"]), strategy=dict(meta["strategy"]),
+                              clients=dict(meta.get("clients", {})))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{self.path}: malformed metadata ({exc})") from None
         state.global_params = {k[len(_GLOBAL):]: v for k, v in arrays.items() if k.startswith(_GLOBAL)}
@@ -81,7 +83,7 @@ class StateStore:
     def commit(self, state: Committed) -> None:
         meta = {"version": STATE_VERSION, "fingerprint": state.fingerprint, "round": state.round,
                 "sequence": state.sequence, "last_seq": state.last_seq, "rejections": state.rejections,
-                "metrics_offset": state.metrics_offset, "strategy": state.strategy}
+                "metrics_offset": state.metrics_offset, "strategy": state.strategy, "clients": state.clients}
         arrays = {_GLOBAL + k: v for k, v in state.global_params.items()}
         if set(arrays) & set(state.strategy_arrays):
             raise ValueError("strategy array names collide with the global model's")

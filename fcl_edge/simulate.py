@@ -66,6 +66,10 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
             raise ConfigError(f"{scenario_path}: tasks: every client needs the same number of tasks, "
                               f"got {sorted(lengths)}")
         sc = dataclasses.replace(sc, federation=dataclasses.replace(fed, num_tasks=lengths.pop()))
+        try:
+            sc.federation.check_schedule()
+        except ValueError as exc:
+            raise ConfigError(f"{scenario_path}: federation.{exc}") from None
         test_tasks = None
         if sc.data.class_fraction < 1:  # label skew: each device holds a seeded share of the classes
             held = [[classes[i] for i in s] for s in

@@ -50,7 +50,16 @@ class TaskSchedule:
         return cls(tuple(t * rounds_per_task for t in range(num_tasks)), num_tasks * rounds_per_task)
 
     @classmethod
+    def from_rounds(cls, task_rounds: list[int]) -> "TaskSchedule":
+        """Task t runs ``task_rounds[t]`` rounds."""
+        starts = [sum(task_rounds[:t]) for t in range(len(task_rounds))]
+        return cls(tuple(starts), sum(task_rounds))
+
+    @classmethod
     def from_federation(cls, fed: Any) -> "TaskSchedule":
+        fed.check_schedule()
+        if fed.task_rounds is not None:
+            return cls.from_rounds(list(fed.task_rounds))
         return cls.uniform(fed.num_tasks, fed.rounds_per_task)
 
     @property

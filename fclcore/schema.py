@@ -174,6 +174,7 @@ class FederationSpec:
     options: dict[str, Any] = field(default_factory=dict)
     rounds: RoundSpec = field(default_factory=RoundSpec)
     wire: WireSpec = field(default_factory=WireSpec)
+    task_rounds: Optional[list[int]] = None  # rounds of each task, when they differ (default: rounds_per_task)
 
     moved_keys = {"fedet": "federation.options (the options of method fedet)"}  # old key -> where it went
 
@@ -181,10 +182,18 @@ class FederationSpec:
         validate_id(self.name, "federation name")
         if self.num_tasks < 1 or self.rounds_per_task < 1:
             raise ValueError("expected num_tasks >= 1 and rounds_per_task >= 1")
+        if self.task_rounds is not None and (not self.task_rounds or min(self.task_rounds) < 1):
+            raise ValueError(f"task_rounds: expected positive round counts (one per task), got {self.task_rounds}")
 
     @property
     def total_rounds(self) -> int:
-        return self.num_tasks * self.rounds_per_task
+        return sum(self.task_rounds) if self.task_rounds is not None else self.num_tasks * self.rounds_per_task
+
+    def check_schedule(self) -> None:
+        """ValueError unless ``task_rounds`` (if given) has one entry per task."""
+        if self.task_rounds is not None and len(self.task_rounds) != self.num_tasks:
+            raise ValueError(f"task_rounds: expected {self.num_tasks} round counts (one per task), "
+                             f"got {self.task_rounds}")
 
 
 @dataclass
@@ -198,11 +207,16 @@ class AggregatorConfig:
     keys_dir: Optional[str] = None  # <client>.key per device: when set, every update must be signed
     metrics_port: Optional[int] = None  # Prometheus endpoint (needs the "service" extra); None: off
     metrics_addr: str = "127.0.0.1"
-    aux_dir: Optional[str] = None  # fedet: unlabelled .txt files of a similar domain for server distillation
+    aux_dir: Optional[str] = None  # server-side unlabelled data for methods that read it (FedET: .txt files)
+    enrollment: Literal["closed", "open"] = "closed"  # open: a device that comes online enrolls (next round)
+    max_clients: int = 10_000  # enrolled devices at most
+    drop_after_missed: Optional[int] = None  # a device that missed this many rounds in a row leaves the roster
 
     def __post_init__(self) -> None:
         if not self.expected_clients:
             raise ValueError("expected_clients: expected at least one client id")
+        if self.max_clients < len(self.expected_clients) or (self.drop_after_missed or 1) < 1:
+            raise ValueError("expected max_clients >= len(expected_clients) and drop_after_missed >= 1 or null")
         for cid in self.expected_clients:
             validate_id(cid, "client id")
         if len(set(self.expected_clients)) != len(self.expected_clients):

@@ -13,6 +13,7 @@ from typing import Any
 
 import methods.confedmade
 import methods.fedet  # noqa: F401  (registers FedET)
+from fclcore.errors import ConfigError
 from fclcore.method import REGISTRY, MethodSpec, lookup, normalized_options
 from fclcore.schema import FederationSpec
 
@@ -30,6 +31,10 @@ def resolve(fed: FederationSpec, source: str = "federation") -> tuple[MethodSpec
 
     spec = lookup(fed.method, source)
     options = spec.parse_options(fed.options, source)
+    try:
+        fed.check_schedule()
+    except ValueError as exc:
+        raise ConfigError(f"{source}: federation.{exc}") from None
     return spec, options, dataclasses.replace(fed, options=normalized_options(spec, fed.options, source))
 
 
