@@ -115,6 +115,7 @@ class MqttLink:
         self._fatal: str | None = None  # why start() cannot succeed by retrying, once known
         self._last_error: str | None = None  # the latest failed connection attempt, for start()'s error
         self._settled = threading.Event()  # start() may return: connected, or failed for good
+        self._unsubscribed = threading.Event()
         self._client = self._make_client()
 
     def _make_client(self) -> mqtt.Client:
@@ -134,6 +135,7 @@ class MqttLink:
         client.on_disconnect = self._handle_disconnect
         client.on_message = self._handle_message
         client.on_connect_fail = self._handle_connect_fail
+        client.on_unsubscribe = lambda *_: self._unsubscribed.set()
         return client
 
     def _set_tls(self, client: mqtt.Client) -> None:
@@ -187,6 +189,7 @@ class MqttLink:
                 self.publish_status(final_state).wait_for_publish(timeout)
             except (TransportError, RuntimeError, ValueError) as exc:
                 log.warning("final status not delivered: %s", exc)
+            self._quiesce(timeout)
         was_connected = self.connected.is_set()
         self._disconnected.clear()
         self._client.disconnect()
@@ -195,6 +198,17 @@ class MqttLink:
         if was_connected and not self._disconnected.wait(timeout):
             log.warning("broker did not see a clean disconnect within %.0f s", timeout)
         self._client.loop_stop()
+
+    def _quiesce(self, timeout: float) -> None:
+        """Stop the broker's deliveries before disconnecting: once the UNSUBACK is read, nothing
+        unread is left on the socket, so closing it sends FIN, not RST (a reset can drop the
+        DISCONNECT, and the broker would then publish the last-will "dead")."""
+        if not self.subscriptions:
+            return
+        self._unsubscribed.clear()
+        self._client.unsubscribe(list(self.subscriptions))
+        if not self._unsubscribed.wait(timeout):
+            log.warning("broker did not acknowledge the unsubscribe within %.0f s", timeout)
 
     def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
