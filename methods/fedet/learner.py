@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from fclcore.codec import Tensor
 from fclcore.data import Dataset
@@ -35,14 +36,16 @@ from fclcore.models.enhancer import (
     group_to_tensors,
     load_minilm,
     pooled_embeddings,
+    prototype_rows,
     tensors_to_group,
+    trainable_parameters,
 )
 from fclcore.models.prototypes import class_sums
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import TextGroupsServed
-from fclcore.text import EncodedDocs
-from methods.fedet.client import FedETClient, FedETConfig, _TaskGroup, seeded
+from fclcore.text import EncodedDocs, entropy_nats
+from methods.fedet.client import FedETClient, FedETConfig, GroupUpload, _TaskGroup, seeded, train_epochs
 from methods.fedet.config import FedETOptions
 from methods.fedet.wire import META_KEY, parse_downlink
 
@@ -63,7 +66,7 @@ class FedETLearner(Learner):
         self.backbone = FrozenBackbone(load_minilm())
         self.enhancer = EnhancerConfig(hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck,
                                        blocks=self.backbone.cfg.layers)
-        self.cfg = FedETConfig(self.enhancer, spec.num_groups, spec.gamma, None, fed.train.lr, spec.weight_decay,
+        self.cfg = FedETConfig(self.enhancer, self.groups_of(spec), spec.gamma, None, fed.train.lr, spec.weight_decay,
                                fed.train.batch_size, fed.train.local_epochs, spec.distill_epochs, fed.seed,
                                spec.proto_init)
         self.client = FedETClient(self.cfg, self.backbone, client_index)
@@ -73,6 +76,11 @@ class FedETLearner(Learner):
         self.started = -1  # the last task whose Algorithm-1 set-up ran
         self.out: tuple[dict[str, Tensor], dict] = ({}, {})
         self._pooled: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(x) -> (x, embeddings), frozen
+
+    @staticmethod
+    def groups_of(options: FedETOptions) -> int:
+        """J, the Enhancer groups (the single-group baselines override it)."""
+        return options.num_groups
 
     # -- federation ----------------------------------------------------------------------
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
@@ -107,14 +115,19 @@ class FedETLearner(Learner):
             if missing:  # e.g. this device's class sums missed the task's first round
                 log.warning("task %d: classes %s have no group from the aggregator; their texts are not used",
                             self.task, missing)
-            self.client.start_task(self.task, encoded(data), pooled, self.group_of, self.prototypes)
-            self.started = self.task
-        uploads = self.client.train_round(rnd)
+        uploads = self.train_groups(data, pooled, rnd)
         tensors: dict[str, Tensor] = {}
         for u in uploads:
             tensors.update({group_prefix(u.group) + k: v for k, v in u.tensors.items()})
         self.out = (tensors, {"phase": "train", "groups": [u.meta() for u in uploads]})
         return sum(u.n_samples for u in uploads), 0.0
+
+    def train_groups(self, data: Dataset, pooled: np.ndarray, rnd: int) -> list[GroupUpload]:
+        """Algorithm 1 for one round (set up once per task): the groups to upload."""
+        if self.started < self.task:
+            self.client.start_task(self.task, encoded(data), pooled, self.group_of, self.prototypes)
+            self.started = self.task
+        return self.client.train_round(rnd)
 
     def upload(self, rnd: int, place: RoundPlace) -> dict[str, Tensor]:
         return self.out[0]
@@ -214,3 +227,54 @@ def _get(arrays: dict[str, np.ndarray], prefix: str, cfg: EnhancerConfig, classe
         return EnhancerGroup(cfg, seed=seed)
     return tensors_to_group({k[len(prefix) + 1:]: v for k, v in arrays.items() if k.startswith(prefix + "/")},
                             cfg, [int(c) for c in classes])
+
+
+class GroupFedAvgLearner(FedETLearner):
+    """finetune-FL: one Enhancer group whose head covers every class seen so far, trained with
+    cross-entropy on the current task's texts; the server averages it (``GroupFedAvgStrategy``).
+    The class-sum round and the prototype selector are FedET's (with one group it always
+    routes to group 0)."""
+
+    replay = False  # also train on the sample memory of earlier tasks
+
+    @staticmethod
+    def groups_of(options: FedETOptions) -> int:
+        return 1
+
+    def train_groups(self, data: Dataset, pooled: np.ndarray, rnd: int) -> list[GroupUpload]:
+        group = self.client.groups[0]
+        new = sorted(c for c in self.group_of if c not in group.classes)  # as the aggregator extends it
+        group.extend_classes(new, prototype_rows(self.prototypes, self.options.proto_init))
+        if self.started < self.task:
+            if self.replay and len(data):
+                self.client.memory.add(encoded(data), pooled)
+            self.started = self.task
+        docs = self._training_docs(data, group.classes)
+        if docs is None:
+            return []
+        rows = torch.from_numpy(np.array(group.rows(docs.labels)))
+        generator = torch.Generator().manual_seed(seeded(self.cfg.seed, self.client_index, rnd))
+        optimizer = torch.optim.AdamW(trainable_parameters(group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        train_epochs(self.backbone, group, docs, self.cfg.local_epochs, self.cfg.batch_size, optimizer, generator,
+                     lambda logits, batch: F.cross_entropy(logits, rows[batch]))
+        counts = {int(c): int(n) for c, n in zip(*np.unique(docs.labels, return_counts=True))}
+        return [GroupUpload(0, tuple(group.classes), group_to_tensors(group), counts,
+                            entropy_nats(list(counts.values())), len(docs))]
+
+    def _training_docs(self, data: Dataset, known: tuple[int, ...]) -> EncodedDocs | None:
+        """This task's texts of classes the group covers, plus (replay) the memory of other classes."""
+        docs = encoded(data)
+        keep = np.isin(docs.labels, known)
+        parts = [EncodedDocs(docs.ids[keep], docs.mask[keep], docs.labels[keep])] if keep.any() else []
+        if self.replay:
+            current = set(int(c) for c in np.unique(data.y))
+            old = self.client.memory.docs(tuple(c for c in self.client.memory.classes if c not in current))
+            if old is not None:
+                parts.append(old)
+        return EncodedDocs.concat(parts) if parts else None
+
+
+class ReplayGroupLearner(GroupFedAvgLearner):
+    """replay-FL: finetune-FL plus FedET's sample memory (same store ratio) mixed into training."""
+
+    replay = True

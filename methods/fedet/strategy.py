@@ -56,6 +56,12 @@ def load_aux_pool(aux_dir: str | None, backbone: FrozenBackbone, max_length: int
 
 class FedETStrategy(Strategy):
     min_samples = 0  # a device that holds none of a task's classes has nothing to send but its reply
+    distils = True  # merge a group's uploads by entropy-aware distillation on auxiliary texts
+
+    @staticmethod
+    def groups_of(options: FedETOptions) -> int:
+        """J, the Enhancer groups (the single-group baselines override it)."""
+        return options.num_groups
 
     def __init__(self, fed: FederationSpec, options: FedETOptions, input_dim: int, aux_dir: str | None = None) -> None:
         super().__init__(fed, options, input_dim, aux_dir)
@@ -64,9 +70,9 @@ class FedETStrategy(Strategy):
         self.enhancer = EnhancerConfig(hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck,
                                        blocks=self.backbone.cfg.layers)
         self.server = FedETAggregator(
-            FedETServerConfig(self.enhancer, spec.num_groups, spec.aux_per_round, spec.server_epochs, fed.train.lr,
+            FedETServerConfig(self.enhancer, self.groups_of(spec), spec.aux_per_round, spec.server_epochs, fed.train.lr,
                               spec.weight_decay, fed.train.batch_size, fed.seed, spec.proto_init),
-            self.backbone, load_aux_pool(aux_dir, self.backbone, spec.max_length))
+            self.backbone, load_aux_pool(aux_dir, self.backbone, spec.max_length) if self.distils else None)
         self.changed: list[int] = []  # groups in the current downlink
 
     # -- the reference for upload ratios: the whole fine-tuned model in float32 -------------
@@ -153,17 +159,27 @@ class FedETStrategy(Strategy):
                 for up in u.parsed:
                     by_group.setdefault(up.group, []).append(up)
             for j, uploads in sorted(by_group.items()):
-                try:
-                    self.server.aggregate(j, uploads, rnd)
-                except ValueError as exc:  # e.g. no auxiliary text near the group's classes
-                    log.warning("round %d group %d: distillation skipped (%s); sample-weighted average instead",
-                                rnd, j, exc)
-                    average = weighted_average([(group_to_tensors(tensors_to_group(u.tensors, self.enhancer,
-                                                                                   u.classes)), float(u.n_samples))
-                                                for u in uploads], group_to_tensors(self.server.groups[j]))
-                    self.server.groups[j] = tensors_to_group(average, self.enhancer, self.server.groups[j].classes)
+                self.merge(j, uploads, rnd)
                 self.changed.append(j)
         return self.downlink()
+
+    def merge(self, j: int, uploads: list[ReceivedGroup], rnd: int) -> None:
+        """Group ``j``'s uploads -> the new global group ``j`` (entropy-aware distillation)."""
+        if not self.distils:
+            self.average(j, uploads)
+            return
+        try:
+            self.server.aggregate(j, uploads, rnd)
+        except ValueError as exc:  # e.g. no auxiliary text near the group's classes
+            log.warning("round %d group %d: distillation skipped (%s); sample-weighted average instead", rnd, j, exc)
+            self.average(j, uploads)
+
+    def average(self, j: int, uploads: list[ReceivedGroup]) -> None:
+        """Sample-weighted FedAvg of group ``j``'s uploads."""
+        current = self.server.groups[j]
+        average = weighted_average([(group_to_tensors(tensors_to_group(u.tensors, self.enhancer, u.classes)),
+                                     float(u.n_samples)) for u in uploads], group_to_tensors(current))
+        self.server.groups[j] = tensors_to_group(average, self.enhancer, current.classes)
 
     def downlink(self) -> dict[str, np.ndarray]:
         """Prototypes of every known class and the tensors of the groups changed last round."""
@@ -205,3 +221,14 @@ class FedETStrategy(Strategy):
         s.groups = [group(f"group/{j}/", cl, s.groups[j]) for j, cl in enumerate(meta["groups"])]
         s.old = {int(j): group(f"old/{j}/", cl, s.groups[int(j)].copy().eval()) for j, cl in meta["old"].items()}
         self.changed = [int(j) for j in meta["changed"]]
+
+
+class GroupFedAvgStrategy(FedETStrategy):
+    """The FedAvg baselines: one Enhancer group over every class seen so far, its uploads
+    averaged by sample count (no auxiliary data, no distillation)."""
+
+    distils = False
+
+    @staticmethod
+    def groups_of(options: FedETOptions) -> int:
+        return 1
