@@ -3,7 +3,8 @@ two checkouts (before and after a refactor) can be compared to the printed preci
 
     python benchmarks/same_numbers.py --repo /path/to/checkout --out /tmp/runs > numbers.md
 
-Each row: scenario, method, avg NLL (or avg incremental accuracy), forgetting, bytes up, bytes down.
+Each row: scenario, method, avg NLL (or average incremental accuracy), forgetting, bytes up, bytes down.
+On a checkout from before the method packages, pass ``--legacy-keys``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from pathlib import Path
 
 MADE_METHODS = ["confedmade", "fedweit-made-star", "fedweit-made", "fedavg", "fedcl-finetune", "fedprox", "fedcurv",
                 "fedcl-cumulative-replay", "offline"]
+FEDET = ["data.per_class=10", "data.test_per_class=10", "federation.rounds_per_task=3",
+         "federation.options.server_epochs=2"]
 RUNS = [("quickstart", "configs/scenarios/quickstart.yaml", [])] + [
     (f"digits_continual/{m}", "configs/scenarios/digits_continual.yaml", [f"federation.method={m}"])
-    for m in MADE_METHODS]
+    for m in MADE_METHODS] + [("bbc_fedet (shortened)", "configs/scenarios/bbc_fedet.yaml", FEDET)]
 
 
 def main() -> None:
@@ -26,15 +29,19 @@ def main() -> None:
     parser.add_argument("--repo", required=True, help="checkout whose fcl_edge runs the scenarios")
     parser.add_argument("--out", required=True, help="directory for the run directories")
     parser.add_argument("--only", help="run only rows whose name contains this")
+    parser.add_argument("--legacy-keys", action="store_true",
+                        help="the checkout predates method packages: FedET's options are federation.fedet.*")
     args = parser.parse_args()
     print("| run | score | forgetting | bytes up | bytes down |")
     print("|---|---|---|---|---|")
     for name, scenario, overrides in RUNS:
         if args.only and args.only not in name:
             continue
-        out = Path(args.out) / name.replace("/", "-")
+        out = Path(args.out) / name.split(" ")[0].replace("/", "-")
         cmd = [sys.executable, "-m", "fcl_edge.cli", "--log-level", "WARNING", "simulate", scenario, "--out", str(out)]
         for item in overrides:
+            if args.legacy_keys and "fedet" in scenario:
+                item = item.replace("federation.options.", "federation.fedet.")
             cmd += ["--set", item]
         done = subprocess.run(cmd, cwd=args.repo, capture_output=True, text=True)
         if done.returncode != 0:
@@ -42,7 +49,7 @@ def main() -> None:
             continue
         s = json.loads((out / "summary.json").read_text())
         final = s["final"]
-        score = final.get("avg_nll", final.get("avg_accuracy"))
+        score = final.get("avg_nll", final.get("avg_incremental_accuracy"))
         print(f"| {name} | {score} | {final.get('forgetting')} | {s['bytes']['up_total']:,} | "
               f"{s['bytes']['down_total']:,} |", flush=True)
 
