@@ -349,7 +349,7 @@ class ClientDaemon:
         seen = self.data.train if self.learner.sees_all_tasks else self.data.train[: task + 1]
         n_samples, train_nll = self.learner.train_round(seen, rnd, place)
         tensors = self.learner.upload(rnd, place)
-        meta = {"n_samples": n_samples, "train_nll": round(train_nll, 4), "eval": report,
+        meta = {"n_samples": n_samples, "train_nll": None if train_nll is None else round(train_nll, 4), "eval": report,
                 "rejected": dict(self.rejected), **self.learner.report(place)}
         payload = self._frame(Kind.UPDATE, rnd, task, meta, tensors)
         self.done_round, self.unacked = rnd, payload
@@ -362,7 +362,7 @@ class ClientDaemon:
         self.link.publish_status("online", task=task, round=rnd, bytes_up=meter["up"]["bytes"],
                                  bytes_down=meter["down"]["bytes"], waiting_for_task=None)
         self.notifier.status(f"round {rnd}, task {task}")
-        log.info("round %d task %d: %d samples, train loss %.3f", rnd, task, n_samples, train_nll)
+        log.info("round %d task %d: %d samples, train NLL %s", rnd, task, n_samples, meta["train_nll"])
 
     def _finish(self, frame: Frame) -> None:
         _, previous = _places(frame)

@@ -47,9 +47,10 @@ class Learner:
         frame for that round, if the strategy sent one)."""
         self.task = task
 
-    def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float]:
+    def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float | None]:
         """Local training for round ``rnd``; ``train[i]`` is task i's data for i <= current task
-        (for every task if ``sees_all_tasks``).  Returns (samples used, mean train loss)."""
+        (for every task if ``sees_all_tasks``).  Returns (samples used, mean train NLL, or None
+        when the method has no single training NLL to report)."""
         raise NotImplementedError
 
     def upload(self, rnd: int, place: RoundPlace) -> dict[str, Tensor]:

@@ -101,7 +101,7 @@ class FedETLearner(Learner):
         return cached[1]
 
     # -- training ------------------------------------------------------------------------
-    def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float]:
+    def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float | None]:
         data = train[self.task]
         pooled = self._embed(data)
         if self.phase == "sums":
@@ -109,7 +109,7 @@ class FedETLearner(Learner):
             classes = sorted(sums)
             tensors = {"sums": np.stack([sums[c][0] for c in classes])} if classes else {}
             self.out = (tensors, {"phase": "sums", "classes": classes, "counts": [sums[c][1] for c in classes]})
-            return len(data), 0.0
+            return len(data), None  # nothing is trained in the class-sum round
         if self.started < self.task:
             missing = sorted(set(int(c) for c in np.unique(data.y)) - set(self.group_of))
             if missing:  # e.g. this device's class sums missed the task's first round
@@ -120,7 +120,7 @@ class FedETLearner(Learner):
         for u in uploads:
             tensors.update({group_prefix(u.group) + k: v for k, v in u.tensors.items()})
         self.out = (tensors, {"phase": "train", "groups": [u.meta() for u in uploads]})
-        return sum(u.n_samples for u in uploads), 0.0
+        return sum(u.n_samples for u in uploads), None  # several losses (temporary group, distillation)
 
     def train_groups(self, data: Dataset, pooled: np.ndarray, rnd: int) -> list[GroupUpload]:
         """Algorithm 1 for one round (set up once per task): the groups to upload."""
