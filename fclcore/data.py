@@ -17,33 +17,13 @@ from typing import Sequence
 
 import numpy as np
 
-from fclcore.errors import BadInput
+from fclcore.dataset import DataError, Dataset, stratified_split
 
 __all__ = [
     "DataError", "Dataset", "ClientTasks", "read_idx", "default_mnist_dir",
     "load_mnist", "load_digits", "stratified_split", "load_dataset",
     "client_task_split", "random_client_tasks",
 ]
-
-
-class DataError(BadInput):
-    """Bad data file, path or argument; the message names the culprit."""
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: element-wise array == is not a bool
-class Dataset:
-    """Samples ``x`` (N, D) and int64 labels ``y``: float32 pixels binarised by the image
-    loaders, or int64 token ids (padding id 0) for text."""
-
-    x: np.ndarray
-    y: np.ndarray
-
-    def __post_init__(self) -> None:
-        if self.x.ndim != 2 or self.y.ndim != 1 or len(self.x) != len(self.y):
-            raise DataError(f"Dataset needs x (N, D) and y (N,), got {self.x.shape} and {self.y.shape}")
-
-    def __len__(self) -> int:
-        return len(self.y)
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,26 +109,6 @@ def load_mnist(path: str | os.PathLike | None = None, threshold: int = 127) -> t
     return out[0], out[1]
 
 
-def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted (train_idx, test_idx): per class, a seeded shuffle puts round(n*fraction) rows in test.
-
-    Own numpy implementation so the split cannot change with scikit-learn versions.
-    Every class keeps at least one row on each side (classes need >= 2 rows).
-    """
-    if not 0.0 < test_fraction < 1.0:
-        raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    rng = np.random.default_rng(seed)
-    train, test = [], []
-    for c in np.unique(y):
-        idx = rng.permutation(np.flatnonzero(y == c))
-        if len(idx) < 2:
-            raise DataError(f"class {c} has {len(idx)} sample(s); a stratified split needs >= 2")
-        n_test = min(max(int(round(len(idx) * test_fraction)), 1), len(idx) - 1)
-        test.append(idx[:n_test])
-        train.append(idx[n_test:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
-
-
 def load_digits(threshold: float = 7.0, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
     """scikit-learn's bundled 8x8 digits (no download) binarised at value > threshold: a fast MNIST stand-in."""
     try:
@@ -172,7 +132,7 @@ def load_dataset(name: str, path: str | None = None, seed: int = 0, max_length: 
     if name == "mnist":
         return load_mnist(path)
     if name == "bbc":
-        from fclcore.text import load_bbc_datasets
+        from fclcore.text import load_bbc_datasets  # tokenizers: only for text
         return load_bbc_datasets(path, seed, max_length)
     if name == "digits":
         if path is not None:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fclcore.data import DataError, stratified_split
+from fclcore.dataset import DataError, stratified_split
 
 __all__ = [
     "TextCorpus", "EncodedDocs", "TextTokenizer", "default_bbc_dir", "load_text_folders", "load_bbc",
@@ -237,7 +237,7 @@ def bbc_split(path: str | os.PathLike | None, seed: int) -> tuple[TextCorpus, np
 
 def load_bbc_datasets(path: str | os.PathLike | None, seed: int, max_length: int):
     """(train, test) ``Dataset``s of token ids (N, max_length) and class ids."""
-    from fclcore.data import Dataset
+    from fclcore.dataset import Dataset
 
     corpus, train, test, _ = bbc_split(path, seed)
     tok = TextTokenizer(default_tokenizer_json(), max_length)
