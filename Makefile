@@ -1,9 +1,11 @@
-# make lint: ruff and the import layers of DESIGN.md; make test: the README's test command.
+# make lint: ruff (lint + format check) and the import layers of DESIGN.md; make test: the README's test
+# command; make format: apply ruff's formatting and fixes.
 PY ?= python3
 
 .PHONY: lint test check format
 lint:
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	lint-imports
 
 test:
@@ -12,4 +14,5 @@ test:
 check: lint test
 
 format:
+	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .

@@ -21,8 +21,15 @@ log = logging.getLogger(__name__)
 
 
 class ClientSet:
-    def __init__(self, initial: Sequence[str], *, open_enrollment: bool = False, max_clients: int = 10_000,
-                 drop_after_missed: int | None = None, admit: Callable[[str], bool] = lambda client: True) -> None:
+    def __init__(
+        self,
+        initial: Sequence[str],
+        *,
+        open_enrollment: bool = False,
+        max_clients: int = 10_000,
+        drop_after_missed: int | None = None,
+        admit: Callable[[str], bool] = lambda client: True,
+    ) -> None:
         """``admit(client)``: a last check before a new device enrolls (e.g. its signing key exists)."""
         self.initial = list(initial)
         self.open_enrollment = open_enrollment

@@ -51,9 +51,16 @@ class Inbox:
     last_seq: dict[str, int] = field(default_factory=dict)  # highest sequence accepted per device
     min_samples: int = 1  # 0 for methods where a device may have nothing to train in a task (fedet)
 
-    def check(self, client: str | None, payload: bytes, packet_bytes: int, open_round: int,
-              received: set[str], kind: Kind = Kind.UPDATE,
-              current: Mapping[str, np.ndarray] | None = None) -> Update | Rejection:
+    def check(
+        self,
+        client: str | None,
+        payload: bytes,
+        packet_bytes: int,
+        open_round: int,
+        received: set[str],
+        kind: Kind = Kind.UPDATE,
+        current: Mapping[str, np.ndarray] | None = None,
+    ) -> Update | Rejection:
         """Accept or reject one message; on acceptance the device's sequence mark advances."""
         if client is None or client not in self.clients:
             return Rejection("unknown-client", f"sender {client!r} is not an expected client", client)
@@ -90,8 +97,12 @@ class Inbox:
             if self.max_update_norm is not None and current is not None:
                 norm = update_distance(tensors, current)
                 if not norm <= self.max_update_norm:
-                    return Rejection("norm", f"L2 distance to the global model {norm:.4g} exceeds "
-                                             f"max_update_norm {self.max_update_norm:.4g}", client)
+                    return Rejection(
+                        "norm",
+                        f"L2 distance to the global model {norm:.4g} exceeds "
+                        f"max_update_norm {self.max_update_norm:.4g}",
+                        client,
+                    )
         self.last_seq[client] = frame.header.sequence
         n_samples = frame.meta["n_samples"] if kind is Kind.UPDATE else 0
         return Update(client, frame, n_samples, packet_bytes, len(payload), tensors, parsed)
@@ -107,8 +118,9 @@ class Inbox:
         if h.round != open_round:
             late = h.round < open_round
             what = "closed" if late else "not yet open"
-            return Rejection("late" if late else "round", f"round {h.round} is {what} (open: {open_round})",
-                             client, late=late)
+            return Rejection(
+                "late" if late else "round", f"round {h.round} is {what} (open: {open_round})", client, late=late
+            )
         return None
 
     def _content_problem(self, frame: Frame, kind: Kind) -> str | None:
@@ -120,8 +132,10 @@ class Inbox:
         if "eval" in meta:
             problem = eval_problem(meta["eval"], self.num_tasks)
             if problem is None and meta["eval"]["round"] != frame.header.round - 1:
-                problem = (f"meta.eval.round: expected {frame.header.round - 1} (the round before this "
-                           f"frame's), got {meta['eval']['round']}")
+                problem = (
+                    f"meta.eval.round: expected {frame.header.round - 1} (the round before this "
+                    f"frame's), got {meta['eval']['round']}"
+                )
             return problem
         return None
 

@@ -33,16 +33,16 @@ LATENCY_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 
 
 class AggregatorMetrics:
-    def __init__(self, federation: str, port: int | None = None, addr: str = "127.0.0.1",
-                 registry: Any = None) -> None:
+    def __init__(self, federation: str, port: int | None = None, addr: str = "127.0.0.1", registry: Any = None) -> None:
         self.federation = federation
         self._server = None
         try:
             import prometheus_client as prom
         except ImportError:
             if port is not None:
-                raise ConfigError("metrics_port is set but prometheus-client is not installed: "
-                                  "pip install 'fcl-edge[service]'") from None
+                raise ConfigError(
+                    "metrics_port is set but prometheus-client is not installed: pip install 'fcl-edge[service]'"
+                ) from None
             self.registry = None
             return
         self.registry = registry if registry is not None else prom.CollectorRegistry()
@@ -54,18 +54,29 @@ class AggregatorMetrics:
         fed, reg = ["federation"], self.registry
         self._rounds = prom.Counter("fcl_rounds", "Rounds aggregated", fed, registry=reg)
         self._accepted = prom.Counter("fcl_accepted_updates", "Client updates aggregated", fed, registry=reg)
-        self._clients = prom.Gauge("fcl_clients_connected", "Expected clients whose status is online", fed,
-                                   registry=reg)
-        self._up = prom.Counter("fcl_bytes_up", "MQTT PUBLISH bytes of client uploads (clients to aggregator)",
-                                fed, registry=reg)
-        self._down = prom.Counter("fcl_bytes_down", "MQTT PUBLISH bytes delivered to clients (round "
-                                  "announcements and knowledge, counted once per client)", fed, registry=reg)
-        self._rejected = prom.Counter("fcl_rejected_updates", "Messages dropped by validation, by reason",
-                                      fed + ["reason"], registry=reg)
-        self._latency = prom.Histogram("fcl_round_latency_seconds", "From a round's announcement to its "
-                                       "aggregation", fed, buckets=LATENCY_BUCKETS, registry=reg)
-        self._round = prom.Gauge("fcl_current_round", "The round in progress (or last finished)", fed,
-                                 registry=reg)
+        self._clients = prom.Gauge(
+            "fcl_clients_connected", "Expected clients whose status is online", fed, registry=reg
+        )
+        self._up = prom.Counter(
+            "fcl_bytes_up", "MQTT PUBLISH bytes of client uploads (clients to aggregator)", fed, registry=reg
+        )
+        self._down = prom.Counter(
+            "fcl_bytes_down",
+            "MQTT PUBLISH bytes delivered to clients (round announcements and knowledge, counted once per client)",
+            fed,
+            registry=reg,
+        )
+        self._rejected = prom.Counter(
+            "fcl_rejected_updates", "Messages dropped by validation, by reason", fed + ["reason"], registry=reg
+        )
+        self._latency = prom.Histogram(
+            "fcl_round_latency_seconds",
+            "From a round's announcement to its aggregation",
+            fed,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._round = prom.Gauge("fcl_current_round", "The round in progress (or last finished)", fed, registry=reg)
         self._task = prom.Gauge("fcl_current_task", "The task of the round in progress", fed, registry=reg)
 
     def _serve(self, prom: Any, port: int, addr: str) -> None:

@@ -45,13 +45,34 @@ class RunLog:
             self._file.write(line + "\n")
             self._file.flush()
 
-    def round_client(self, rnd: int, task: int, client: str, *, up: int, payload_up: int, down: int,
-                     payload_down: int, dense_fp32_up: int, **extra: object) -> None:
+    def round_client(
+        self,
+        rnd: int,
+        task: int,
+        client: str,
+        *,
+        up: int,
+        payload_up: int,
+        down: int,
+        payload_down: int,
+        dense_fp32_up: int,
+        **extra: object,
+    ) -> None:
         totals = self.bytes[client]
         totals.update(up=up, payload_up=payload_up, down=down, payload_down=payload_down)
         self.dense_fp32_up += dense_fp32_up
-        self.write("round_client", round=rnd, task=task, client=client, bytes_up=up, bytes_down=down,
-                   payload_up=payload_up, payload_down=payload_down, dense_fp32_up=dense_fp32_up, **extra)
+        self.write(
+            "round_client",
+            round=rnd,
+            task=task,
+            client=client,
+            bytes_up=up,
+            bytes_down=down,
+            payload_up=payload_up,
+            payload_down=payload_down,
+            dense_fp32_up=dense_fp32_up,
+            **extra,
+        )
 
     def offset(self) -> int:
         """Bytes of metrics.jsonl written so far (a checkpoint records it)."""
@@ -67,16 +88,22 @@ class RunLog:
             self._file.close()
             with open(path, "r+b") as handle:
                 if handle.seek(0, os.SEEK_END) < offset:
-                    raise ValueError(f"{path} is shorter ({handle.tell()} bytes) than the checkpoint's "
-                                     f"offset {offset}: it was truncated or replaced")
+                    raise ValueError(
+                        f"{path} is shorter ({handle.tell()} bytes) than the checkpoint's "
+                        f"offset {offset}: it was truncated or replaced"
+                    )
                 handle.truncate(offset)
             self._file = open(path, "a", encoding="utf-8")
         with open(path, encoding="utf-8") as handle:
             for line in handle:
                 event = json.loads(line)
                 if event["event"] == "round_client":
-                    self.bytes[event["client"]].update(up=event["bytes_up"], payload_up=event["payload_up"],
-                                                       down=event["bytes_down"], payload_down=event["payload_down"])
+                    self.bytes[event["client"]].update(
+                        up=event["bytes_up"],
+                        payload_up=event["payload_up"],
+                        down=event["bytes_down"],
+                        payload_down=event["payload_down"],
+                    )
                     self.dense_fp32_up += event.get("dense_fp32_up", 0)
                 elif event["event"] == "eval":
                     report = {k: v for k, v in event.items() if k not in ("event", "client")}
@@ -103,8 +130,18 @@ class RunLog:
         self.write("round_summary", round=rnd, task=task, **{f"mean_{metric}": mean}, clients=len(reports))
         return mean
 
-    def summary(self, *, method: str, federation: str, clients: list[str], tasks: int, rounds: int,
-                rounds_per_task: int, task_ends: list[int], **extra: object) -> dict:
+    def summary(
+        self,
+        *,
+        method: str,
+        federation: str,
+        clients: list[str],
+        tasks: int,
+        rounds: int,
+        rounds_per_task: int,
+        task_ends: list[int],
+        **extra: object,
+    ) -> dict:
         """``task_ends``: the last round of each task (the schedule's), whose evaluations are
         the rows of the continual metrics."""
         per_client = {}
@@ -117,10 +154,16 @@ class RunLog:
         up = sum(c["up"] for c in self.bytes.values())
         down = sum(c["down"] for c in self.bytes.values())
         out = {
-            "method": method, "federation": federation, "clients": len(clients), "client_ids": clients,
-            "tasks": tasks, "rounds": rounds, "rounds_per_task": rounds_per_task,
+            "method": method,
+            "federation": federation,
+            "clients": len(clients),
+            "client_ids": clients,
+            "tasks": tasks,
+            "rounds": rounds,
+            "rounds_per_task": rounds_per_task,
             "bytes": {
-                "up_total": up, "down_total": down,
+                "up_total": up,
+                "down_total": down,
                 "payload_up_total": sum(c["payload_up"] for c in self.bytes.values()),
                 "payload_down_total": sum(c["payload_down"] for c in self.bytes.values()),
                 "dense_fp32_up_total": self.dense_fp32_up,

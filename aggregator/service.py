@@ -61,12 +61,23 @@ class AggregatorService:
                 keys = load_keys(cfg.keys_dir, cfg.expected_clients)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"keys_dir: {exc}") from None
-        self.clients = ClientSet(cfg.expected_clients, open_enrollment=cfg.enrollment == "open",
-                                 max_clients=cfg.max_clients, drop_after_missed=cfg.drop_after_missed,
-                                 admit=self._admit)
-        self.inbox = Inbox(self.fed.name, self.clients, self.strategy.normalize,
-                           self.fed.num_tasks, self.limits, keys=keys,
-                           max_update_norm=self.fed.rounds.max_update_norm, min_samples=self.strategy.min_samples)
+        self.clients = ClientSet(
+            cfg.expected_clients,
+            open_enrollment=cfg.enrollment == "open",
+            max_clients=cfg.max_clients,
+            drop_after_missed=cfg.drop_after_missed,
+            admit=self._admit,
+        )
+        self.inbox = Inbox(
+            self.fed.name,
+            self.clients,
+            self.strategy.normalize,
+            self.fed.num_tasks,
+            self.limits,
+            keys=keys,
+            max_update_norm=self.fed.rounds.max_update_norm,
+            min_samples=self.strategy.min_samples,
+        )
         self.runlog = RunLog(cfg.out_dir)
         self.queue: queue.Queue[Incoming] = queue.Queue()
         self.sequence = 0
@@ -78,10 +89,13 @@ class AggregatorService:
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
         self.metrics = AggregatorMetrics(self.fed.name, cfg.metrics_port, cfg.metrics_addr)
-        self.link = link_factory(cfg.broker, f"fcl-{self.fed.name}-aggregator",
-                             status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
-                             subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
-                             on_message=lambda t, p, n: self.queue.put(Incoming(t, p, n)))
+        self.link = link_factory(
+            cfg.broker,
+            f"fcl-{self.fed.name}-aggregator",
+            status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
+            subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
+            on_message=lambda t, p, n: self.queue.put(Incoming(t, p, n)),
+        )
 
     # -- lifecycle -------------------------------------------------------------------
     def _resume(self) -> int:
@@ -93,8 +107,10 @@ class AggregatorService:
         if committed is None:
             return 0
         if committed.fingerprint != self.fingerprint:
-            raise ConfigError(f"state_dir {self.store.dir}: it belongs to a different federation or input_dim; "
-                              f"move it away to start afresh, or restore the old config")
+            raise ConfigError(
+                f"state_dir {self.store.dir}: it belongs to a different federation or input_dim; "
+                f"move it away to start afresh, or restore the old config"
+            )
         if not self.strategy.fits(committed.global_params):
             raise ConfigError(f"state_dir {self.store.dir}: the committed model does not fit this federation")
         try:
@@ -111,9 +127,20 @@ class AggregatorService:
 
     def _commit(self, rnd: int) -> None:
         meta, arrays = self.strategy.state()
-        self.store.commit(Committed(self.fingerprint, rnd, self.sequence, dict(self.inbox.last_seq),
-                                    dict(self.runlog.rejections), self.runlog.offset(), meta,
-                                    self.global_params, arrays, self.clients.state()))
+        self.store.commit(
+            Committed(
+                self.fingerprint,
+                rnd,
+                self.sequence,
+                dict(self.inbox.last_seq),
+                dict(self.runlog.rejections),
+                self.runlog.offset(),
+                meta,
+                self.global_params,
+                arrays,
+                self.clients.state(),
+            )
+        )
 
     def _admit(self, client: str) -> bool:
         """A device may enroll when updates need signatures only if its key is provisioned."""
@@ -173,8 +200,10 @@ class AggregatorService:
         need = self._quorum(len(expected))
         online = len(self.clients.online & expected)
         if online < need:
-            raise NotEnoughClients(f"{online} of {len(expected)} clients online after "
-                                   f"{self.fed.rounds.start_timeout_s:.0f} s; quorum needs {need}")
+            raise NotEnoughClients(
+                f"{online} of {len(expected)} clients online after "
+                f"{self.fed.rounds.start_timeout_s:.0f} s; quorum needs {need}"
+            )
         log.info("%d/%d clients online", online, len(expected))
 
     # -- one round -------------------------------------------------------------------
@@ -193,13 +222,19 @@ class AggregatorService:
             if len(received) >= self._quorum(len(roster)):
                 updates = [received[c] for c in sorted(received)]  # arrival order must not change the sums
                 self.global_params = self.strategy.aggregate(updates, self.global_params)
-                self._record_round(rnd, task, roster, received, down, payload_down, attempt,
-                                   time.monotonic() - started, knowledge)
+                self._record_round(
+                    rnd, task, roster, received, down, payload_down, attempt, time.monotonic() - started, knowledge
+                )
                 self.clients.close_round(roster, received)
                 self._commit(rnd)
                 return
-            log.warning("round %d attempt %d: %d updates, quorum %d; re-announcing",
-                        rnd, attempt, len(received), self._quorum(len(roster)))
+            log.warning(
+                "round %d attempt %d: %d updates, quorum %d; re-announcing",
+                rnd,
+                attempt,
+                len(received),
+                self._quorum(len(roster)),
+            )
         raise NotEnoughClients(f"round {rnd} missed its quorum in {self.fed.rounds.max_attempts} attempts")
 
     def _send_downlinks(self, rnd: int, task: int, roster: list[str]) -> dict[str, tuple[int, int]]:
@@ -214,14 +249,20 @@ class AggregatorService:
             self.link.publish(topic, payload, retain=True, tag=f"knowledge:{task}")
             self.retained[topic] = payload
             sizes[client] = (publish_packet_bytes(topic, len(payload)), len(payload))
-            self.runlog.write("knowledge", task=task, client=client, bytes=sizes[client][0],
-                              **self.strategy.downlink_log(meta))
+            self.runlog.write(
+                "knowledge", task=task, client=client, bytes=sizes[client][0], **self.strategy.downlink_log(meta)
+            )
         return sizes
 
     def _announce(self, kind: Kind, rnd: int, task: int, attempt: int = 1) -> tuple[int, int]:
-        meta = {"federation": to_dict(self.fed), "input_dim": self.cfg.input_dim,
-                "total_rounds": self.fed.total_rounds, "attempt": attempt,
-                "schedule": self._schedule_meta(rnd), **self.strategy.announce_meta(rnd)}
+        meta = {
+            "federation": to_dict(self.fed),
+            "input_dim": self.cfg.input_dim,
+            "total_rounds": self.fed.total_rounds,
+            "attempt": attempt,
+            "schedule": self._schedule_meta(rnd),
+            **self.strategy.announce_meta(rnd),
+        }
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
         payload = encode(Frame(header, meta, self.global_params), self.fed.wire.value_dtype, self.limits)
@@ -251,8 +292,9 @@ class AggregatorService:
         """Updates accepted in round ``rnd`` before a restart, checked again like new arrivals."""
         received: dict[str, Update] = {}
         for client, payload, packet_bytes in self.store.journaled(rnd):
-            result = self.inbox.check(client, payload, packet_bytes, rnd, set(received), Kind.UPDATE,
-                                      self.global_params)
+            result = self.inbox.check(
+                client, payload, packet_bytes, rnd, set(received), Kind.UPDATE, self.global_params
+            )
             if isinstance(result, Update):
                 self._accept(result, rnd, payload, journal=False)
                 received[result.client] = result
@@ -260,8 +302,9 @@ class AggregatorService:
             log.info("round %d: %d update(s) recovered from the journal", rnd, len(received))
         return received
 
-    def _collect(self, rnd: int, roster: list[str], received: dict[str, Update] | None = None,
-                 kind: Kind = Kind.UPDATE) -> dict[str, Update]:
+    def _collect(
+        self, rnd: int, roster: list[str], received: dict[str, Update] | None = None, kind: Kind = Kind.UPDATE
+    ) -> dict[str, Update]:
         """Fill ``received`` until every client of the round's roster replied or the deadline
         passes; clients still missing are asked to re-send every ``resend_after_s`` (their update
         may have been lost with a broker, or sent while this service was down)."""
@@ -269,8 +312,7 @@ class AggregatorService:
         now = time.monotonic()
         deadline, resend_at = now + self.fed.rounds.deadline_s, now + self.fed.rounds.resend_after_s
         expected = set(roster)
-        while not self._round_complete(received, expected) and time.monotonic() < deadline \
-                and not self.stop.is_set():
+        while not self._round_complete(received, expected) and time.monotonic() < deadline and not self.stop.is_set():
             self._drain(rnd, received, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())), kind=kind)
             self._after_outage()
             if time.monotonic() >= resend_at and set(received) < expected:
@@ -295,8 +337,7 @@ class AggregatorService:
         self.runlog.write("request", round=rnd, kind=kind.name, missing=missing)
         log.info("round %d: asked %s to re-send", rnd, ", ".join(missing))
 
-    def _drain(self, open_round: int, received: dict[str, Update], timeout: float,
-               kind: Kind = Kind.UPDATE) -> None:
+    def _drain(self, open_round: int, received: dict[str, Update], timeout: float, kind: Kind = Kind.UPDATE) -> None:
         self.watchdog.beat()
         try:
             item = self.queue.get(timeout=timeout)
@@ -307,8 +348,9 @@ class AggregatorService:
             self._on_status(who, item.payload, open_round)
             return
         client = topics.parse_update_topic(self.fed.name, item.topic)
-        result = self.inbox.check(client, item.payload, item.packet_bytes, open_round, set(received), kind,
-                                  self.global_params)
+        result = self.inbox.check(
+            client, item.payload, item.packet_bytes, open_round, set(received), kind, self.global_params
+        )
         if isinstance(result, Rejection):
             self._reject(item.topic, result, open_round)
             return
@@ -324,47 +366,82 @@ class AggregatorService:
     def _reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)
         self.metrics.rejected(rejection.reason)
-        self.runlog.rejected(rejection.reason, rejection.detail, topic=topic, client=rejection.client,
-                             open_round=open_round)
+        self.runlog.rejected(
+            rejection.reason, rejection.detail, topic=topic, client=rejection.client, open_round=open_round
+        )
 
     def _on_status(self, who: str, payload: bytes, open_round: int) -> None:
         if who == topics.AGGREGATOR_ID or not payload:
             return
         status = parse_status(payload)
         if status is None:
-            self._reject(topics.status_topic(self.fed.name, who),
-                         Rejection("status", "not a JSON status object", who), open_round)
+            self._reject(
+                topics.status_topic(self.fed.name, who),
+                Rejection("status", "not a JSON status object", who),
+                open_round,
+            )
             return
         self.clients.on_status(who, status["state"])
         if status["state"] != "online":
             log.info("client %s is %s", who, status["state"])
         self.metrics.clients_online(len(self.clients.online & set(self.clients.enrolled)))
 
-    def _record_round(self, rnd: int, task: int, roster: list[str], received: dict[str, Update], down: int,
-                      payload_down: int, attempt: int, duration: float,
-                      knowledge: dict[str, tuple[int, int]]) -> None:
+    def _record_round(
+        self,
+        rnd: int,
+        task: int,
+        roster: list[str],
+        received: dict[str, Update],
+        down: int,
+        payload_down: int,
+        attempt: int,
+        duration: float,
+        knowledge: dict[str, tuple[int, int]],
+    ) -> None:
         for client in roster:
             update = received.get(client)
             meta = update.frame.meta if update else {}
             kb_bytes, kb_payload = knowledge.get(client, (0, 0))
             self.runlog.round_client(
-                rnd, task, client, up=update.packet_bytes if update else 0,
-                payload_up=update.payload_bytes if update else 0, down=down + kb_bytes,
+                rnd,
+                task,
+                client,
+                up=update.packet_bytes if update else 0,
+                payload_up=update.payload_bytes if update else 0,
+                down=down + kb_bytes,
                 payload_down=payload_down + kb_payload,
                 dense_fp32_up=self.strategy.dense_fp32_bytes if update else 0,
-                status="accepted" if update else "missing", n_samples=meta.get("n_samples"),
-                train_nll=_number(meta.get("train_nll")), rejected_by_client=_counts(meta.get("rejected")),
-                base_values=_count(meta.get("base_values")))
+                status="accepted" if update else "missing",
+                n_samples=meta.get("n_samples"),
+                train_nll=_number(meta.get("train_nll")),
+                rejected_by_client=_counts(meta.get("rejected")),
+                base_values=_count(meta.get("base_values")),
+            )
             if "attention" in meta:
                 self.runlog.write("attention", round=rnd, task=task, client=client, **_attention(meta["attention"]))
-        self.runlog.write("round", round=rnd, task=task, attempt=attempt, accepted=len(received),
-                          expected=len(roster), duration_s=round(duration, 3))
+        self.runlog.write(
+            "round",
+            round=rnd,
+            task=task,
+            attempt=attempt,
+            accepted=len(received),
+            expected=len(roster),
+            duration_s=round(duration, 3),
+        )
         self.metrics.round_done(rnd, task, len(received), duration)
-        self.metrics.add_bytes(up=sum(u.packet_bytes for u in received.values()),
-                               down=sum(down + knowledge.get(c, (0, 0))[0] for c in roster))
+        self.metrics.add_bytes(
+            up=sum(u.packet_bytes for u in received.values()),
+            down=sum(down + knowledge.get(c, (0, 0))[0] for c in roster),
+        )
         meter = self.link.meter.snapshot()
-        self.link.publish_status("online", role="aggregator", task=task, round=rnd,
-                                 bytes_up=meter["up"]["bytes"], bytes_down=meter["down"]["bytes"])
+        self.link.publish_status(
+            "online",
+            role="aggregator",
+            task=task,
+            round=rnd,
+            bytes_up=meter["up"]["bytes"],
+            bytes_down=meter["down"]["bytes"],
+        )
         if rnd > 0:
             self.runlog.round_summary(rnd - 1, self.schedule.task_of(rnd - 1))
 
@@ -379,11 +456,17 @@ class AggregatorService:
         log.info("final evaluation from %d/%d clients", len(received), len(roster))
 
     def _write_summary(self, duration: float) -> None:
-        self.runlog.summary(method=self.fed.method, federation=self.fed.name,
-                            clients=list(self.clients.known), tasks=self.fed.num_tasks,
-                            rounds=self.fed.total_rounds, rounds_per_task=self.fed.rounds_per_task,
-                            task_ends=[self.schedule.last_round(t) for t in range(self.schedule.num_tasks)],
-                            duration_s=round(duration, 2), meter=self.link.meter.snapshot())
+        self.runlog.summary(
+            method=self.fed.method,
+            federation=self.fed.name,
+            clients=list(self.clients.known),
+            tasks=self.fed.num_tasks,
+            rounds=self.fed.total_rounds,
+            rounds_per_task=self.fed.rounds_per_task,
+            task_ends=[self.schedule.last_round(t) for t in range(self.schedule.num_tasks)],
+            duration_s=round(duration, 2),
+            meter=self.link.meter.snapshot(),
+        )
 
     def _quorum(self, enrolled: int) -> int:
         """Updates a round needs: the configured share of the clients enrolled for it."""
@@ -395,9 +478,13 @@ def _attention(report: object) -> dict:
     if not isinstance(report, dict):
         return {}
     entries, alpha = report.get("entries"), report.get("alpha")
-    ok = (isinstance(entries, list) and isinstance(alpha, list) and len(entries) == len(alpha) <= 1024
-          and all(isinstance(e, str) for e in entries)
-          and all(is_finite_number(a) for a in alpha))
+    ok = (
+        isinstance(entries, list)
+        and isinstance(alpha, list)
+        and len(entries) == len(alpha) <= 1024
+        and all(isinstance(e, str) for e in entries)
+        and all(is_finite_number(a) for a in alpha)
+    )
     return {"entries": entries, "alpha": alpha} if ok else {}
 
 

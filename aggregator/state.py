@@ -68,22 +68,34 @@ class StateStore:
             return None
         meta, arrays = loaded
         try:
-            state = Committed(fingerprint=str(meta["fingerprint"]), round=int(meta["round"]),
-                              sequence=int(meta["sequence"]),
-                              last_seq={str(k): int(v) for k, v in meta["last_seq"].items()},
-                              rejections={str(k): int(v) for k, v in meta["rejections"].items()},
-                              metrics_offset=int(meta["metrics_offset"]), strategy=dict(meta["strategy"]),
-                              clients=dict(meta.get("clients", {})))
+            state = Committed(
+                fingerprint=str(meta["fingerprint"]),
+                round=int(meta["round"]),
+                sequence=int(meta["sequence"]),
+                last_seq={str(k): int(v) for k, v in meta["last_seq"].items()},
+                rejections={str(k): int(v) for k, v in meta["rejections"].items()},
+                metrics_offset=int(meta["metrics_offset"]),
+                strategy=dict(meta["strategy"]),
+                clients=dict(meta.get("clients", {})),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{self.path}: malformed metadata ({exc})") from None
-        state.global_params = {k[len(_GLOBAL):]: v for k, v in arrays.items() if k.startswith(_GLOBAL)}
+        state.global_params = {k[len(_GLOBAL) :]: v for k, v in arrays.items() if k.startswith(_GLOBAL)}
         state.strategy_arrays = {k: v for k, v in arrays.items() if not k.startswith(_GLOBAL)}
         return state
 
     def commit(self, state: Committed) -> None:
-        meta = {"version": STATE_VERSION, "fingerprint": state.fingerprint, "round": state.round,
-                "sequence": state.sequence, "last_seq": state.last_seq, "rejections": state.rejections,
-                "metrics_offset": state.metrics_offset, "strategy": state.strategy, "clients": state.clients}
+        meta = {
+            "version": STATE_VERSION,
+            "fingerprint": state.fingerprint,
+            "round": state.round,
+            "sequence": state.sequence,
+            "last_seq": state.last_seq,
+            "rejections": state.rejections,
+            "metrics_offset": state.metrics_offset,
+            "strategy": state.strategy,
+            "clients": state.clients,
+        }
         arrays = {_GLOBAL + k: v for k, v in state.global_params.items()}
         if set(arrays) & set(state.strategy_arrays):
             raise ValueError("strategy array names collide with the global model's")

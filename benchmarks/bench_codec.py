@@ -12,6 +12,7 @@ picks the smallest layout).  Timings are the median over --repeats runs after
 
 Prints a markdown table and writes JSON (results + machine info + command line).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,18 +40,26 @@ HEADER = Header(Kind.UPDATE, "bench", 1, 0, "client-0", 1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--elements", type=int, default=1_000_000, help="tensor size (elements)")
-    parser.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.1, 0.01],
-                        help="fractions of non-zero entries; 1.0 is sent as a dense ndarray")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"],
-                        choices=["float32", "float16"], help="wire value dtypes")
+    parser.add_argument(
+        "--densities",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.1, 0.01],
+        help="fractions of non-zero entries; 1.0 is sent as a dense ndarray",
+    )
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16"], help="wire value dtypes"
+    )
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per case")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per case")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed for the tensor")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "codec.json",
-                        help="JSON output path")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "codec.json", help="JSON output path"
+    )
     return parser.parse_args(argv)
 
 
@@ -91,33 +100,46 @@ def run_case(tensor, value_dtype: str, density: float, args: argparse.Namespace)
     enc_ms, dec_ms = statistics.median(enc), statistics.median(dec)
     dense_bytes = args.elements * 4
     return {
-        "value_dtype": value_dtype, "density": density, "layout": layout_of(data, frame.meta),
+        "value_dtype": value_dtype,
+        "density": density,
+        "layout": layout_of(data, frame.meta),
         "nnz": args.elements if isinstance(tensor, np.ndarray) else tensor.nnz,
-        "frame_bytes": len(data), "dense_float32_bytes": dense_bytes,
-        "encode_ms_median": enc_ms, "encode_ms_min": min(enc),
-        "decode_ms_median": dec_ms, "decode_ms_min": min(dec),
-        "encode_wire_MBps": len(data) / enc_ms / 1e3, "decode_wire_MBps": len(data) / dec_ms / 1e3,
-        "encode_dense_MBps": dense_bytes / enc_ms / 1e3, "decode_dense_MBps": dense_bytes / dec_ms / 1e3,
+        "frame_bytes": len(data),
+        "dense_float32_bytes": dense_bytes,
+        "encode_ms_median": enc_ms,
+        "encode_ms_min": min(enc),
+        "decode_ms_median": dec_ms,
+        "decode_ms_min": min(dec),
+        "encode_wire_MBps": len(data) / enc_ms / 1e3,
+        "decode_wire_MBps": len(data) / dec_ms / 1e3,
+        "encode_dense_MBps": dense_bytes / enc_ms / 1e3,
+        "decode_dense_MBps": dense_bytes / dec_ms / 1e3,
     }
 
 
 def machine_info() -> dict:
     return {
-        "processor": platform.processor(), "machine": platform.machine(),
-        "platform": platform.platform(), "cpu_count": os.cpu_count(),
-        "python": platform.python_version(), "numpy": np.__version__,
+        "processor": platform.processor(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
     }
 
 
 def markdown_table(results: list[dict]) -> str:
-    lines = ["| dtype | density | layout | frame KB | enc ms | enc MB/s wire | enc MB/s dense "
-             "| dec ms | dec MB/s wire | dec MB/s dense |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| dtype | density | layout | frame KB | enc ms | enc MB/s wire | enc MB/s dense "
+        "| dec ms | dec MB/s wire | dec MB/s dense |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         lines.append(
             f"| {r['value_dtype']} | {r['density']:.0%} | {r['layout']} | {r['frame_bytes'] / 1e3:,.1f} "
             f"| {r['encode_ms_median']:.2f} | {r['encode_wire_MBps']:,.0f} | {r['encode_dense_MBps']:,.0f} "
-            f"| {r['decode_ms_median']:.2f} | {r['decode_wire_MBps']:,.0f} | {r['decode_dense_MBps']:,.0f} |")
+            f"| {r['decode_ms_median']:.2f} | {r['decode_wire_MBps']:,.0f} | {r['decode_dense_MBps']:,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -126,14 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     tensors = {d: make_tensor(args.elements, d, rng) for d in args.densities}
     results = [run_case(tensors[d], vd, d, args) for vd in args.dtypes for d in args.densities]
-    print(f"codec benchmark: {args.elements:,} elements, median of {args.repeats} runs "
-          f"(MB = 10^6 bytes; 'dense' = elements x 4 bytes)\n")
+    print(
+        f"codec benchmark: {args.elements:,} elements, median of {args.repeats} runs "
+        f"(MB = 10^6 bytes; 'dense' = elements x 4 bytes)\n"
+    )
     print(markdown_table(results))
     report = {
-        "benchmark": "codec", "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "benchmark": "codec",
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(),
         "command": shlex.join([sys.executable, *sys.argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": machine_info(), "results": results,
+        "machine": machine_info(),
+        "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -16,6 +16,7 @@ distillation, entropy-aware server distillation), ``fedet-j1`` (``fedet`` with o
 (``fedet-finetune`` on one task holding every class for the same total rounds: the upper bound).
 Each task's first round is the class-sum round of the prototype selector, for every method.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SCENARIO = ROOT / "configs" / "scenarios" / "bbc_fedet.yaml"
-METHODS = {"fedet": "fedet", "fedet-j1": "fedet", "finetune-fl": "fedet-finetune", "replay-fl": "fedet-replay",
-           "multitask": "fedet-finetune"}
+METHODS = {
+    "fedet": "fedet",
+    "fedet-j1": "fedet",
+    "finetune-fl": "fedet-finetune",
+    "replay-fl": "fedet-replay",
+    "multitask": "fedet-finetune",
+}
 
 
 def overrides(args: argparse.Namespace, name: str, seed: int) -> list[str]:
@@ -41,15 +47,26 @@ def overrides(args: argparse.Namespace, name: str, seed: int) -> list[str]:
     tasks = [sum(args.tasks)] if name == "multitask" else args.tasks
     rounds = args.rounds_per_task * (len(args.tasks) if name == "multitask" else 1)
     groups = 1 if name == "fedet-j1" else args.groups
-    return [f"federation.method={METHODS[name]}", f"federation.name=bbc-{name}", f"federation.seed={seed}",
-            f"federation.rounds_per_task={rounds}", f"tasks.sizes={tasks}", f"clients={args.clients}",
-            f"data.class_fraction={args.fraction}", f"data.per_class={args.per_class}",
-            f"data.test_per_class={args.test_per_class}", f"federation.train.lr={args.lr}",
-            f"federation.train.batch_size={args.batch_size}", f"federation.options.num_groups={groups}",
-            f"federation.options.bottleneck={args.bottleneck}", f"federation.options.max_length={args.seq_len}",
-            f"federation.options.gamma={args.gamma}", f"federation.options.server_epochs={args.server_epochs}",
-            f"federation.options.aux_per_round={args.aux_per_round}",
-            f"federation.options.proto_init={args.proto_init}"]
+    return [
+        f"federation.method={METHODS[name]}",
+        f"federation.name=bbc-{name}",
+        f"federation.seed={seed}",
+        f"federation.rounds_per_task={rounds}",
+        f"tasks.sizes={tasks}",
+        f"clients={args.clients}",
+        f"data.class_fraction={args.fraction}",
+        f"data.per_class={args.per_class}",
+        f"data.test_per_class={args.test_per_class}",
+        f"federation.train.lr={args.lr}",
+        f"federation.train.batch_size={args.batch_size}",
+        f"federation.options.num_groups={groups}",
+        f"federation.options.bottleneck={args.bottleneck}",
+        f"federation.options.max_length={args.seq_len}",
+        f"federation.options.gamma={args.gamma}",
+        f"federation.options.server_epochs={args.server_epochs}",
+        f"federation.options.aux_per_round={args.aux_per_round}",
+        f"federation.options.proto_init={args.proto_init}",
+    ]
 
 
 def measure(run: Path, wall: float) -> dict:
@@ -65,14 +82,18 @@ def measure(run: Path, wall: float) -> dict:
     for wire in sorted((run / "clients").glob("*/wire.json")):
         cpu += list(json.loads(wire.read_text())["round_cpu_s"].values())
     final = summary["final"]
-    return {"acc_after_task": final.get("accuracy_per_task"),
-            "avg_incremental_acc": final.get("avg_incremental_accuracy"),
-            "forgetting": final.get("forgetting"), "rounds": summary["rounds"],
-            "upload_bytes_total": summary["bytes"]["up_total"], "download_bytes_total": summary["bytes"]["down_total"],
-            "upload_bytes_per_round_mean": float(np.mean(list(per_round.values()))),
-            "upload_ratio_vs_full_fp32": max(e["bytes_up"] for e in accepted) / dense,
-            "device_cpu_s_per_round_median": float(np.median(cpu)) if cpu else None,
-            "wall_seconds": round(wall, 1)}
+    return {
+        "acc_after_task": final.get("accuracy_per_task"),
+        "avg_incremental_acc": final.get("avg_incremental_accuracy"),
+        "forgetting": final.get("forgetting"),
+        "rounds": summary["rounds"],
+        "upload_bytes_total": summary["bytes"]["up_total"],
+        "download_bytes_total": summary["bytes"]["down_total"],
+        "upload_bytes_per_round_mean": float(np.mean(list(per_round.values()))),
+        "upload_ratio_vs_full_fp32": max(e["bytes_up"] for e in accepted) / dense,
+        "device_cpu_s_per_round_median": float(np.median(cpu)) if cpu else None,
+        "wall_seconds": round(wall, 1),
+    }
 
 
 def run_method(args: argparse.Namespace, name: str, seed: int) -> dict:
@@ -80,8 +101,9 @@ def run_method(args: argparse.Namespace, name: str, seed: int) -> dict:
 
     out = Path(args.work) / f"seed{seed}" / name
     started = time.perf_counter()
-    code = simulate(str(SCENARIO), str(out), overrides=overrides(args, name, seed), timeout=args.timeout,
-                    in_process=True)
+    code = simulate(
+        str(SCENARIO), str(out), overrides=overrides(args, name, seed), timeout=args.timeout, in_process=True
+    )
     if code != 0:
         raise SystemExit(f"{name} (seed {seed}): fcl simulate --in-process exited {code}; logs in {out / 'logs'}")
     return measure(out, time.perf_counter() - started)
@@ -94,43 +116,56 @@ def combine_seeds(runs: list[dict]) -> dict:
         per = [r["methods"][name] for r in runs]
         acc = [m["avg_incremental_acc"] for m in per]
         forgetting = [m["forgetting"] for m in per if m["forgetting"] is not None and name != "multitask"]
-        out[name] = {"avg_incremental_acc_mean": float(np.mean(acc)), "avg_incremental_acc_std": float(np.std(acc)),
-                     "avg_incremental_acc_per_seed": acc,
-                     "acc_after_task_per_seed": [m["acc_after_task"] for m in per],
-                     "forgetting_mean": float(np.mean(forgetting)) if forgetting else None,
-                     "upload_bytes_per_round_mean": float(np.mean([m["upload_bytes_per_round_mean"] for m in per])),
-                     "upload_ratio_vs_full_fp32": float(max(m["upload_ratio_vs_full_fp32"] for m in per)),
-                     "device_cpu_s_per_round_median": per[0]["device_cpu_s_per_round_median"]}
+        out[name] = {
+            "avg_incremental_acc_mean": float(np.mean(acc)),
+            "avg_incremental_acc_std": float(np.std(acc)),
+            "avg_incremental_acc_per_seed": acc,
+            "acc_after_task_per_seed": [m["acc_after_task"] for m in per],
+            "forgetting_mean": float(np.mean(forgetting)) if forgetting else None,
+            "upload_bytes_per_round_mean": float(np.mean([m["upload_bytes_per_round_mean"] for m in per])),
+            "upload_ratio_vs_full_fp32": float(max(m["upload_ratio_vs_full_fp32"] for m in per)),
+            "device_cpu_s_per_round_median": per[0]["device_cpu_s_per_round_median"],
+        }
     return out
 
 
 def write_markdown(path: Path, res: dict) -> None:
-    lines = [f"# FedET on class-incremental BBC News ({res['args']['tasks']} new classes per task)", "",
-             f"`{res['command']}` on {res['machine']['cpus']} CPUs ({res['machine']['platform']}; load average "
-             f"{res['machine']['load_before']} before, {res['machine']['load_after']} after), "
-             f"{res['wall_seconds']:.0f} s wall clock, seeds {res['args']['seeds']}. Every method ran through "
-             "the aggregator service and the client daemons (`fcl simulate --in-process`).", "",
-             "| method | registered as | avg incremental acc (mean +- std) | per seed | forgetting "
-             "| upload B / round (all clients) | largest upload vs full fp32 model | device CPU s / round |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# FedET on class-incremental BBC News ({res['args']['tasks']} new classes per task)",
+        "",
+        f"`{res['command']}` on {res['machine']['cpus']} CPUs ({res['machine']['platform']}; load average "
+        f"{res['machine']['load_before']} before, {res['machine']['load_after']} after), "
+        f"{res['wall_seconds']:.0f} s wall clock, seeds {res['args']['seeds']}. Every method ran through "
+        "the aggregator service and the client daemons (`fcl simulate --in-process`).",
+        "",
+        "| method | registered as | avg incremental acc (mean +- std) | per seed | forgetting "
+        "| upload B / round (all clients) | largest upload vs full fp32 model | device CPU s / round |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, m in res["methods"].items():
         forgetting = "-" if m["forgetting_mean"] is None else f"{m['forgetting_mean']:.3f}"
         seeds = ", ".join(f"{a:.3f}" for a in m["avg_incremental_acc_per_seed"])
         cpu = m["device_cpu_s_per_round_median"]
-        lines.append(f"| {name} | `{METHODS[name]}` | {m['avg_incremental_acc_mean']:.4f} +- "
-                     f"{m['avg_incremental_acc_std']:.4f} | {seeds} | {forgetting} "
-                     f"| {m['upload_bytes_per_round_mean']:,.0f} | {100 * m['upload_ratio_vs_full_fp32']:.2f}% "
-                     f"| {'-' if cpu is None else f'{cpu:.2f}'} |")
-    lines += ["", "Accuracy after task t is each device's accuracy on the test texts of every class seen by "
-              "then, averaged over devices; the average incremental accuracy is its mean over tasks (DESIGN.md "
-              "metrics). Upload bytes are MQTT PUBLISH packet bytes as the aggregator meters them; every "
-              "method's include the class-sum round at each task start."]
+        lines.append(
+            f"| {name} | `{METHODS[name]}` | {m['avg_incremental_acc_mean']:.4f} +- "
+            f"{m['avg_incremental_acc_std']:.4f} | {seeds} | {forgetting} "
+            f"| {m['upload_bytes_per_round_mean']:,.0f} | {100 * m['upload_ratio_vs_full_fp32']:.2f}% "
+            f"| {'-' if cpu is None else f'{cpu:.2f}'} |"
+        )
+    lines += [
+        "",
+        "Accuracy after task t is each device's accuracy on the test texts of every class seen by "
+        "then, averaged over devices; the average incremental accuracy is its mean over tasks (DESIGN.md "
+        "metrics). Upload bytes are MQTT PUBLISH packet bytes as the aggregator meters them; every "
+        "method's include the class-sum round at each task start.",
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--tasks", default="2,3", help="new classes per task (BBC has 5 classes)")
     p.add_argument("--clients", type=int, default=5)
@@ -141,8 +176,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test-per-class", type=int, default=40)
     p.add_argument("--aux-per-round", type=int, default=40, help="auxiliary texts per server distillation")
     p.add_argument("--server-epochs", type=int, default=4, help="server distillation epochs per round")
-    p.add_argument("--proto-init", type=float, default=0.0,
-                   help="new head rows start as a nearest-prototype classifier of this logit scale (0: zeros)")
+    p.add_argument(
+        "--proto-init",
+        type=float,
+        default=0.0,
+        help="new head rows start as a nearest-prototype classifier of this logit scale (0: zeros)",
+    )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--bottleneck", type=int, default=64, help="Enhancer width m")
     p.add_argument("--gamma", type=float, default=0.1, help="sample memory store ratio")
@@ -170,14 +209,25 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         runs.append({"seed": seed, "methods": {name: run_method(args, name, seed) for name in args.methods}})
         for name, m in runs[-1]["methods"].items():
-            print(f"seed {seed} {name}: avg incremental acc {m['avg_incremental_acc']:.4f}, "
-                  f"upload/round {m['upload_bytes_per_round_mean']:,.0f} B", flush=True)
-    res = {"command": "python benchmarks/bench_fedet_bbc.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "python": platform.python_version(), "load_before": round(load_before, 2),
-                       "load_after": round(os.getloadavg()[0], 2)},
-           "args": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
-           "wall_seconds": time.perf_counter() - start, "runs": runs, "methods": combine_seeds(runs)}
+            print(
+                f"seed {seed} {name}: avg incremental acc {m['avg_incremental_acc']:.4f}, "
+                f"upload/round {m['upload_bytes_per_round_mean']:,.0f} B",
+                flush=True,
+            )
+    res = {
+        "command": "python benchmarks/bench_fedet_bbc.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2),
+        },
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
+        "wall_seconds": time.perf_counter() - start,
+        "runs": runs,
+        "methods": combine_seeds(runs),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(res, indent=2))

@@ -48,7 +48,8 @@ def measure(run: Path) -> dict:
     final = summary["final"]
     scenario = yaml.safe_load((run / "scenario.yaml").read_text())  # as the run resolved it
     return {
-        "fedet_settings": scenario["federation"]["fedet"], "data": scenario["data"],
+        "fedet_settings": scenario["federation"]["fedet"],
+        "data": scenario["data"],
         "avg_incremental_accuracy": final["avg_incremental_accuracy"],
         "accuracy_after_task": final["accuracy_per_task"],
         "forgetting": final["forgetting"],
@@ -67,8 +68,17 @@ def measure(run: Path) -> dict:
 def run_scenario(overrides: list[str], runs: Path, tmp: Path) -> subprocess.CompletedProcess:
     broker = MosquittoProcess(tmp).start()
     try:
-        cmd = [sys.executable, "-m", "fcl_edge.cli", "simulate", str(SCENARIO), "--out", str(runs),
-               "--broker", broker.url]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fcl_edge.cli",
+            "simulate",
+            str(SCENARIO),
+            "--out",
+            str(runs),
+            "--broker",
+            broker.url,
+        ]
         for item in overrides:
             cmd += ["--set", item]
         return subprocess.run(cmd, capture_output=True, text=True)
@@ -80,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="scenario override")
     parser.add_argument("--runs", default=None, help="run directory (default: a temporary one)")
-    parser.add_argument("--from-run", default=None, metavar="DIR",
-                        help="measure an existing run directory instead of running the scenario")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fedet_daemon"),
-                        help="results path without extension")
+    parser.add_argument(
+        "--from-run",
+        default=None,
+        metavar="DIR",
+        help="measure an existing run directory instead of running the scenario",
+    )
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "results" / "fedet_daemon"), help="results path without extension"
+    )
     args = parser.parse_args(argv)
     runs = Path(args.from_run or args.runs or tempfile.mkdtemp(prefix="fedet-daemon-"))
     load_before = os.getloadavg()[0]
@@ -94,29 +109,46 @@ def main(argv: list[str] | None = None) -> int:
             result = run_scenario(args.set, runs, Path(tmp))
     if result.returncode != 0:
         raise SystemExit(f"fcl simulate failed ({result.returncode}): {result.stderr[-2000:]}")
-    res = {"command": "python benchmarks/bench_fedet_daemon.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)},
-           "scenario": str(SCENARIO.relative_to(ROOT)), "overrides": args.set, **measure(runs)}
+    res = {
+        "command": "python benchmarks/bench_fedet_daemon.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2),
+        },
+        "scenario": str(SCENARIO.relative_to(ROOT)),
+        "overrides": args.set,
+        **measure(runs),
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join([
-        "# FedET through the client daemon, the aggregator service and Mosquitto", "",
-        f"`{res['command']}` on {platform.platform()}, {os.cpu_count()} cores (load average "
-        f"{res['machine']['load_before']} before, {res['machine']['load_after']} after).", "",
-        "| measure | value |", "|---|---|",
-        f"| FedET settings of the run | {json.dumps(res['fedet_settings'])} |",
-        f"| average incremental accuracy | {res['avg_incremental_accuracy']:.4f} |",
-        f"| accuracy after each task | {', '.join(f'{a:.4f}' for a in res['accuracy_after_task'])} |",
-        f"| forgetting | {res['forgetting']:.4f} |",
-        f"| upload per device, class-sum round | {res['upload_bytes_per_sums_round_per_device']:,.0f} B |",
-        f"| upload per device, training round | {res['upload_bytes_per_train_round_per_device']:,.0f} B |",
-        f"| largest upload vs the full fine-tuned model in fp32 ({res['full_fp32_bytes']:,} B) | "
-        f"{100 * res['upload_ratio_vs_full_fp32']:.2f}% |",
-        f"| device CPU seconds per training round (median) | {res['device_cpu_s_per_train_round']:.2f} |",
-        f"| device peak RSS (largest over devices) | {res['device_peak_rss_mb']:,.0f} MB |",
-        f"| run time (aggregator start to summary) | {res['minutes']:.1f} min |", ""]))
+    out.with_suffix(".md").write_text(
+        "\n".join(
+            [
+                "# FedET through the client daemon, the aggregator service and Mosquitto",
+                "",
+                f"`{res['command']}` on {platform.platform()}, {os.cpu_count()} cores (load average "
+                f"{res['machine']['load_before']} before, {res['machine']['load_after']} after).",
+                "",
+                "| measure | value |",
+                "|---|---|",
+                f"| FedET settings of the run | {json.dumps(res['fedet_settings'])} |",
+                f"| average incremental accuracy | {res['avg_incremental_accuracy']:.4f} |",
+                f"| accuracy after each task | {', '.join(f'{a:.4f}' for a in res['accuracy_after_task'])} |",
+                f"| forgetting | {res['forgetting']:.4f} |",
+                f"| upload per device, class-sum round | {res['upload_bytes_per_sums_round_per_device']:,.0f} B |",
+                f"| upload per device, training round | {res['upload_bytes_per_train_round_per_device']:,.0f} B |",
+                f"| largest upload vs the full fine-tuned model in fp32 ({res['full_fp32_bytes']:,} B) | "
+                f"{100 * res['upload_ratio_vs_full_fp32']:.2f}% |",
+                f"| device CPU seconds per training round (median) | {res['device_cpu_s_per_train_round']:.2f} |",
+                f"| device peak RSS (largest over devices) | {res['device_peak_rss_mb']:,.0f} MB |",
+                f"| run time (aggregator start to summary) | {res['minutes']:.1f} min |",
+                "",
+            ]
+        )
+    )
     print(json.dumps(res, indent=2))
     return 0
 

@@ -23,6 +23,7 @@
 
 Writes benchmarks/results/fedet_export.json and .md (machine, load average, exact command).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,8 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--per-class", type=int, default=20, help="training texts per (client, class)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per text in training and in the export")
     p.add_argument("--parity-rows", type=int, default=64, help="test texts used by the export's parity check")
-    p.add_argument("--int8-per-tensor", action="store_true",
-                   help="one int8 weight scale per tensor instead of the exporter's default per output channel")
+    p.add_argument(
+        "--int8-per-tensor",
+        action="store_true",
+        help="one int8 weight scale per tensor instead of the exporter's default per output channel",
+    )
     p.add_argument("--latency-texts", type=int, default=100)
     p.add_argument("--rss-texts", type=int, default=100)
     p.add_argument("--threads", type=int, default=1, help="torch threads for training and the torch baseline")
@@ -104,20 +108,38 @@ def train_state(args: argparse.Namespace, backbone: FrozenBackbone) -> tuple[Fed
     """bench_fedet_bbc's fedet run (J=2), through the services in process; returns client 0's
     FedET state (rebuilt from its checkpoint), its test split (all classes), the bench args and
     the run's accuracies."""
-    bargs = bbc.parse_args(["--methods", "fedet", "--seeds", str(args.seed), "--rounds-per-task",
-                            str(args.rounds_per_task), "--per-class", str(args.per_class),
-                            "--seq-len", str(args.seq_len), "--work", args.work])
+    bargs = bbc.parse_args(
+        [
+            "--methods",
+            "fedet",
+            "--seeds",
+            str(args.seed),
+            "--rounds-per-task",
+            str(args.rounds_per_task),
+            "--per-class",
+            str(args.per_class),
+            "--seq-len",
+            str(args.seq_len),
+            "--work",
+            args.work,
+        ]
+    )
     measured = bbc.run_method(bargs, "fedet", args.seed)
     learner, _ = learner_from_state(Path(args.work) / f"seed{args.seed}" / "fedet" / "clients" / "client-0" / "state")
     corpus, _, test_idx, _ = bbc_split(None, args.seed)
-    test = TextTokenizer(default_tokenizer_json(), args.seq_len).encode([corpus.texts[i] for i in test_idx],
-                                                                      corpus.labels[test_idx])
+    test = TextTokenizer(default_tokenizer_json(), args.seq_len).encode(
+        [corpus.texts[i] for i in test_idx], corpus.labels[test_idx]
+    )
     seen = sorted(learner.client.selector.group_of)
     keep = np.isin(test.labels, seen)  # the classes the state was trained on (every class after the last task)
     test = EncodedDocs(test.ids[keep], test.mask[keep], test.labels[keep])
-    sc = SimpleNamespace(test=test, test_pooled=pooled_embeddings(backbone, test.ids, test.mask),
-                         tasks=[seen], texts=[corpus.texts[i] for i in test_idx[keep]],
-                         class_names=corpus.class_names)
+    sc = SimpleNamespace(
+        test=test,
+        test_pooled=pooled_embeddings(backbone, test.ids, test.mask),
+        tasks=[seen],
+        texts=[corpus.texts[i] for i in test_idx[keep]],
+        class_names=corpus.class_names,
+    )
     return learner.client, sc, bargs, {"acc_after_task": measured["acc_after_task"], "rounds": measured["rounds"]}
 
 
@@ -150,13 +172,21 @@ def latency(fn, items: list, warmup: int = 5) -> dict[str, float]:
 def flips(pred: np.ndarray, ref: np.ndarray, labels: np.ndarray) -> dict[str, int]:
     """Texts whose label differs from torch's: how many, and how many of them became right / wrong."""
     diff = pred != ref
-    return {"texts_changed_vs_torch": int(diff.sum()), "changed_to_right": int((diff & (pred == labels)).sum()),
-            "changed_to_wrong": int((diff & (ref == labels)).sum())}
+    return {
+        "texts_changed_vs_torch": int(diff.sum()),
+        "changed_to_right": int((diff & (pred == labels)).sum()),
+        "changed_to_wrong": int((diff & (ref == labels)).sum()),
+    }
 
 
 def rss_child(model: Path, texts_file: Path) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-c", RSS_CHILD, str(model), str(texts_file)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, str(model), str(texts_file)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"RSS child failed: {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -174,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     texts, labels, class_names = test_texts(sc)
     if not np.array_equal(labels, sc.test.labels):
         raise RuntimeError("test texts and the scenario's test rows differ")
-    log(f"trained in {train_s:.0f} s; {len(texts)} held-out test texts; accuracy in bench_fedet_bbc's loop "
-        f"{runlog['acc_after_task']}")
+    log(
+        f"trained in {train_s:.0f} s; {len(texts)} held-out test texts; accuracy in bench_fedet_bbc's loop "
+        f"{runlog['acc_after_task']}"
+    )
 
     # torch reference on the whole test split
     t_pred, t_route = client.predict(sc.test, sc.test_pooled)
@@ -185,17 +217,28 @@ def main(argv: list[str] | None = None) -> int:
     tok_json = default_minilm_dir() / "tokenizer.json"
     tmpdir = Path(tempfile.mkdtemp(prefix="fedet_export_"))
     path = tmpdir / "fedet.onnx"
-    par = np.arange(0, len(texts), max(1, len(texts) // args.parity_rows))[:args.parity_rows]
+    par = np.arange(0, len(texts), max(1, len(texts) // args.parity_rows))[: args.parity_rows]
     log(f"exporting (fp32 + int8, parity on {len(par)} test texts)")
     t0 = time.perf_counter()
-    report = export_client_text_classifier(client, path, method="fedet", int8=True, parity_ids=sc.test.ids[par],
-                                           parity_mask=sc.test.mask[par], tokenizer_json=tok_json,
-                                           max_length=args.seq_len, class_names=list(class_names),
-                                           int8_per_channel=not args.int8_per_tensor, toolkit_version="0.1.0")
+    report = export_client_text_classifier(
+        client,
+        path,
+        method="fedet",
+        int8=True,
+        parity_ids=sc.test.ids[par],
+        parity_mask=sc.test.mask[par],
+        tokenizer_json=tok_json,
+        max_length=args.seq_len,
+        class_names=list(class_names),
+        int8_per_channel=not args.int8_per_tensor,
+        toolkit_version="0.1.0",
+    )
     export_s = time.perf_counter() - t0
     q_path = int8_path_for(path)
-    log(f"exported in {export_s:.0f} s: {report['bytes']:,} B fp32, {report['int8_bytes']:,} B int8; "
-        f"parity max scaled err {report['max_scaled_err']:.2e}")
+    log(
+        f"exported in {export_s:.0f} s: {report['bytes']:,} B fp32, {report['int8_bytes']:,} B int8; "
+        f"parity max scaled err {report['max_scaled_err']:.2e}"
+    )
 
     results: dict[str, Any] = {}
     preds: dict[str, np.ndarray] = {}
@@ -209,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         preds[kind] = pred
         acc = float((pred == labels).mean())
         results[kind] = {
-            "bytes": model.stat().st_size, "accuracy": acc, "accuracy_change_vs_torch": acc - acc_torch,
+            "bytes": model.stat().st_size,
+            "accuracy": acc,
+            "accuracy_change_vs_torch": acc - acc_torch,
             "label_agreement_with_torch": float((pred == t_pred).mean()),
             "group_agreement_with_torch": float((route == t_route).mean()),
             "routing_acc": float((route == np.array([group_of[c] for c in labels])).mean()),
@@ -217,64 +262,114 @@ def main(argv: list[str] | None = None) -> int:
             "runtime_token_ids_equal_training_tokenizer": bool(same_ids),
             "seconds_all_test_texts": all_s,
         }
-        log(f"{kind}: accuracy {acc:.4f} (torch {acc_torch:.4f}), "
-            f"agreement {results[kind]['label_agreement_with_torch']:.4f}")
+        log(
+            f"{kind}: accuracy {acc:.4f} (torch {acc_torch:.4f}), "
+            f"agreement {results[kind]['label_agreement_with_torch']:.4f}"
+        )
         classify = rt.classify
-        results[kind]["latency_batch1"] = latency(lambda t: classify([t]), texts[:args.latency_texts])
-        results[kind]["latency_batch1_tokens_mean"] = float(np.mean([len(r) for r in enc[:args.latency_texts]]))
+        results[kind]["latency_batch1"] = latency(lambda t: classify([t]), texts[: args.latency_texts])
+        results[kind]["latency_batch1_tokens_mean"] = float(np.mean([len(r) for r in enc[: args.latency_texts]]))
         log(f"{kind}: batch-1 classify median {results[kind]['latency_batch1']['median_ms']:.1f} ms")
         rt = classify = None  # free this model before loading the next
     # the other int8 weight-scale layout, for information (accuracy only)
     alt_path = tmpdir / "alt.onnx"
-    alt = export_client_text_classifier(client, alt_path, method="fedet", int8=True, parity_ids=sc.test.ids[par],
-                                        parity_mask=sc.test.mask[par], max_length=args.seq_len,
-                                        int8_per_channel=args.int8_per_tensor, tokenizer_json=tok_json,
-                                        int8_min_agreement=0.0)
+    alt = export_client_text_classifier(
+        client,
+        alt_path,
+        method="fedet",
+        int8=True,
+        parity_ids=sc.test.ids[par],
+        parity_mask=sc.test.mask[par],
+        max_length=args.seq_len,
+        int8_per_channel=args.int8_per_tensor,
+        tokenizer_json=tok_json,
+        int8_min_agreement=0.0,
+    )
     alt_rt = TextClassifierRuntime(int8_path_for(alt_path), tok_json)
     alt_pred, alt_route, _ = alt_rt.predict_texts(texts)
-    alt_latency = latency(lambda t: alt_rt.classify([t]), texts[:args.latency_texts])
+    alt_latency = latency(lambda t: alt_rt.classify([t]), texts[: args.latency_texts])
     alt_rt = None  # free it
-    alt_res = {"int8_per_channel": args.int8_per_tensor, "bytes": alt["int8_bytes"],
-               "accuracy": float((alt_pred == labels).mean()),
-               "label_agreement_with_torch": float((alt_pred == t_pred).mean()),
-               "group_agreement_with_torch": float((alt_route == t_route).mean()), **flips(alt_pred, t_pred, labels),
-               "export_parity_rows_label_agreement": alt["int8_label_agreement"], "latency_batch1": alt_latency}
+    alt_res = {
+        "int8_per_channel": args.int8_per_tensor,
+        "bytes": alt["int8_bytes"],
+        "accuracy": float((alt_pred == labels).mean()),
+        "label_agreement_with_torch": float((alt_pred == t_pred).mean()),
+        "group_agreement_with_torch": float((alt_route == t_route).mean()),
+        **flips(alt_pred, t_pred, labels),
+        "export_parity_rows_label_agreement": alt["int8_label_agreement"],
+        "latency_batch1": alt_latency,
+    }
     for f in (alt_path, int8_path_for(alt_path)):
         f.unlink()
     log(f"int8 with per_channel={args.int8_per_tensor}: accuracy {alt_res['accuracy']:.4f}")
-    rows = [(torch.from_numpy(sc.test.ids[i:i + 1, :int(sc.test.mask[i].sum())]),
-             torch.from_numpy(sc.test.mask[i:i + 1, :int(sc.test.mask[i].sum())])) for i in range(args.latency_texts)]
+    rows = [
+        (
+            torch.from_numpy(sc.test.ids[i : i + 1, : int(sc.test.mask[i].sum())]),
+            torch.from_numpy(sc.test.mask[i : i + 1, : int(sc.test.mask[i].sum())]),
+        )
+        for i in range(args.latency_texts)
+    ]
     torch_lat = latency(lambda r: torch_predict_one(client, *r), rows)
     log(f"torch eager batch-1 (token ids, no tokenization) median {torch_lat['median_ms']:.1f} ms")
 
     texts_file = tmpdir / "texts.json"
-    texts_file.write_text(json.dumps(texts[:args.rss_texts]))
+    texts_file.write_text(json.dumps(texts[: args.rss_texts]))
     rss = {}
     for kind, model in (("fp32", path), ("int8", q_path)):
         out = rss_child(model, texts_file)
-        want = preds[kind][:args.rss_texts].tolist()
-        rss[kind] = {"peak_rss_mb": out["vmhwm_kb"] / 1024, "end_rss_mb": out["vmrss_kb"] / 1024,
-                     "load_s": out["load_s"], "texts": args.rss_texts, "heavy_modules": out["heavy_modules"],
-                     "labels_match_in_process_runtime": out["labels"] == want}
+        want = preds[kind][: args.rss_texts].tolist()
+        rss[kind] = {
+            "peak_rss_mb": out["vmhwm_kb"] / 1024,
+            "end_rss_mb": out["vmrss_kb"] / 1024,
+            "load_s": out["load_s"],
+            "texts": args.rss_texts,
+            "heavy_modules": out["heavy_modules"],
+            "labels_match_in_process_runtime": out["labels"] == want,
+        }
         log(f"{kind}: torch-free process peak RSS {rss[kind]['peak_rss_mb']:.1f} MB")
 
     res = {
-        "command": " ".join(["python", "benchmarks/bench_fedet_export.py", *(shlex.quote(a) for a in (
-            argv if argv is not None else sys.argv[1:]))]),
+        "command": " ".join(
+            [
+                "python",
+                "benchmarks/bench_fedet_export.py",
+                *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+            ]
+        ),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "cpu": _cpu_name(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "onnxruntime": _version("onnxruntime"), "onnx": _version("onnx"),
-                    "tokenizers": _version("tokenizers"), "torch_threads": args.threads, "ort_threads": 1,
-                    "load_average_before": [round(v, 2) for v in load_before],
-                    "load_average_after": [round(v, 2) for v in os.getloadavg()]},
-        "scenario": {"seed": args.seed, "tasks": [list(t) for t in sc.tasks], "class_names": list(class_names),
-                     "clients": bargs.clients, "groups": bargs.groups, "rounds_per_task": args.rounds_per_task,
-                     "per_class": args.per_class, "seq_len": args.seq_len, "test_texts": len(texts),
-                     "group_of": {str(c): j for c, j in sorted(group_of.items())},
-                     "train_seconds": round(train_s, 1), "bench_fedet_bbc_loop": runlog},
-        "export": {**{k: v for k, v in report.items() if k not in ("path", "int8_path")},
-                   "seconds": round(export_s, 1), "tokenizer_bytes": tok_json.stat().st_size},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": _cpu_name(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "onnxruntime": _version("onnxruntime"),
+            "onnx": _version("onnx"),
+            "tokenizers": _version("tokenizers"),
+            "torch_threads": args.threads,
+            "ort_threads": 1,
+            "load_average_before": [round(v, 2) for v in load_before],
+            "load_average_after": [round(v, 2) for v in os.getloadavg()],
+        },
+        "scenario": {
+            "seed": args.seed,
+            "tasks": [list(t) for t in sc.tasks],
+            "class_names": list(class_names),
+            "clients": bargs.clients,
+            "groups": bargs.groups,
+            "rounds_per_task": args.rounds_per_task,
+            "per_class": args.per_class,
+            "seq_len": args.seq_len,
+            "test_texts": len(texts),
+            "group_of": {str(c): j for c, j in sorted(group_of.items())},
+            "train_seconds": round(train_s, 1),
+            "bench_fedet_bbc_loop": runlog,
+        },
+        "export": {
+            **{k: v for k, v in report.items() if k not in ("path", "int8_path")},
+            "seconds": round(export_s, 1),
+            "tokenizer_bytes": tok_json.stat().st_size,
+        },
         "torch": {"accuracy": acc_torch, "latency_batch1": torch_lat},
         "onnx": results,
         "int8_accuracy_change_vs_fp32": results["int8"]["accuracy"] - results["fp32"]["accuracy"],
@@ -313,18 +408,21 @@ def write_markdown(path: Path, r: dict) -> None:
     m, s, e, o, t = r["machine"], r["scenario"], r["export"], r["onnx"], r["torch"]
     pct = lambda v: f"{100 * v:.2f}%"  # noqa: E731
     lines = [
-        "# FedET export: torch vs ONNX fp32 vs ONNX int8 on held-out BBC News", "",
+        "# FedET export: torch vs ONNX fp32 vs ONNX int8 on held-out BBC News",
+        "",
         f"Command: `{r['command']}`  ",
         f"Date: {r['date']}, wall clock {r['wall_seconds']:.0f} s (training {s['train_seconds']:.0f} s, "
         f"export fp32 + int8 {e['seconds']:.0f} s).  ",
         f"Machine: {m['cpu']}, {m['cpus']} CPUs shared with other jobs (load average {m['load_average_before']} "
         f"before, {m['load_average_after']} after), {m['platform']}, Python {m['python']}, torch {m['torch']}, "
         f"onnxruntime {m['onnxruntime']}, onnx {m['onnx']}, tokenizers {m['tokenizers']}; torch "
-        f"{m['torch_threads']} thread(s), onnxruntime {m['ort_threads']} intra-op thread.", "",
+        f"{m['torch_threads']} thread(s), onnxruntime {m['ort_threads']} intra-op thread.",
+        "",
         f"State: `bench_fedet_bbc.py`'s fedet method (J={s['groups']} groups, {s['clients']} clients, tasks "
         f"{s['tasks']}, {s['rounds_per_task']} round(s) per task, {s['per_class']} training texts per "
         f"(client, class), {s['seq_len']} tokens, seed {s['seed']}); client 0 after the last task is exported. "
-        f"Evaluated on all {s['test_texts']} test texts of the seeded 20% held-out split (never trained on).", "",
+        f"Evaluated on all {s['test_texts']} test texts of the seeded 20% held-out split (never trained on).",
+        "",
         "| model | file bytes | accuracy | change vs torch | label agreement with torch | group agreement "
         "| batch-1 classify median (p10-p90) | peak RSS, torch-free process |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -334,10 +432,12 @@ def write_markdown(path: Path, r: dict) -> None:
     ]
     for kind in ("fp32", "int8"):
         k, lat, rs = o[kind], o[kind]["latency_batch1"], r["rss"][kind]
-        lines.append(f"| ONNX {kind} (TextClassifierRuntime, raw text) | {k['bytes']:,} | {k['accuracy']:.4f} | "
-                     f"{100 * k['accuracy_change_vs_torch']:+.2f} pt | {pct(k['label_agreement_with_torch'])} | "
-                     f"{pct(k['group_agreement_with_torch'])} | {lat['median_ms']:.1f} ms ({lat['p10_ms']:.1f}-"
-                     f"{lat['p90_ms']:.1f}) | {rs['peak_rss_mb']:.1f} MB |")
+        lines.append(
+            f"| ONNX {kind} (TextClassifierRuntime, raw text) | {k['bytes']:,} | {k['accuracy']:.4f} | "
+            f"{100 * k['accuracy_change_vs_torch']:+.2f} pt | {pct(k['label_agreement_with_torch'])} | "
+            f"{pct(k['group_agreement_with_torch'])} | {lat['median_ms']:.1f} ms ({lat['p10_ms']:.1f}-"
+            f"{lat['p90_ms']:.1f}) | {rs['peak_rss_mb']:.1f} MB |"
+        )
     lines += [
         "",
         f"**int8 accuracy change: {100 * r['int8_accuracy_change_vs_fp32']:+.2f} points vs ONNX fp32** "
@@ -345,7 +445,8 @@ def write_markdown(path: Path, r: dict) -> None:
         f"int8 file / fp32 file = {o['int8']['bytes'] / o['fp32']['bytes']:.3f}. "
         f"int8 changed the label of {o['int8']['texts_changed_vs_torch']} of {s['test_texts']} texts "
         f"({o['int8']['changed_to_right']} became right, {o['int8']['changed_to_wrong']} became wrong, the rest "
-        "stayed wrong): one seed and 444 texts, so a change of a few texts is within noise.", "",
+        "stayed wrong): one seed and 444 texts, so a change of a few texts is within noise.",
+        "",
         f"- The other int8 weight-scale layout (per_channel={r['int8_other_scale_layout']['int8_per_channel']} instead "
         f"of {e['int8_per_channel']}): {r['int8_other_scale_layout']['bytes']:,} B, accuracy "
         f"{r['int8_other_scale_layout']['accuracy']:.4f}, label agreement with torch "

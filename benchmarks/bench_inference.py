@@ -18,6 +18,7 @@ RSS <= 80 MB; int8 file <= 0.3x fp32 with |mean NLL change| <= 0.5 nats.
 
 Writes benchmarks/results/inference.json and inference.md (machine info + command line).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,18 +81,27 @@ print(json.dumps(out))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--epochs", type=int, default=2, help="training epochs over the 60,000 MNIST images")
-    p.add_argument("--train-budget", type=float, default=180.0,
-                   help="stop training after this many seconds even mid-epoch (the report says where it stopped)")
+    p.add_argument(
+        "--train-budget",
+        type=float,
+        default=180.0,
+        help="stop training after this many seconds even mid-epoch (the report says where it stopped)",
+    )
     p.add_argument("--batch-size", type=int, default=100, help="training mini-batch size")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--hidden", type=int, default=500, help="hidden units (one layer)")
     p.add_argument("--seed", type=int, default=0, help="torch / mask seed")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (training and eager)")
-    p.add_argument("--runs", type=int, default=1000,
-                   help="timed forward passes per latency case at batch 1 (a quarter of that at batch 64)")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1000,
+        help="timed forward passes per latency case at batch 1 (a quarter of that at batch 64)",
+    )
     p.add_argument("--warmup", type=int, default=100, help="untimed forward passes before timing")
     p.add_argument("--parity-rows", type=int, default=1000, help="test images for the export parity check")
     p.add_argument("--rss-samples", type=int, default=1000, help="test images scored by the RSS child process")
@@ -115,11 +125,19 @@ def machine_info() -> dict[str, Any]:
         mem = next(ln.split(":", 1)[1].strip() for ln in open("/proc/meminfo") if ln.startswith("MemTotal"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu or platform.processor(), "machine": platform.machine(), "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "mem_total": mem, "python": platform.python_version(),
-            "numpy": np.__version__, "torch": torch.__version__, "onnx": onnx.__version__,
-            "onnxruntime": onnxruntime.__version__,
-            "load_average_1_5_15min": [round(v, 2) for v in os.getloadavg()]}
+    return {
+        "cpu": cpu or platform.processor(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "mem_total": mem,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "load_average_1_5_15min": [round(v, 2) for v in os.getloadavg()],
+    }
 
 
 def train(args: argparse.Namespace, train_x: np.ndarray, test_x: np.ndarray) -> tuple[Any, dict[str, Any]]:
@@ -142,7 +160,7 @@ def train(args: argparse.Namespace, train_x: np.ndarray, test_x: np.ndarray) -> 
         perm = torch.from_numpy(rng.permutation(len(xt)))
         total, seen = 0.0, 0
         for i in range(0, len(xt), args.batch_size):
-            xb = xt[perm[i:i + args.batch_size]]
+            xb = xt[perm[i : i + args.batch_size]]
             loss = net.nll(xb).mean()
             opt.zero_grad()
             loss.backward()
@@ -155,25 +173,47 @@ def train(args: argparse.Namespace, train_x: np.ndarray, test_x: np.ndarray) -> 
         net.eval()
         with torch.no_grad():
             test_nll = float(net.nll(torch.from_numpy(test_x)).mean())
-        log.append({"epoch": epoch + 1, "images": seen, "train_nll": total / seen, "test_nll": test_nll,
-                    "elapsed_s": time.perf_counter() - t0})
-        print(f"epoch {epoch + 1}: {seen} images, train NLL {total / seen:.2f}  test NLL {test_nll:.2f}  "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        log.append(
+            {
+                "epoch": epoch + 1,
+                "images": seen,
+                "train_nll": total / seen,
+                "test_nll": test_nll,
+                "elapsed_s": time.perf_counter() - t0,
+            }
+        )
+        print(
+            f"epoch {epoch + 1}: {seen} images, train NLL {total / seen:.2f}  test NLL {test_nll:.2f}  "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
         if out_of_time:
             print(f"training budget of {args.train_budget:.0f} s reached", flush=True)
             break
-    return net, {"config": {"input_dim": cfg.input_dim, "hidden_sizes": list(cfg.hidden_sizes), "direct": cfg.direct},
-                 "epochs": log, "train_seconds": time.perf_counter() - t0}
+    return net, {
+        "config": {"input_dim": cfg.input_dim, "hidden_sizes": list(cfg.hidden_sizes), "direct": cfg.direct},
+        "epochs": log,
+        "train_seconds": time.perf_counter() - t0,
+    }
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
     samples = sorted(samples)
-    return {"median_us": statistics.median(samples), "p10_us": samples[len(samples) // 10],
-            "p90_us": samples[(len(samples) * 9) // 10], "runs": len(samples)}
+    return {
+        "median_us": statistics.median(samples),
+        "p10_us": samples[len(samples) // 10],
+        "p90_us": samples[(len(samples) * 9) // 10],
+        "runs": len(samples),
+    }
 
 
-def interleaved_us(cases: dict[str, Callable[[], object]], runs: int, warmup: int, rounds: int = 10,
-                   before: dict[str, Callable[[], None]] | None = None) -> dict[str, dict[str, float]]:
+def interleaved_us(
+    cases: dict[str, Callable[[], object]],
+    runs: int,
+    warmup: int,
+    rounds: int = 10,
+    before: dict[str, Callable[[], None]] | None = None,
+) -> dict[str, dict[str, float]]:
     """Time every case in ``rounds`` alternating blocks so load changes on the machine hit all cases alike."""
     samples: dict[str, list[float]] = {name: [] for name in cases}
     per_round = max(1, runs // rounds)
@@ -207,22 +247,26 @@ def latency(args: argparse.Namespace, net: Any, fp32: Path, test_x: np.ndarray) 
         for t in thread_counts:
             name = f"torch/{t}"
             cases[name] = lambda: net(xt)
-            before[name] = (lambda t=t: torch.set_num_threads(t))
+            before[name] = lambda t=t: torch.set_num_threads(t)
             meta[name] = ("torch eager", t)
         for t, rt in runtimes.items():
             sess = rt._session
-            cases[f"ort/{t}"] = (lambda sess=sess: sess.run(None, {"x": xb}))
+            cases[f"ort/{t}"] = lambda sess=sess: sess.run(None, {"x": xb})
             meta[f"ort/{t}"] = ("onnxruntime session.run", t)
-            cases[f"api/{t}"] = (lambda rt=rt: rt.logits(xb))
+            cases[f"api/{t}"] = lambda rt=rt: rt.logits(xb)
             meta[f"api/{t}"] = ("MadeRuntime.logits", t)
         with torch.no_grad():
-            res = interleaved_us(cases, args.runs if batch == 1 else max(10, args.runs // 4), args.warmup,
-                                 before=before)
+            res = interleaved_us(
+                cases, args.runs if batch == 1 else max(10, args.runs // 4), args.warmup, before=before
+            )
         torch.set_num_threads(args.threads)
         for name, r in res.items():
             rows.append({"engine": meta[name][0], "threads": meta[name][1], "batch": batch, **r})
-        print(f"latency batch {batch}: " + ", ".join(f"{r['engine']}/{r['threads']}t {r['median_us']:.0f} us"
-                                                    for r in rows if r["batch"] == batch), flush=True)
+        print(
+            f"latency batch {batch}: "
+            + ", ".join(f"{r['engine']}/{r['threads']}t {r['median_us']:.0f} us" for r in rows if r["batch"] == batch),
+            flush=True,
+        )
     return rows
 
 
@@ -231,29 +275,62 @@ def rss(args: argparse.Namespace, fp32: Path, int8: Path, inputs: Path) -> list[
         ("python + numpy (import only)", "numpy", fp32, {}),
         ("python + numpy + onnxruntime (import only)", "onnxruntime", fp32, {}),
         ("runtime defaults: 1 thread, arena off, mem pattern off", "runtime", fp32, {}),
-        ("onnxruntime defaults: all cores, arena on, mem pattern on", "runtime", fp32,
-         {"intra_op_threads": None, "cpu_mem_arena": True, "mem_pattern": True}),
+        (
+            "onnxruntime defaults: all cores, arena on, mem pattern on",
+            "runtime",
+            fp32,
+            {"intra_op_threads": None, "cpu_mem_arena": True, "mem_pattern": True},
+        ),
         ("1 thread, arena on, mem pattern on", "runtime", fp32, {"cpu_mem_arena": True, "mem_pattern": True}),
         ("1 thread, arena on, mem pattern off", "runtime", fp32, {"cpu_mem_arena": True}),
         ("1 thread, arena off, mem pattern on", "runtime", fp32, {"mem_pattern": True}),
         ("all cores, arena off, mem pattern off", "runtime", fp32, {"intra_op_threads": None}),
-        ("runtime defaults, but all rows in one onnxruntime call (no 32-row chunks)", "runtime", fp32,
-         {"chunk_rows": 1_000_000}),
+        (
+            "runtime defaults, but all rows in one onnxruntime call (no 32-row chunks)",
+            "runtime",
+            fp32,
+            {"chunk_rows": 1_000_000},
+        ),
         ("int8 model, runtime defaults", "runtime", int8, {}),
     ]
     rows = []
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for name, kind, model, kwargs in variants:
-        proc = subprocess.run([sys.executable, "-c", LAUNCHER, sys.executable, "-c", RSS_CHILD, kind, str(model),
-                               str(inputs), json.dumps(kwargs)], capture_output=True, text=True, env=env, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                LAUNCHER,
+                sys.executable,
+                "-c",
+                RSS_CHILD,
+                kind,
+                str(model),
+                str(inputs),
+                json.dumps(kwargs),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"RSS child {name!r} failed: {proc.stderr.strip()}")
         lines = proc.stdout.strip().splitlines()
         out = json.loads(lines[-2])
-        rows.append({"variant": name, "model": model.name if kind == "runtime" else None, "options": kwargs,
-                     "peak_rss_mb": out["vmhwm_kb"] / 1024, "end_rss_mb": out["vmrss_kb"] / 1024,
-                     "ru_maxrss_mb": int(lines[-1]) / 1024, "heavy_modules": out["heavy_modules"],
-                     "mean_nll": out.get("mean_nll"), "rows": out.get("rows")})
+        rows.append(
+            {
+                "variant": name,
+                "model": model.name if kind == "runtime" else None,
+                "options": kwargs,
+                "peak_rss_mb": out["vmhwm_kb"] / 1024,
+                "end_rss_mb": out["vmrss_kb"] / 1024,
+                "ru_maxrss_mb": int(lines[-1]) / 1024,
+                "heavy_modules": out["heavy_modules"],
+                "mean_nll": out.get("mean_nll"),
+                "rows": out.get("rows"),
+            }
+        )
         row = rows[-1]
         print(f"RSS {name}: peak {row['peak_rss_mb']:.1f} MB", flush=True)
     return rows
@@ -304,8 +381,10 @@ def markdown(report: dict[str, Any]) -> str:
         "|---:|---|---:|---:|---:|",
     ]
     for r in report["latency"]:
-        lines.append(f"| {r['batch']} | {r['engine']} | {r['threads']} | {r['median_us']:.0f} | "
-                     f"{r['p10_us']:.0f} - {r['p90_us']:.0f} |")
+        lines.append(
+            f"| {r['batch']} | {r['engine']} | {r['threads']} | {r['median_us']:.0f} | "
+            f"{r['p10_us']:.0f} - {r['p90_us']:.0f} |"
+        )
     lines += [
         "",
         "## Peak RSS of a separate inference process",
@@ -319,10 +398,14 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---|",
     ]
     for r in report["rss"]:
-        lines.append(f"| {r['variant']} | {r['model'] or '-'} | {r['peak_rss_mb']:.1f} | {r['ru_maxrss_mb']:.1f} | "
-                     f"{', '.join(r['heavy_modules']) or 'none'} |")
-    lines.append("\n`ru_maxrss` is `getrusage(RUSAGE_CHILDREN)` in a small launcher process whose only child is "
-                 "the measured process (MB = 2^20 bytes throughout).")
+        lines.append(
+            f"| {r['variant']} | {r['model'] or '-'} | {r['peak_rss_mb']:.1f} | {r['ru_maxrss_mb']:.1f} | "
+            f"{', '.join(r['heavy_modules']) or 'none'} |"
+        )
+    lines.append(
+        "\n`ru_maxrss` is `getrusage(RUSAGE_CHILDREN)` in a small launcher process whose only child is "
+        "the measured process (MB = 2^20 bytes throughout)."
+    )
     lines += [
         "",
         "## Model files",
@@ -357,16 +440,18 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = workdir / "mnist_made.onnx"
     served = ServedModel(net.cfg, net.get_params(), 0, "bench", 0, "pixel>127")
     t = time.perf_counter()
-    exp = export_served_model(served, fp32, parity_inputs=test_set.x[:args.parity_rows], int8=True)
+    exp = export_served_model(served, fp32, parity_inputs=test_set.x[: args.parity_rows], int8=True)
     exp["export_seconds"] = time.perf_counter() - t
     int8 = Path(exp["int8_path"])
-    print(f"exported {fp32} ({exp['bytes']:,} B, parity {exp['max_abs_err']:.2e}) and {int8} "
-          f"({exp['int8_bytes']:,} B)", flush=True)
+    print(
+        f"exported {fp32} ({exp['bytes']:,} B, parity {exp['max_abs_err']:.2e}) and {int8} ({exp['int8_bytes']:,} B)",
+        flush=True,
+    )
 
     lat = latency(args, net, fp32, test_set.x)
 
     inputs = workdir / "rss_inputs.npy"
-    np.save(inputs, test_set.x[:args.rss_samples])
+    np.save(inputs, test_set.x[: args.rss_samples])
     rss_rows = rss(args, fp32, int8, inputs)
 
     rt32, rt8 = MadeRuntime.load(fp32), MadeRuntime.load(int8)
@@ -384,15 +469,22 @@ def main(argv: list[str] | None = None) -> int:
     ort_b1 = lat_of("onnxruntime session.run", 1, 1)
     torch_b64 = min(lat_of("torch eager", t, 64) for t in sorted({1, args.threads}))
     summary = {
-        "torch_threads": torch_threads, "torch_b1_us": torch_b1, "ort_b1_us": ort_b1,
+        "torch_threads": torch_threads,
+        "torch_b1_us": torch_b1,
+        "ort_b1_us": ort_b1,
         "latency_ratio_b1": ort_b1 / torch_b1,
         "latency_ratio_b1_runtime_api": lat_of("MadeRuntime.logits", 1, 1) / torch_b1,
         "latency_ratio_b1_vs_torch_all_threads": ort_b1 / lat_of("torch eager", args.threads, 1),
         "latency_ratio_b64": min(lat_of("onnxruntime session.run", t, 64) for t in sorted({1, args.threads}))
         / torch_b64,
         "rss_mb": rss_rows[2]["peak_rss_mb"],
-        "fp32_bytes": exp["bytes"], "int8_bytes": exp["int8_bytes"], "int8_size_ratio": exp["int8_size_ratio"],
-        "fp32_nll": nll32, "int8_nll": nll8, "torch_nll": nll_torch, "int8_nll_delta": nll8 - nll32,
+        "fp32_bytes": exp["bytes"],
+        "int8_bytes": exp["int8_bytes"],
+        "int8_size_ratio": exp["int8_size_ratio"],
+        "fp32_nll": nll32,
+        "int8_nll": nll8,
+        "torch_nll": nll_torch,
+        "int8_nll_delta": nll8 - nll32,
     }
     summary["targets_met"] = {
         "latency_ratio_b1": summary["latency_ratio_b1"] <= TARGETS["latency_ratio_b1"],
@@ -401,11 +493,17 @@ def main(argv: list[str] | None = None) -> int:
         "int8_nll_delta": abs(summary["int8_nll_delta"]) <= TARGETS["int8_nll_delta"],
     }
     report = {
-        "benchmark": "inference", "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "benchmark": "inference",
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(),
         "command": shlex.join([sys.executable, *sys.argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": machine, "targets": TARGETS, "summary": summary, "training": training,
-        "export": exp, "latency": lat, "rss": rss_rows,
+        "machine": machine,
+        "targets": TARGETS,
+        "summary": summary,
+        "training": training,
+        "export": exp,
+        "latency": lat,
+        "rss": rss_rows,
         "load_average_end": [round(v, 2) for v in os.getloadavg()],
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,13 @@ class EchoClient:
         self.cid = cid
         self.sequence = 0
         self.done = threading.Event()
-        self.link = MqttLink(broker, f"bench-{cid}", status_topic=topics.status_topic(FED, cid),
-                             subscriptions=[topics.round_topic(FED)], on_message=self._on_message)
+        self.link = MqttLink(
+            broker,
+            f"bench-{cid}",
+            status_topic=topics.status_topic(FED, cid),
+            subscriptions=[topics.round_topic(FED)],
+            on_message=self._on_message,
+        )
 
     def _on_message(self, topic: str, payload: bytes, size: int) -> None:
         if not payload:
@@ -64,11 +69,17 @@ class EchoClient:
 def run(args: argparse.Namespace, out_dir: Path, url: str) -> dict:
     broker = BrokerSpec(url=url)
     ids = [f"c{i:03d}" for i in range(args.clients)]
-    fed = FederationSpec(name=FED, num_tasks=1, rounds_per_task=args.rounds,
-                         model=ModelSpec(hidden_sizes=[args.hidden]), train=TrainSpec(),
-                         rounds=RoundSpec(deadline_s=60, start_timeout_s=60))
-    cfg = AggregatorConfig(federation=fed, expected_clients=ids, out_dir=str(out_dir), broker=broker,
-                           input_dim=args.input_dim)
+    fed = FederationSpec(
+        name=FED,
+        num_tasks=1,
+        rounds_per_task=args.rounds,
+        model=ModelSpec(hidden_sizes=[args.hidden]),
+        train=TrainSpec(),
+        rounds=RoundSpec(deadline_s=60, start_timeout_s=60),
+    )
+    cfg = AggregatorConfig(
+        federation=fed, expected_clients=ids, out_dir=str(out_dir), broker=broker, input_dim=args.input_dim
+    )
     clients = [EchoClient(cid, broker) for cid in ids]
     for c in clients:
         c.link.start(30)
@@ -88,7 +99,9 @@ def run(args: argparse.Namespace, out_dir: Path, url: str) -> dict:
     up = np.mean([e["bytes_up"] for e in per_client])
     down = np.mean([e["bytes_down"] for e in per_client])
     return {
-        "clients": args.clients, "rounds": args.rounds, "trainable_params": tensor_bytes // 4,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "trainable_params": tensor_bytes // 4,
         "raw_tensor_bytes": tensor_bytes,
         "bytes_up_per_client_round": round(float(up), 1),
         "bytes_down_per_client_round": round(float(down), 1),
@@ -117,8 +130,12 @@ def main() -> None:
         finally:
             if broker is not None:
                 broker.stop()
-    result["machine"] = {"platform": platform.platform(), "machine": platform.machine(),
-                         "cpus": os.cpu_count(), "python": platform.python_version()}
+    result["machine"] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -27,14 +27,30 @@ sys.path.insert(0, str(ROOT))
 
 from fcl_edge.broker import MosquittoProcess  # noqa: E402
 
-METHODS = ["confedmade", "fedweit-made-star", "fedweit-made", "fedprox", "fedcurv", "fedcl-finetune",
-           "fedcl-cumulative-replay", "cl-finetune", "offline"]
+METHODS = [
+    "confedmade",
+    "fedweit-made-star",
+    "fedweit-made",
+    "fedprox",
+    "fedcurv",
+    "fedcl-finetune",
+    "fedcl-cumulative-replay",
+    "cl-finetune",
+    "offline",
+]
 ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
-    ("B*sigmoid(m), all entries, float32", ["federation.options.upload_made_mask=false",
-                                            "federation.options.keep_units=1.0",
-                                            "federation.wire.value_dtype=float32"]),
-    ("+ MADE mask (positions from the seed)", ["federation.options.keep_units=1.0",
-                                               "federation.wire.value_dtype=float32"]),
+    (
+        "B*sigmoid(m), all entries, float32",
+        [
+            "federation.options.upload_made_mask=false",
+            "federation.options.keep_units=1.0",
+            "federation.wire.value_dtype=float32",
+        ],
+    ),
+    (
+        "+ MADE mask (positions from the seed)",
+        ["federation.options.keep_units=1.0", "federation.wire.value_dtype=float32"],
+    ),
     ("+ unit mask (35% of units by sigmoid(m))", ["federation.wire.value_dtype=float32"]),
     ("+ float16 values", []),
 ]
@@ -45,8 +61,19 @@ def scenario(method: str) -> Path:
 
 
 def run_one(name: str, path: Path, overrides: list[str], out: Path, broker: str) -> dict:
-    cmd = [sys.executable, "-m", "fcl_edge.cli", "simulate", str(path), "--out", str(out), "--broker", broker,
-           "--set", f"federation.name=seqmnist-{name.replace(' ', '')[:40].replace('*', '').replace('(', '')}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fcl_edge.cli",
+        "simulate",
+        str(path),
+        "--out",
+        str(out),
+        "--broker",
+        broker,
+        "--set",
+        f"federation.name=seqmnist-{name.replace(' ', '')[:40].replace('*', '').replace('(', '')}",
+    ]
     for item in overrides:
         cmd += ["--set", item]
     started = time.monotonic()
@@ -80,21 +107,32 @@ def measure(out: Path, minutes: float) -> dict:
 
 
 def markdown(results: dict, ablation: list[dict], meta: dict) -> str:
-    lines = [f"# Sequential MNIST ({meta['rounds_per_task']} rounds per task)", "",
-             f"Machine: {meta['machine']['platform']}, {meta['machine']['cpus']} cores. "
-             f"Command: `{meta['command']}`", "",
-             "| method | avg NLL | forgetting | upload / dense fp32 (all rounds) | (regular rounds) | minutes |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Sequential MNIST ({meta['rounds_per_task']} rounds per task)",
+        "",
+        f"Machine: {meta['machine']['platform']}, {meta['machine']['cpus']} cores. Command: `{meta['command']}`",
+        "",
+        "| method | avg NLL | forgetting | upload / dense fp32 (all rounds) | (regular rounds) | minutes |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in sorted(results.items(), key=lambda kv: kv[1]["avg_nll"]):
-        lines.append(f"| {name} | {r['avg_nll']:.2f} | {r['forgetting']:.2f} | {r['upload_ratio_vs_dense_fp32']:.3f} "
-                     f"| {r['upload_ratio_regular_rounds']:.3f} | {r['minutes']:.1f} |")
+        lines.append(
+            f"| {name} | {r['avg_nll']:.2f} | {r['forgetting']:.2f} | {r['upload_ratio_vs_dense_fp32']:.3f} "
+            f"| {r['upload_ratio_regular_rounds']:.3f} | {r['minutes']:.1f} |"
+        )
     if ablation:
-        lines += ["", "## ConFedMADE communication steps (Table 4)", "",
-                  "| step | share of B uploaded | upload / dense fp32 (regular rounds) | avg NLL |",
-                  "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "## ConFedMADE communication steps (Table 4)",
+            "",
+            "| step | share of B uploaded | upload / dense fp32 (regular rounds) | avg NLL |",
+            "|---|---:|---:|---:|",
+        ]
         for row in ablation:
-            lines.append(f"| {row['step']} | {row.get('share_of_B_uploaded', float('nan')):.3f} | "
-                         f"{row['upload_ratio_regular_rounds']:.3f} | {row['avg_nll']:.2f} |")
+            lines.append(
+                f"| {row['step']} | {row.get('share_of_B_uploaded', float('nan')):.3f} | "
+                f"{row['upload_ratio_regular_rounds']:.3f} | {row['avg_nll']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -108,8 +146,13 @@ def run_all(args: argparse.Namespace, common: list[str]) -> tuple[dict, list[dic
                 results[method] = run_one(method, scenario(method), common, Path(args.runs) / method, broker.url)
                 print(f"{method}: {results[method]}", flush=True)
             for i, (step, overrides) in enumerate(ABLATION if args.ablation else []):
-                row = run_one(f"ablation{i}", scenario("confedmade"), common + overrides,
-                              Path(args.runs) / f"ablation{i}", broker.url)
+                row = run_one(
+                    f"ablation{i}",
+                    scenario("confedmade"),
+                    common + overrides,
+                    Path(args.runs) / f"ablation{i}",
+                    broker.url,
+                )
                 ablation.append({"step": step, **row})
                 print(f"{step}: {row}", flush=True)
         finally:
@@ -122,13 +165,19 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--rounds-per-task", type=int, help="override the protocol's 50 rounds per task")
     parser.add_argument("--ablation", action="store_true", help="also run ConFedMADE's communication steps")
-    parser.add_argument("--measure-only", action="store_true",
-                        help="do not run: measure the finished runs RUNS/<method> (minutes from the aggregator's "
-                             "run time), e.g. after a long benchmark was stopped part-way")
+    parser.add_argument(
+        "--measure-only",
+        action="store_true",
+        help="do not run: measure the finished runs RUNS/<method> (minutes from the aggregator's "
+        "run time), e.g. after a long benchmark was stopped part-way",
+    )
     parser.add_argument("--runs", default=str(ROOT / "runs" / "seqmnist"), help="where run directories go")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "seqmnist"))
-    parser.add_argument("--update", action="store_true",
-                        help="keep the other methods already in OUT.json (same rounds per task) and replace these")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the other methods already in OUT.json (same rounds per task) and replace these",
+    )
     args = parser.parse_args()
     common = [f"federation.rounds_per_task={args.rounds_per_task}"] if args.rounds_per_task else []
     if args.measure_only:
@@ -138,15 +187,18 @@ def main() -> None:
             results[method] = measure(run, json.loads((run / "summary.json").read_text())["duration_s"] / 60)
     else:
         results, ablation = run_all(args, common)
-    meta = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-            "command": " ".join(["python", *sys.argv]),
-            "rounds_per_task": args.rounds_per_task or 50}
+    meta = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "command": " ".join(["python", *sys.argv]),
+        "rounds_per_task": args.rounds_per_task or 50,
+    }
     previous = Path(args.out + ".json")
     if args.update and previous.exists():
         old = json.loads(previous.read_text())
         if old["rounds_per_task"] != meta["rounds_per_task"]:
-            raise SystemExit(f"--update: {previous} has {old['rounds_per_task']} rounds per task, "
-                             f"not {meta['rounds_per_task']}")
+            raise SystemExit(
+                f"--update: {previous} has {old['rounds_per_task']} rounds per task, not {meta['rounds_per_task']}"
+            )
         results = {**old["methods"], **results}
         ablation = ablation or old.get("ablation", [])
         meta["command"] = old["command"] + " ; then " + meta["command"]

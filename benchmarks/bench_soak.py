@@ -52,8 +52,13 @@ class Device:
         self.sequence = time.time_ns() // 1000
         self.last: tuple[int, bytes] | None = None
         self.done = threading.Event()
-        self.link = MqttLink(broker, f"soak-{cid}", status_topic=topics.status_topic(FED, cid),
-                             subscriptions=[topics.round_topic(FED)], on_message=self._on_message)
+        self.link = MqttLink(
+            broker,
+            f"soak-{cid}",
+            status_topic=topics.status_topic(FED, cid),
+            subscriptions=[topics.round_topic(FED)],
+            on_message=self._on_message,
+        )
 
     def _on_message(self, topic: str, payload: bytes, size: int) -> None:
         if not payload:
@@ -106,11 +111,22 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     broker = BrokerSpec(url=broker_proc.url)
     ids = [f"d{i:03d}" for i in range(args.clients)]
     keys = {cid: write_key(work / "keys" / f"{cid}.key") for cid in ids}
-    fed = FederationSpec(name=FED, num_tasks=1, rounds_per_task=args.rounds,
-                         model=ModelSpec(hidden_sizes=[args.hidden]), train=TrainSpec(),
-                         rounds=RoundSpec(deadline_s=120, start_timeout_s=120, resend_after_s=30))
-    cfg = AggregatorConfig(federation=fed, expected_clients=ids, out_dir=str(work / "run"), broker=broker,
-                           input_dim=args.input_dim, keys_dir=str(work / "keys"))
+    fed = FederationSpec(
+        name=FED,
+        num_tasks=1,
+        rounds_per_task=args.rounds,
+        model=ModelSpec(hidden_sizes=[args.hidden]),
+        train=TrainSpec(),
+        rounds=RoundSpec(deadline_s=120, start_timeout_s=120, resend_after_s=30),
+    )
+    cfg = AggregatorConfig(
+        federation=fed,
+        expected_clients=ids,
+        out_dir=str(work / "run"),
+        broker=broker,
+        input_dim=args.input_dim,
+        keys_dir=str(work / "keys"),
+    )
     (work / "aggregator.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     devices = [Device(cid, i, broker, keys[cid]) for i, cid in enumerate(ids)]
     for d in devices:
@@ -119,8 +135,11 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     broker_sampler.start()
     started = time.perf_counter()
     with open(work / "aggregator.log", "w") as log:
-        agg = subprocess.Popen([sys.executable, "-m", "fcl_edge.cli", "aggregator", "--config",
-                                str(work / "aggregator.yaml")], stdout=log, stderr=subprocess.STDOUT)
+        agg = subprocess.Popen(
+            [sys.executable, "-m", "fcl_edge.cli", "aggregator", "--config", str(work / "aggregator.yaml")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         agg_sampler = Sampler(agg.pid)
         agg_sampler.start()
         code = agg.wait(args.timeout)
@@ -140,8 +159,11 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     durations = [e["duration_s"] for e in events if e["event"] == "round"]
     summary = json.loads((work / "run/summary.json").read_text())
     return {
-        "clients": args.clients, "rounds": args.rounds, "signed": True,
-        "accepted_updates": accepted, "expected_updates": args.clients * args.rounds,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "signed": True,
+        "accepted_updates": accepted,
+        "expected_updates": args.clients * args.rounds,
         "each_counted_once": set(pairs.values()) == {1} and len(pairs) == args.clients * args.rounds,
         "rejected": summary["rejected"],
         "round_latency_s_median": round(float(np.median(durations)), 3),
@@ -164,8 +186,12 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         result = run(args, Path(tmp))
-    result["machine"] = {"platform": platform.platform(), "machine": platform.machine(),
-                         "cpus": os.cpu_count(), "python": platform.python_version()}
+    result["machine"] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     result["command"] = " ".join(["python", *sys.argv])
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

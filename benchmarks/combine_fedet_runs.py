@@ -47,29 +47,46 @@ def main(argv: list[str] | None = None) -> int:
     for name, per_seed in table.items():
         common = sorted(set(per_seed) & set(ref))
         values = [per_seed[s] for s in sorted(per_seed)]
-        summary[name] = {"per_seed": {str(s): per_seed[s] for s in sorted(per_seed)},
-                         "mean": float(np.mean(values)), "std": float(np.std(values)), "seeds": len(values),
-                         f"wins_vs_{args.reference}": sum(per_seed[s] > ref[s] for s in common),
-                         f"mean_gap_vs_{args.reference}": float(np.mean([per_seed[s] - ref[s] for s in common]))
-                         if common else None, "common_seeds": common}
+        summary[name] = {
+            "per_seed": {str(s): per_seed[s] for s in sorted(per_seed)},
+            "mean": float(np.mean(values)),
+            "std": float(np.std(values)),
+            "seeds": len(values),
+            f"wins_vs_{args.reference}": sum(per_seed[s] > ref[s] for s in common),
+            f"mean_gap_vs_{args.reference}": float(np.mean([per_seed[s] - ref[s] for s in common])) if common else None,
+            "common_seeds": common,
+        }
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"sources": sources, "reference": args.reference,
-                                                     "methods": summary}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"sources": sources, "reference": args.reference, "methods": summary}, indent=2) + "\n"
+    )
     seeds = sorted({s for v in table.values() for s in v})
-    lines = ["# FedET on class-incremental BBC News, per seed", "",
-             "Average incremental accuracy per seed, merged by `python benchmarks/combine_fedet_runs.py "
-             + " ".join(args.inputs) + f" --reference {args.reference} --out {args.out}` from:", ""]
-    lines += [f"- `{s['file']}`{' (label ' + s['label'] + ')' if s['label'] else ''}: `{s['command']}`"
-              for s in sources]
-    lines += ["", "| method | " + " | ".join(f"seed {s}" for s in seeds)
-              + f" | mean +- std | wins vs {args.reference} | mean gap vs {args.reference} |",
-              "|---|" + "---:|" * (len(seeds) + 3)]
+    lines = [
+        "# FedET on class-incremental BBC News, per seed",
+        "",
+        "Average incremental accuracy per seed, merged by `python benchmarks/combine_fedet_runs.py "
+        + " ".join(args.inputs)
+        + f" --reference {args.reference} --out {args.out}` from:",
+        "",
+    ]
+    lines += [
+        f"- `{s['file']}`{' (label ' + s['label'] + ')' if s['label'] else ''}: `{s['command']}`" for s in sources
+    ]
+    lines += [
+        "",
+        "| method | "
+        + " | ".join(f"seed {s}" for s in seeds)
+        + f" | mean +- std | wins vs {args.reference} | mean gap vs {args.reference} |",
+        "|---|" + "---:|" * (len(seeds) + 3),
+    ]
     for name, m in summary.items():
         cells = [f"{table[name][s]:.4f}" if s in table[name] else "-" for s in seeds]
         gap = m[f"mean_gap_vs_{args.reference}"]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {m['mean']:.4f} +- {m['std']:.4f} | "
-                     f"{m[f'wins_vs_{args.reference}']}/{len(m['common_seeds'])} | "
-                     f"{'-' if gap is None else f'{gap:+.4f}'} |")
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {m['mean']:.4f} +- {m['std']:.4f} | "
+            f"{m[f'wins_vs_{args.reference}']}/{len(m['common_seeds'])} | "
+            f"{'-' if gap is None else f'{gap:+.4f}'} |"
+        )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

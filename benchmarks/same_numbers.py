@@ -15,13 +15,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-MADE_METHODS = ["confedmade", "fedweit-made-star", "fedweit-made", "fedavg", "fedcl-finetune", "fedprox", "fedcurv",
-                "fedcl-cumulative-replay", "offline"]
-FEDET = ["data.per_class=10", "data.test_per_class=10", "federation.rounds_per_task=3",
-         "federation.options.server_epochs=2"]
-RUNS = [("quickstart", "configs/scenarios/quickstart.yaml", [])] + [
-    (f"digits_continual/{m}", "configs/scenarios/digits_continual.yaml", [f"federation.method={m}"])
-    for m in MADE_METHODS] + [("bbc_fedet (shortened)", "configs/scenarios/bbc_fedet.yaml", FEDET)]
+MADE_METHODS = [
+    "confedmade",
+    "fedweit-made-star",
+    "fedweit-made",
+    "fedavg",
+    "fedcl-finetune",
+    "fedprox",
+    "fedcurv",
+    "fedcl-cumulative-replay",
+    "offline",
+]
+FEDET = [
+    "data.per_class=10",
+    "data.test_per_class=10",
+    "federation.rounds_per_task=3",
+    "federation.options.server_epochs=2",
+]
+RUNS = (
+    [("quickstart", "configs/scenarios/quickstart.yaml", [])]
+    + [
+        (f"digits_continual/{m}", "configs/scenarios/digits_continual.yaml", [f"federation.method={m}"])
+        for m in MADE_METHODS
+    ]
+    + [("bbc_fedet (shortened)", "configs/scenarios/bbc_fedet.yaml", FEDET)]
+)
 
 
 def main() -> None:
@@ -29,8 +47,11 @@ def main() -> None:
     parser.add_argument("--repo", required=True, help="checkout whose fcl_edge runs the scenarios")
     parser.add_argument("--out", required=True, help="directory for the run directories")
     parser.add_argument("--only", help="run only rows whose name contains this")
-    parser.add_argument("--legacy-keys", action="store_true",
-                        help="the checkout predates method packages: FedET's options are federation.fedet.*")
+    parser.add_argument(
+        "--legacy-keys",
+        action="store_true",
+        help="the checkout predates method packages: FedET's options are federation.fedet.*",
+    )
     args = parser.parse_args()
     print("| run | score | forgetting | bytes up | bytes down |")
     print("|---|---|---|---|---|")
@@ -50,8 +71,11 @@ def main() -> None:
         s = json.loads((out / "summary.json").read_text())
         final = s["final"]
         score = final.get("avg_nll", final.get("avg_incremental_accuracy"))
-        print(f"| {name} | {score} | {final.get('forgetting')} | {s['bytes']['up_total']:,} | "
-              f"{s['bytes']['down_total']:,} |", flush=True)
+        print(
+            f"| {name} | {score} | {final.get('forgetting')} | {s['bytes']['up_total']:,} | "
+            f"{s['bytes']['down_total']:,} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ class ControlServer:
     def _model(self):
         """The served model, loaded again when its file changes."""
         from export.runtime import MadeRuntime, ModelFileError  # onnxruntime: imported on first use
+
         try:
             st = self.model_path.stat()
         except FileNotFoundError:

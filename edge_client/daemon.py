@@ -91,13 +91,16 @@ class ClientDaemon:
         state_dir = Path(cfg.state_dir) if cfg.state_dir else self.out_dir / "state"
         self.store = ClientStateStore(state_dir)
         self.serving = ServedModelWriter(self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8)
-        self.control = ControlServer(self.store.path.parent / "control.sock", self.status_snapshot,
-                                     self.serving.model_path)
-        self.link = link_factory(cfg.broker, f"fcl-{cfg.federation}-{cfg.client_id}",
-                             status_topic=topics.status_topic(cfg.federation, cfg.client_id),
-                             subscriptions=[topics.round_topic(cfg.federation),
-                                            topics.knowledge_topic(cfg.federation, cfg.client_id)],
-                             on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())))
+        self.control = ControlServer(
+            self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path
+        )
+        self.link = link_factory(
+            cfg.broker,
+            f"fcl-{cfg.federation}-{cfg.client_id}",
+            status_topic=topics.status_topic(cfg.federation, cfg.client_id),
+            subscriptions=[topics.round_topic(cfg.federation), topics.knowledge_topic(cfg.federation, cfg.client_id)],
+            on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())),
+        )
         torch.set_num_threads(cfg.threads)
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
@@ -113,8 +116,10 @@ class ClientDaemon:
         if state is None:
             return
         if state.client_id != self.cfg.client_id or state.federation.get("name") != self.cfg.federation:
-            raise ConfigError(f"state_dir {self.store.path.parent}: it belongs to {state.client_id!r} in "
-                              f"{state.federation.get('name')!r}; move it away to rejoin from scratch")
+            raise ConfigError(
+                f"state_dir {self.store.path.parent}: it belongs to {state.client_id!r} in "
+                f"{state.federation.get('name')!r}; move it away to rejoin from scratch"
+            )
         self.input_dim = self.input_dim or state.input_dim
         try:
             fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
@@ -125,18 +130,35 @@ class ClientDaemon:
                 self.learner.start_task(t, self.knowledge.get(t))
             self.learner.load_state(state.learner_meta, state.learner_arrays)
         except (CodecError, ValueError) as exc:  # ConfigError is a ValueError
-            raise ConfigError(f"state_dir {self.store.path.parent}: cannot resume ({exc}); "
-                              f"move it away to rejoin from scratch") from None
+            raise ConfigError(
+                f"state_dir {self.store.path.parent}: cannot resume ({exc}); move it away to rejoin from scratch"
+            ) from None
         self.fed, self.task, self.done_round = fed, state.task, state.done_round
         self.knowledge_raw, self.unacked = dict(state.knowledge), state.unacked
         self.sequence = max(self.sequence, state.sequence)
-        log.info("resuming after round %d (task %d)%s", self.done_round, self.task,
-                 "; the last update is not yet acknowledged" if self.unacked else "")
+        log.info(
+            "resuming after round %d (task %d)%s",
+            self.done_round,
+            self.task,
+            "; the last update is not yet acknowledged" if self.unacked else "",
+        )
 
     def _checkpoint(self, unacked: bytes) -> None:
         meta, arrays = self.learner.state()
-        self.store.save(ClientState(self.cfg.client_id, to_dict(self.fed), self.task, self.done_round,
-                                    self.sequence, self.knowledge_raw, unacked, meta, arrays, self.input_dim))
+        self.store.save(
+            ClientState(
+                self.cfg.client_id,
+                to_dict(self.fed),
+                self.task,
+                self.done_round,
+                self.sequence,
+                self.knowledge_raw,
+                unacked,
+                meta,
+                arrays,
+                self.input_dim,
+            )
+        )
 
     def run(self) -> ExitCode:
         """Serve until the run finishes or ``stop`` is set (SIGTERM): a stop waits for the
@@ -175,12 +197,18 @@ class ClientDaemon:
     def status_snapshot(self) -> dict:
         """What ``fcl ctl status`` shows (read from the control socket's thread)."""
         waiting = self.waiting
-        return {"client_id": self.cfg.client_id, "federation": self.cfg.federation,
-                "connected": self.link.connected.is_set(), "task": self.task, "last_round": self.done_round,
-                "unacknowledged_update": self.unacked is not None, "tasks_on_device": len(self.data.train),
-                "waiting_for_task": waiting[0].header.task if waiting else None,
-                "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
-                "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")}}
+        return {
+            "client_id": self.cfg.client_id,
+            "federation": self.cfg.federation,
+            "connected": self.link.connected.is_set(),
+            "task": self.task,
+            "last_round": self.done_round,
+            "unacknowledged_update": self.unacked is not None,
+            "tasks_on_device": len(self.data.train),
+            "waiting_for_task": waiting[0].header.task if waiting else None,
+            "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
+            "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")},
+        }
 
     def _handle(self, topic: str, payload: bytes, size: int) -> bool:
         """Act on one downlink message; True when the run is finished."""
@@ -222,16 +250,20 @@ class ClientDaemon:
 
     def _needs_knowledge(self, frame: Frame) -> bool:
         """The round says the strategy sent this device its own frame for it, and it is not here yet."""
-        return (frame.meta.get("client_frames") is True and frame.header.task != self.task
-                and frame.header.task not in self.knowledge)
+        return (
+            frame.meta.get("client_frames") is True
+            and frame.header.task != self.task
+            and frame.header.task not in self.knowledge
+        )
 
     def _resend(self, rnd: int, why: str) -> None:
         """Publish the unacknowledged update again, unless the message asking for it arrived
         before the update was first sent (it queued up while this device was training)."""
         if rnd == self.done_round and self.unacked is not None and self.arrival >= self.sent_at:
             log.info("re-sending the update for round %d: %s", rnd, why)
-            self.link.publish(topics.update_topic(self.cfg.federation, self.cfg.client_id), self.unacked,
-                              tag=f"resend:{rnd}")
+            self.link.publish(
+                topics.update_topic(self.cfg.federation, self.cfg.client_id), self.unacked, tag=f"resend:{rnd}"
+            )
             self.sent_at = time.monotonic()
 
     def _on_knowledge(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
@@ -269,17 +301,25 @@ class ClientDaemon:
     def _handle_round(self, frame: Frame, size: int) -> bool:
         if not self._have_data(frame.header.task):
             if self.waiting is None or self.waiting[0].header.task != frame.header.task:
-                log.info("round %d is on task %d: waiting for its folder in %s", frame.header.round,
-                         frame.header.task, self.task_dir.root)
+                log.info(
+                    "round %d is on task %d: waiting for its folder in %s",
+                    frame.header.round,
+                    frame.header.task,
+                    self.task_dir.root,
+                )
                 if self.task >= 0:  # meanwhile, serve what the federation learned up to here
-                    self.serving.submit(self._served(frame.header.round - 1, _places(frame)[1],
-                                                     task_ended=frame.header.task != self.task))
+                    self.serving.submit(
+                        self._served(
+                            frame.header.round - 1, _places(frame)[1], task_ended=frame.header.task != self.task
+                        )
+                    )
                 self.link.publish_status("online", waiting_for_task=frame.header.task)
             self.waiting = (frame, size)
             return False
         new_task = frame.header.task != self.task  # the task's knowledge frame counts for its first round
-        self.round_bytes_down[frame.header.round] = size + (self.knowledge_bytes.get(frame.header.task, 0)
-                                                            if new_task else 0)
+        self.round_bytes_down[frame.header.round] = size + (
+            self.knowledge_bytes.get(frame.header.task, 0) if new_task else 0
+        )
         self._round(frame)
         return False
 
@@ -302,8 +342,12 @@ class ClientDaemon:
         except ConfigError as exc:
             raise RejectedFrame(f"federation: {exc}") from None
         dim = frame.meta.get("input_dim")
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1 or \
-                (self.input_dim is not None and dim != self.input_dim):
+        if (
+            not isinstance(dim, int)
+            or isinstance(dim, bool)
+            or dim < 1
+            or (self.input_dim is not None and dim != self.input_dim)
+        ):
             raise RejectedFrame(f"input_dim: model expects {dim!r}, this device's data has {self.input_dim}")
         if self.task_dir is None and len(self.data.train) < fed.num_tasks:
             raise RejectedFrame(f"tasks: federation has {fed.num_tasks} tasks, this device has {len(self.data.train)}")
@@ -337,8 +381,7 @@ class ClientDaemon:
         rnd, task = frame.header.round, frame.header.task
         place, previous = _places(frame)
         report = self._evaluate(rnd - 1, previous)
-        served = self._served(after_round=rnd - 1, previous=previous,
-                              task_ended=task != self.task and self.task >= 0)
+        served = self._served(after_round=rnd - 1, previous=previous, task_ended=task != self.task and self.task >= 0)
         if task != self.task:
             try:  # a device that joined late (or was away for a whole task) starts the tasks it missed
                 for t in range(self.task + 1, task + 1):
@@ -349,8 +392,13 @@ class ClientDaemon:
         seen = self.data.train if self.learner.sees_all_tasks else self.data.train[: task + 1]
         n_samples, train_nll = self.learner.train_round(seen, rnd, place)
         tensors = self.learner.upload(rnd, place)
-        meta = {"n_samples": n_samples, "train_nll": None if train_nll is None else round(train_nll, 4), "eval": report,
-                "rejected": dict(self.rejected), **self.learner.report(place)}
+        meta = {
+            "n_samples": n_samples,
+            "train_nll": None if train_nll is None else round(train_nll, 4),
+            "eval": report,
+            "rejected": dict(self.rejected),
+            **self.learner.report(place),
+        }
         payload = self._frame(Kind.UPDATE, rnd, task, meta, tensors)
         self.done_round, self.unacked = rnd, payload
         self._checkpoint(payload)  # before publishing: a crash after this re-sends, never retrains
@@ -359,8 +407,14 @@ class ClientDaemon:
         self.serving.submit(served)  # exported in the background, never before the update is out
         self.round_cpu_s[rnd] = round(time.process_time() - cpu_start, 4)
         meter = self.link.meter.snapshot()
-        self.link.publish_status("online", task=task, round=rnd, bytes_up=meter["up"]["bytes"],
-                                 bytes_down=meter["down"]["bytes"], waiting_for_task=None)
+        self.link.publish_status(
+            "online",
+            task=task,
+            round=rnd,
+            bytes_up=meter["up"]["bytes"],
+            bytes_down=meter["down"]["bytes"],
+            waiting_for_task=None,
+        )
         self.notifier.status(f"round {rnd}, task {task}")
         log.info("round %d task %d: %d samples, train NLL %s", rnd, task, n_samples, meta["train_nll"])
 
@@ -368,8 +422,9 @@ class ClientDaemon:
         _, previous = _places(frame)
         report = self._evaluate(frame.header.round - 1, previous, everything=True)
         served = self._served(after_round=frame.header.round - 1, previous=previous, task_ended=True)
-        payload = self._frame(Kind.EVAL, frame.header.round, frame.header.task,
-                              {"eval": report, "rejected": dict(self.rejected)}, {})
+        payload = self._frame(
+            Kind.EVAL, frame.header.round, frame.header.task, {"eval": report, "rejected": dict(self.rejected)}, {}
+        )
         self._send(payload, f"eval:{frame.header.round}").wait_for_publish(10)
         self.serving.submit(served)
         self.serving.wait()  # the final model is in service before the daemon exits
@@ -379,8 +434,13 @@ class ClientDaemon:
         """The model to serve after ``after_round`` (a snapshot the background export may
         read while training goes on), or None: after a task, or every round if so configured."""
         every = self.cfg.serve.every
-        if after_round < 0 or previous is None or every == "never" or (every == "task" and not task_ended) \
-                or after_round == self.served_round:
+        if (
+            after_round < 0
+            or previous is None
+            or every == "never"
+            or (every == "task" and not task_ended)
+            or after_round == self.served_round
+        ):
             return None
         self.served_round = after_round
         task = previous.task
@@ -409,11 +469,19 @@ class ClientDaemon:
         """The device's own meter, for comparison with the aggregator's and a packet capture."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.out_dir / "wire.json.tmp"
-        tmp.write_text(json.dumps({"client": self.cfg.client_id, "rejected": self.rejected,
-                                   "round_bytes_down": self.round_bytes_down,
-                                   "round_cpu_s": self.round_cpu_s,
-                                   "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                                   **self.link.meter.snapshot()}, indent=2))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "client": self.cfg.client_id,
+                    "rejected": self.rejected,
+                    "round_bytes_down": self.round_bytes_down,
+                    "round_cpu_s": self.round_cpu_s,
+                    "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                    **self.link.meter.snapshot(),
+                },
+                indent=2,
+            )
+        )
         os.replace(tmp, self.out_dir / "wire.json")
 
 
@@ -423,8 +491,11 @@ def _places(frame: Frame) -> tuple[RoundPlace, RoundPlace | None]:
     try:
         place = RoundPlace.from_meta(schedule, frame.header.task)
         previous = schedule.get("previous")
-        before = None if previous is None else RoundPlace.from_meta(previous, previous.get("task") if isinstance(
-            previous, dict) else -1)
+        before = (
+            None
+            if previous is None
+            else RoundPlace.from_meta(previous, previous.get("task") if isinstance(previous, dict) else -1)
+        )
     except ValueError as exc:
         raise RejectedFrame(str(exc)) from None
     return place, before
@@ -433,5 +504,13 @@ def _places(frame: Frame) -> tuple[RoundPlace, RoundPlace | None]:
 def load_client_data(cfg: ClientConfig) -> ClientTasks:
     spec = cfg.data
     train, test = load_dataset(spec.dataset, spec.path, spec.seed, spec.max_length)
-    return client_task_split(train, test, spec.client_tasks, spec.client_index, spec.seed, spec.test_tasks,
-                             spec.per_class, spec.test_per_class)
+    return client_task_split(
+        train,
+        test,
+        spec.client_tasks,
+        spec.client_index,
+        spec.seed,
+        spec.test_tasks,
+        spec.per_class,
+        spec.test_per_class,
+    )

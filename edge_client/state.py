@@ -43,10 +43,17 @@ class ClientStateStore:
         self.path = Path(state_dir) / "client.npz"
 
     def save(self, state: ClientState) -> None:
-        meta = {"version": STATE_VERSION, "client_id": state.client_id, "federation": state.federation,
-                "task": state.task, "done_round": state.done_round, "sequence": state.sequence,
-                "knowledge_tasks": sorted(state.knowledge), "learner": state.learner_meta,
-                "input_dim": state.input_dim}
+        meta = {
+            "version": STATE_VERSION,
+            "client_id": state.client_id,
+            "federation": state.federation,
+            "task": state.task,
+            "done_round": state.done_round,
+            "sequence": state.sequence,
+            "knowledge_tasks": sorted(state.knowledge),
+            "learner": state.learner_meta,
+            "input_dim": state.input_dim,
+        }
         arrays = {_LEARNER + k: v for k, v in state.learner_arrays.items()}
         arrays.update({f"{_KNOWLEDGE}{t}": np.frombuffer(raw, np.uint8) for t, raw in state.knowledge.items()})
         if state.unacked is not None:
@@ -61,12 +68,17 @@ class ClientStateStore:
         try:
             unacked = arrays.get(_UNACKED)
             return ClientState(
-                client_id=str(meta["client_id"]), federation=dict(meta["federation"]), task=int(meta["task"]),
-                done_round=int(meta["done_round"]), sequence=int(meta["sequence"]),
+                client_id=str(meta["client_id"]),
+                federation=dict(meta["federation"]),
+                task=int(meta["task"]),
+                done_round=int(meta["done_round"]),
+                sequence=int(meta["sequence"]),
                 knowledge={int(t): arrays[f"{_KNOWLEDGE}{t}"].tobytes() for t in meta["knowledge_tasks"]},
-                unacked=None if unacked is None else unacked.tobytes(), learner_meta=dict(meta["learner"]),
+                unacked=None if unacked is None else unacked.tobytes(),
+                learner_meta=dict(meta["learner"]),
                 input_dim=int(meta["input_dim"]),
-                learner_arrays={k[len(_LEARNER):]: v for k, v in arrays.items() if k.startswith(_LEARNER)})
+                learner_arrays={k[len(_LEARNER) :]: v for k, v in arrays.items() if k.startswith(_LEARNER)},
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: malformed state ({exc})") from None
 

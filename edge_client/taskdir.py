@@ -39,8 +39,11 @@ class TaskDirectory:
     def scan(self, input_dim: int | None) -> ClientTasks:
         """The valid task folders in order, up to the first one that is not (yet) valid."""
         train, test = [], []
-        names = sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-            if self.root.is_dir() else []
+        names = (
+            sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+            if self.root.is_dir()
+            else []
+        )
         for name in names:
             try:
                 pair = self._load(name, input_dim)

@@ -24,6 +24,7 @@ Every value is a string in the ONNX ``metadata_props``; non-string values are JS
 | fcl.weights_sha256     | hex      | hash of the initializers (``export._proto.weights_digest``) |
 | fcl.integrity_sha256   | hex      | hash of the whole file (``export._proto.integrity_digest``) |
 """
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,7 @@ def _int(minimum: int) -> Callable[[str, str], int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
             raise MetadataError(f"{key} must be an int >= {minimum}, got {raw[:60]!r}")
         return v
+
     return parse
 
 
@@ -70,6 +72,7 @@ def _text(nonempty: bool) -> Callable[[str, str], str]:
         if nonempty and not raw.strip():
             raise MetadataError(f"{key} must not be empty")
         return raw
+
     return parse
 
 

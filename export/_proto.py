@@ -25,6 +25,7 @@ single implementation:
 
 Reference: https://protobuf.dev/programming-guides/encoding/ and onnx/onnx.proto.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,15 @@ PLACEHOLDER = b"0" * 64
 _MODEL_GRAPH, _MODEL_METADATA = 7, 14
 _GRAPH_INITIALIZER, _GRAPH_SPARSE_INITIALIZER = 5, 15
 _TENSOR_DIMS, _TENSOR_DATA_TYPE, _TENSOR_NAME, _TENSOR_RAW, _TENSOR_LOCATION = 1, 2, 8, 9, 14
-_TENSOR_TYPED_FIELDS = {4: "float_data", 5: "int32_data", 6: "string_data", 7: "int64_data",
-                        10: "double_data", 11: "uint64_data", 13: "external_data"}
+_TENSOR_TYPED_FIELDS = {
+    4: "float_data",
+    5: "int32_data",
+    6: "string_data",
+    7: "int64_data",
+    10: "double_data",
+    11: "uint64_data",
+    13: "external_data",
+}
 
 
 class ProtoError(BadInput):

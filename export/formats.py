@@ -11,6 +11,7 @@
 The exporters (onnx, torch) are imported only when a model is exported, so importing this
 module is cheap.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,14 @@ __all__ = ["FORMATS", "ExportError", "export_served"]
 FORMATS: tuple[str, ...] = ("made", "text-groups")
 
 
-def export_served(served: Any, path: str | os.PathLike, *, parity_inputs: Any = None, int8: bool = False,
-                  toolkit_version: str = "0.1.0") -> dict[str, Any]:
+def export_served(
+    served: Any,
+    path: str | os.PathLike,
+    *,
+    parity_inputs: Any = None,
+    int8: bool = False,
+    toolkit_version: str = "0.1.0",
+) -> dict[str, Any]:
     """Write ``served`` as a verified ONNX file at ``path`` (plus ``<stem>.int8.onnx`` with
     ``int8``) and return the exporter's report.  Raises :class:`ExportError`, also for a
     format no exporter knows."""
@@ -32,12 +39,13 @@ def export_served(served: Any, path: str | os.PathLike, *, parity_inputs: Any = 
     if fmt == "made":
         from export.onnx_made import export_served_model
 
-        return export_served_model(served, path, parity_inputs=parity_inputs, int8=int8,
-                                   toolkit_version=toolkit_version)
+        return export_served_model(
+            served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version
+        )
     if fmt == "text-groups":
         from export.onnx_text_groups import export_text_groups
 
-        return export_text_groups(served, path, parity_inputs=parity_inputs, int8=int8,
-                                  toolkit_version=toolkit_version)
-    raise ExportError(f"no exporter for served format {fmt!r} ({type(served).__name__}); "
-                      f"known formats: {', '.join(FORMATS)}")
+        return export_text_groups(served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version)
+    raise ExportError(
+        f"no exporter for served format {fmt!r} ({type(served).__name__}); known formats: {', '.join(FORMATS)}"
+    )

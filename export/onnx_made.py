@@ -11,6 +11,7 @@ entries are exact zeros, which int8 dynamic quantisation (symmetric weights) kee
 
 torch is imported lazily, only for the parity check against ``fclcore.models.made.MADE``.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,16 @@ from export.publish import (
 from fclcore.made_spec import input_order, made_masks, mask_for_param
 from fclcore.served import ServedModel
 
-__all__ = ["ServedModel", "ExportError", "base_metadata", "build_onnx", "export_served_model", "int8_path_for",
-           "PARITY_TOL", "OPSET"]
+__all__ = [
+    "ServedModel",
+    "ExportError",
+    "base_metadata",
+    "build_onnx",
+    "export_served_model",
+    "int8_path_for",
+    "PARITY_TOL",
+    "OPSET",
+]
 
 IR_VERSION = 8  # the IR version that introduced opset 17: readable by older device runtimes
 PARITY_TOL = 1e-5
@@ -83,10 +92,12 @@ def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
         layer = f"hidden.{i}"
         inits.append(numpy_helper.from_array(masked_t(f"{layer}.weight"), f"{layer}.masked_weight_t"))
         inits.append(numpy_helper.from_array(model.params[f"{layer}.bias"].copy(), f"{layer}.bias"))
-        nodes.append(helper.make_node("MatMul", [h, f"{layer}.masked_weight_t"], [f"{layer}.matmul"],
-                                      name=f"{layer}.matmul"))
-        nodes.append(helper.make_node("Add", [f"{layer}.matmul", f"{layer}.bias"], [f"{layer}.pre"],
-                                      name=f"{layer}.add"))
+        nodes.append(
+            helper.make_node("MatMul", [h, f"{layer}.masked_weight_t"], [f"{layer}.matmul"], name=f"{layer}.matmul")
+        )
+        nodes.append(
+            helper.make_node("Add", [f"{layer}.matmul", f"{layer}.bias"], [f"{layer}.pre"], name=f"{layer}.add")
+        )
         nodes.append(helper.make_node("Relu", [f"{layer}.pre"], [f"{layer}.out"], name=f"{layer}.relu"))
         h = f"{layer}.out"
     inits.append(numpy_helper.from_array(masked_t("output.weight"), "output.masked_weight_t"))
@@ -96,20 +107,27 @@ def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
     nodes.append(helper.make_node("Add", ["output.matmul", "output.bias"], [out_name], name="output.add"))
     if cfg.direct:
         inits.append(numpy_helper.from_array(masked_t("direct.weight"), "direct.masked_weight_t"))
-        nodes.append(helper.make_node("MatMul", ["x", "direct.masked_weight_t"], ["direct.matmul"],
-                                      name="direct.matmul"))
+        nodes.append(
+            helper.make_node("MatMul", ["x", "direct.masked_weight_t"], ["direct.matmul"], name="direct.matmul")
+        )
         nodes.append(helper.make_node("Add", ["output.pre", "direct.matmul"], ["logits"], name="direct.add"))
 
     graph = helper.make_graph(
-        nodes, "fcl_made",
+        nodes,
+        "fcl_made",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", d])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", d])],
         initializer=inits,
         doc_string=f"MADE D={d} hidden={list(cfg.hidden_sizes)} direct={cfg.direct} order_index={model.order_k}: "
-                   "x in {0,1}^D -> Bernoulli logits of p(x_d=1 | x_<d), <d in fcl.input_order",
+        "x in {0,1}^D -> Bernoulli logits of p(x_d=1 | x_<d), <d in fcl.input_order",
     )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
-                              producer_name="fcl-edge", producer_version=str(toolkit_version))
+    proto = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        ir_version=IR_VERSION,
+        producer_name="fcl-edge",
+        producer_version=str(toolkit_version),
+    )
     onnx.checker.check_model(proto)
     return seal(proto, base_metadata(model, toolkit_version))
 
@@ -151,8 +169,14 @@ def _load_verified(path: Path, what: str) -> Any:
         raise ExportError(f"the exported {what} model failed validation: {exc}") from None
 
 
-def export_served_model(model: ServedModel, path: str | os.PathLike, *, parity_inputs: np.ndarray | None = None,
-                        int8: bool = False, toolkit_version: str = "0.1.0") -> dict[str, Any]:
+def export_served_model(
+    model: ServedModel,
+    path: str | os.PathLike,
+    *,
+    parity_inputs: np.ndarray | None = None,
+    int8: bool = False,
+    toolkit_version: str = "0.1.0",
+) -> dict[str, Any]:
     """Write ``model`` as ONNX to ``path`` atomically, after verifying the written bytes.
 
     The file is written to a temporary file in the same directory, loaded back with the
@@ -188,12 +212,19 @@ def export_served_model(model: ServedModel, path: str | os.PathLike, *, parity_i
         err = float(np.max(diff))
         scaled = float(np.max(diff / np.maximum(1.0, np.abs(ref))))
         if not scaled <= PARITY_TOL:  # also catches NaN
-            raise ExportError(f"parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
-                              f"{PARITY_TOL:g} (max |onnx - torch| logit error {err:.3g}) on {x.shape[0]} rows "
-                              f"({x_desc}); {path} left unchanged")
+            raise ExportError(
+                f"parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
+                f"{PARITY_TOL:g} (max |onnx - torch| logit error {err:.3g}) on {x.shape[0]} rows "
+                f"({x_desc}); {path} left unchanged"
+            )
         report: dict[str, Any] = {
-            "path": str(path), "bytes": tmp.stat().st_size, "max_abs_err": err, "max_scaled_err": scaled,
-            "sha256": rt.metadata["weights_sha256"], "parity_rows": int(x.shape[0]), "parity_data": x_desc,
+            "path": str(path),
+            "bytes": tmp.stat().st_size,
+            "max_abs_err": err,
+            "max_scaled_err": scaled,
+            "sha256": rt.metadata["weights_sha256"],
+            "parity_rows": int(x.shape[0]),
+            "parity_data": x_desc,
         }
         pairs = [(tmp, path)]
         if int8:
@@ -209,8 +240,9 @@ def export_served_model(model: ServedModel, path: str | os.PathLike, *, parity_i
         remove_temps(temps)
 
 
-def _export_int8(fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.ndarray, x_desc: str,
-                 metadata: dict[str, Any]) -> dict[str, Any]:
+def _export_int8(
+    fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.ndarray, x_desc: str, metadata: dict[str, Any]
+) -> dict[str, Any]:
     import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -223,9 +255,10 @@ def _export_int8(fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.
         raise ExportError(f"int8 quantisation failed: {exc}") from exc
     proto = onnx.load(q_tmp)
     # Measure the NLL change before sealing (row by row: activation scales are per tensor).
-    sess = ort.InferenceSession(proto.SerializeToString(), sess_options=session_options(),
-                                providers=["CPUExecutionProvider"])
-    z_q = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(x.shape[0])]).astype(np.float64)
+    sess = ort.InferenceSession(
+        proto.SerializeToString(), sess_options=session_options(), providers=["CPUExecutionProvider"]
+    )
+    z_q = np.concatenate([sess.run(None, {"x": x[i : i + 1]})[0] for i in range(x.shape[0])]).astype(np.float64)
     nll_q = -(x * z_q - np.logaddexp(0.0, z_q)).sum(axis=1)
     nll_f = -fp32_rt.log_likelihood(x)
     delta = float(np.mean(nll_q - nll_f))
@@ -238,5 +271,10 @@ def _export_int8(fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.
     if check > 1e-3:
         raise ExportError(f"sealed int8 model disagrees with the measured one by {check:.3g} nats")
     size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
-    return {"int8_path": str(q_path), "int8_bytes": size_q, "int8_size_ratio": size_q / size_fp32,
-            "int8_nll_delta": delta, "int8_sha256": rt.metadata["weights_sha256"]}
+    return {
+        "int8_path": str(q_path),
+        "int8_bytes": size_q,
+        "int8_size_ratio": size_q / size_fp32,
+        "int8_nll_delta": delta,
+        "int8_sha256": rt.metadata["weights_sha256"],
+    }

@@ -30,6 +30,7 @@ The exported file is written to a temporary file, reloaded and validated by the 
 :class:`export.text_runtime.TextClassifierRuntime`, parity-checked against the torch
 computation, and only then moved over the destination with ``os.replace``.
 """
+
 from __future__ import annotations
 
 import io
@@ -68,9 +69,19 @@ from fclcore.models.enhancer import (
 )
 from fclcore.models.prototypes import PrototypeSelector, normalize_rows
 
-__all__ = ["export_text_groups", "export_text_classifier", "export_client_text_classifier",
-           "build_text_classifier_onnx", "text_classifier_reference", "TextGroupsGraph", "ExportError", "PARITY_TOL",
-           "ROUTE_TOL", "INT8_MIN_AGREEMENT", "int8_path_for"]
+__all__ = [
+    "export_text_groups",
+    "export_text_classifier",
+    "export_client_text_classifier",
+    "build_text_classifier_onnx",
+    "text_classifier_reference",
+    "TextGroupsGraph",
+    "ExportError",
+    "PARITY_TOL",
+    "ROUTE_TOL",
+    "INT8_MIN_AGREEMENT",
+    "int8_path_for",
+]
 
 PARITY_TOL = 1e-4  # |onnx - torch| <= PARITY_TOL * max(1, |torch|) for every finite logit
 ROUTE_TOL = 1e-4  # a cosine (selector) or logit (head) top-2 gap below this is a float32 tie
@@ -80,11 +91,18 @@ _PARITY_RANDOM_ROWS = 32
 
 # ------------------------------------------------------------------ the graph
 
+
 class TextGroupsGraph(nn.Module):
     """The traced module: selector + every given group, returning (label, group, logits)."""
 
-    def __init__(self, backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], group_ids: Sequence[int],
-                 selector: PrototypeSelector, classes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        backbone: FrozenBackbone,
+        groups: Sequence[EnhancerGroup],
+        group_ids: Sequence[int],
+        selector: PrototypeSelector,
+        classes: Sequence[int],
+    ) -> None:
         super().__init__()
         self.backbone = backbone
         self.groups = nn.ModuleList(groups)
@@ -98,8 +116,9 @@ class TextGroupsGraph(nn.Module):
         for i, g in enumerate(groups):
             rows = {c: r for r, c in enumerate(g.classes)}
             self.register_buffer(f"classes_{i}", torch.tensor(g.classes, dtype=torch.int64))
-            self.register_buffer(f"col_rows_{i}", torch.tensor([rows.get(int(c), 0) for c in classes],
-                                                               dtype=torch.int64))
+            self.register_buffer(
+                f"col_rows_{i}", torch.tensor([rows.get(int(c), 0) for c in classes], dtype=torch.int64)
+            )
             self.register_buffer(f"col_mask_{i}", torch.tensor([int(c) in rows for c in classes]))
         self.n_classes = len(col)
 
@@ -129,9 +148,15 @@ class TextGroupsGraph(nn.Module):
 
 # ------------------------------------------------------------------ the torch reference
 
-def text_classifier_reference(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup],
-                              selector: PrototypeSelector, classes: Sequence[int], ids: np.ndarray,
-                              mask: np.ndarray) -> dict[str, np.ndarray]:
+
+def text_classifier_reference(
+    backbone: FrozenBackbone,
+    groups: Sequence[EnhancerGroup],
+    selector: PrototypeSelector,
+    classes: Sequence[int],
+    ids: np.ndarray,
+    mask: np.ndarray,
+) -> dict[str, np.ndarray]:
     """The served prediction (FedET's ``FedETClient.predict``) on (ids, mask), plus what the
     parity check needs.
 
@@ -157,26 +182,35 @@ def text_classifier_reference(backbone: FrozenBackbone, groups: Sequence[Enhance
             label_margin[idx] = top[:, -1] - top[:, -2]
     top = np.sort(sims, axis=1)
     route_margin = top[:, -1] - top[:, -2] if sims.shape[1] > 1 else np.full(n, np.inf)
-    return {"label": label, "group": routes.astype(np.int64), "logits": logits, "route_margin": route_margin,
-            "label_margin": label_margin}
+    return {
+        "label": label,
+        "group": routes.astype(np.int64),
+        "logits": logits,
+        "route_margin": route_margin,
+        "label_margin": label_margin,
+    }
 
 
 # ------------------------------------------------------------------ building
+
 
 def _selector(prototypes: Mapping[int, np.ndarray], group_of: Mapping[int, int]) -> PrototypeSelector:
     if not prototypes:
         raise ExportError("the selector has no prototypes: nothing can be routed (start a task first)")
     sel = PrototypeSelector()
     try:
-        sel.update({int(c): np.asarray(p, np.float32) for c, p in prototypes.items()},
-                   {int(c): int(group_of[c]) for c in prototypes if c in group_of})
+        sel.update(
+            {int(c): np.asarray(p, np.float32) for c, p in prototypes.items()},
+            {int(c): int(group_of[c]) for c in prototypes if c in group_of},
+        )
     except (ValueError, KeyError) as exc:
         raise ExportError(f"selector: {exc}") from None
     return sel
 
 
-def _plan(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], selector: PrototypeSelector,
-          max_length: int) -> tuple[list[int], list[int]]:
+def _plan(
+    backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], selector: PrototypeSelector, max_length: int
+) -> tuple[list[int], list[int]]:
     """Validate the state; return (exported group indices, sorted classes)."""
     if not isinstance(backbone, FrozenBackbone):
         raise ExportError(f"backbone must be a FrozenBackbone, got {type(backbone).__name__}")
@@ -189,8 +223,10 @@ def _plan(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], selector: P
     for j in group_ids:
         g = groups[j]
         if g.cfg.hidden != backbone.cfg.hidden or len(g.enhancers) != backbone.cfg.layers:
-            raise ExportError(f"group {j}: hidden/blocks {g.cfg.hidden}/{len(g.enhancers)} do not match the backbone "
-                              f"{backbone.cfg.hidden}/{backbone.cfg.layers}")
+            raise ExportError(
+                f"group {j}: hidden/blocks {g.cfg.hidden}/{len(g.enhancers)} do not match the backbone "
+                f"{backbone.cfg.hidden}/{backbone.cfg.layers}"
+            )
         for c in g.classes:
             if c in owner:
                 raise ExportError(f"class {c} is in groups {owner[c]} and {j}")
@@ -200,8 +236,10 @@ def _plan(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], selector: P
     for c in selector.classes.tolist():
         j = selector.group_of[c]
         if owner.get(c) != j:
-            raise ExportError(f"class {c} is routed to group {j}, which does not cover it "
-                              f"(groups: { {k: groups[k].classes for k in group_ids} })")
+            raise ExportError(
+                f"class {c} is routed to group {j}, which does not cover it "
+                f"(groups: { {k: groups[k].classes for k in group_ids} })"
+            )
     if not 2 <= max_length <= backbone.cfg.max_positions:
         raise ExportError(f"max_length must be in [2, {backbone.cfg.max_positions}], got {max_length}")
     if not np.isfinite(selector.prototypes).all():
@@ -233,9 +271,9 @@ def _inline_initializer_aliases(proto: onnx.ModelProto) -> int:
     return len(alias)
 
 
-def build_text_classifier_onnx(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup],
-                               selector: PrototypeSelector, *,
-                               max_length: int = 128) -> tuple[onnx.ModelProto, list[int], list[int]]:
+def build_text_classifier_onnx(
+    backbone: FrozenBackbone, groups: Sequence[EnhancerGroup], selector: PrototypeSelector, *, max_length: int = 128
+) -> tuple[onnx.ModelProto, list[int], list[int]]:
     """Trace the graph (unsealed); returns (proto, exported group indices, classes)."""
     group_ids, classes = _plan(backbone, groups, selector, max_length)
     module = TextGroupsGraph(backbone, [groups[j] for j in group_ids], group_ids, selector, classes).eval()
@@ -245,17 +283,28 @@ def build_text_classifier_onnx(backbone: FrozenBackbone, groups: Sequence[Enhanc
     length = min(8, max_length)
     ids = torch.zeros((2, length), dtype=torch.int64)
     mask = torch.ones((2, length), dtype=torch.int64)
-    mask[1, length // 2:] = 0
+    mask[1, length // 2 :] = 0
     buf = io.BytesIO()
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
-            torch.onnx.export(module, (ids, mask), buf, dynamo=False, opset_version=OPSET,
-                              input_names=["input_ids", "attention_mask"], output_names=["label", "group", "logits"],
-                              dynamic_axes={"input_ids": {0: "batch", 1: "seq"},
-                                            "attention_mask": {0: "batch", 1: "seq"},
-                                            "label": {0: "batch"}, "group": {0: "batch"}, "logits": {0: "batch"}},
-                              do_constant_folding=True)
+            torch.onnx.export(
+                module,
+                (ids, mask),
+                buf,
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=["input_ids", "attention_mask"],
+                output_names=["label", "group", "logits"],
+                dynamic_axes={
+                    "input_ids": {0: "batch", 1: "seq"},
+                    "attention_mask": {0: "batch", 1: "seq"},
+                    "label": {0: "batch"},
+                    "group": {0: "batch"},
+                    "logits": {0: "batch"},
+                },
+                do_constant_folding=True,
+            )
     except Exception as exc:
         raise ExportError(f"torch.onnx.export failed: {exc}") from exc
     finally:
@@ -265,14 +314,17 @@ def build_text_classifier_onnx(backbone: FrozenBackbone, groups: Sequence[Enhanc
     _inline_initializer_aliases(proto)
     proto.producer_name = "fcl-edge"
     proto.graph.name = "fcl_text_groups"
-    proto.graph.doc_string = (f"text-groups classifier: prototype selector over {len(selector.classes)} classes + "
-                              f"Enhancer groups {group_ids} on a frozen {backbone.cfg.layers}-layer encoder; "
-                              "input_ids, attention_mask -> label, group, logits")
+    proto.graph.doc_string = (
+        f"text-groups classifier: prototype selector over {len(selector.classes)} classes + "
+        f"Enhancer groups {group_ids} on a frozen {backbone.cfg.layers}-layer encoder; "
+        "input_ids, attention_mask -> label, group, logits"
+    )
     onnx.checker.check_model(proto)
     return proto, group_ids, classes
 
 
 # ------------------------------------------------------------------ parity
+
 
 def _random_parity_rows(vocab: int, max_length: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """Seeded random token rows of random length (right-padded with id 0) for the parity check."""
@@ -295,16 +347,20 @@ def _parity_rows(backbone: FrozenBackbone, max_length: int, ids: Any, mask: Any)
     a = np.asarray(ids)
     m = np.ones_like(a) if mask is None else np.asarray(mask)
     if a.ndim != 2 or a.shape != m.shape or a.shape[0] == 0 or not np.issubdtype(a.dtype, np.integer):
-        raise ExportError(f"parity_ids and parity_mask must be integer arrays of the same shape (N >= 1, L), "
-                          f"got {a.shape} and {m.shape}")
+        raise ExportError(
+            f"parity_ids and parity_mask must be integer arrays of the same shape (N >= 1, L), "
+            f"got {a.shape} and {m.shape}"
+        )
     if a.shape[1] > max_length or a.min() < 0 or a.max() >= backbone.cfg.vocab_size or not np.isin(m, (0, 1)).all():
-        raise ExportError(f"parity rows must have L <= max_length {max_length}, ids in [0, "
-                          f"{backbone.cfg.vocab_size}) and a 0/1 mask")
+        raise ExportError(
+            f"parity rows must have L <= max_length {max_length}, ids in [0, {backbone.cfg.vocab_size}) and a 0/1 mask"
+        )
     return np.ascontiguousarray(a, np.int64), np.ascontiguousarray(m, np.int64), f"parity_ids:{a.shape[0]}"
 
 
-def _compare(ref: dict[str, np.ndarray], labels: np.ndarray, groups: np.ndarray, logits: np.ndarray,
-             what: str, desc: str) -> dict[str, Any]:
+def _compare(
+    ref: dict[str, np.ndarray], labels: np.ndarray, groups: np.ndarray, logits: np.ndarray, what: str, desc: str
+) -> dict[str, Any]:
     """fp32 parity: labels and groups exactly (except float32 ties), logits within PARITY_TOL."""
     route_tie = ref["route_margin"] <= ROUTE_TOL
     same_route = groups == ref["group"]
@@ -314,10 +370,12 @@ def _compare(ref: dict[str, np.ndarray], labels: np.ndarray, groups: np.ndarray,
     bad_label = same_route & (labels != ref["label"]) & ~label_tie
     if bad_route.any() or bad_label.any():
         rows = np.flatnonzero(bad_route | bad_label)[:5].tolist()
-        raise ExportError(f"{what} parity check failed on {int(bad_route.sum())} routes and {int(bad_label.sum())} "
-                          f"labels of {len(labels)} rows ({desc}; first rows {rows}: onnx label/group "
-                          f"{labels[rows].tolist()}/{groups[rows].tolist()}, torch {ref['label'][rows].tolist()}/"
-                          f"{ref['group'][rows].tolist()})")
+        raise ExportError(
+            f"{what} parity check failed on {int(bad_route.sum())} routes and {int(bad_label.sum())} "
+            f"labels of {len(labels)} rows ({desc}; first rows {rows}: onnx label/group "
+            f"{labels[rows].tolist()}/{groups[rows].tolist()}, torch {ref['label'][rows].tolist()}/"
+            f"{ref['group'][rows].tolist()})"
+        )
     r, g = ref["logits"][same_route].astype(np.float64), logits[same_route].astype(np.float64)
     finite = np.isfinite(r)
     if not np.array_equal(finite, np.isfinite(g)) or np.isnan(g).any():
@@ -326,13 +384,20 @@ def _compare(ref: dict[str, np.ndarray], labels: np.ndarray, groups: np.ndarray,
     err = float(diff.max()) if diff.size else 0.0
     scaled = float((diff / np.maximum(1.0, np.abs(r[finite]))).max()) if diff.size else 0.0
     if not scaled <= PARITY_TOL:
-        raise ExportError(f"{what} parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
-                          f"{PARITY_TOL:g} (max abs logit error {err:.3g}) on {len(labels)} rows ({desc})")
-    return {"max_abs_err": err, "max_scaled_err": scaled, "label_agreement": float((labels == ref["label"]).mean()),
-            "float32_ties": int((~same_route | (labels != ref["label"])).sum())}
+        raise ExportError(
+            f"{what} parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
+            f"{PARITY_TOL:g} (max abs logit error {err:.3g}) on {len(labels)} rows ({desc})"
+        )
+    return {
+        "max_abs_err": err,
+        "max_scaled_err": scaled,
+        "label_agreement": float((labels == ref["label"]).mean()),
+        "float32_ties": int((~same_route | (labels != ref["label"])).sum()),
+    }
 
 
 # ------------------------------------------------------------------ int8
+
 
 def _selector_nodes(proto: onnx.ModelProto) -> list[str]:
     """Names of the nodes reading the prototypes (the selector's MatMul): kept in fp32 by int8."""
@@ -345,8 +410,7 @@ def _quantize(src: Path, dst: Path, exclude: list[str], per_channel: bool) -> No
 
     try:
         with quiet_quantizer():
-            quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=per_channel,
-                             nodes_to_exclude=exclude)
+            quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=per_channel, nodes_to_exclude=exclude)
     except Exception as exc:
         raise ExportError(f"int8 quantisation failed: {exc}") from exc
 
@@ -358,20 +422,38 @@ def _load(path: Path, what: str) -> TextClassifierRuntime:
         raise ExportError(f"the exported {what} model failed validation: {exc}") from None
 
 
-def _export_int8(fp32_tmp: Path, q_tmp: Path, q_path: Path, ref: dict[str, np.ndarray], ids: np.ndarray,
-                 mask: np.ndarray, desc: str, metadata: dict[str, Any], min_agreement: float,
-                 per_channel: bool, exclude_selector: bool) -> dict[str, Any]:
+def _export_int8(
+    fp32_tmp: Path,
+    q_tmp: Path,
+    q_path: Path,
+    ref: dict[str, np.ndarray],
+    ids: np.ndarray,
+    mask: np.ndarray,
+    desc: str,
+    metadata: dict[str, Any],
+    min_agreement: float,
+    per_channel: bool,
+    exclude_selector: bool,
+) -> dict[str, Any]:
     exclude = _selector_nodes(onnx.load(fp32_tmp, load_external_data=False)) if exclude_selector else []
     _quantize(fp32_tmp, q_tmp, exclude, per_channel)
     proto = onnx.load(q_tmp)
-    meta = dict(metadata, quantization="int8-dynamic", int8_label_agreement=0.0, int8_group_agreement=0.0,
-                int8_min_agreement=min_agreement, int8_eval=desc)
+    meta = dict(
+        metadata,
+        quantization="int8-dynamic",
+        int8_label_agreement=0.0,
+        int8_group_agreement=0.0,
+        int8_min_agreement=min_agreement,
+        int8_eval=desc,
+    )
     write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
     labels, groups, _ = _load(q_tmp, "int8").predict_ids(ids, mask)
     agree, g_agree = float((labels == ref["label"]).mean()), float((groups == ref["group"]).mean())
     if not agree >= min_agreement:
-        raise ExportError(f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows "
-                          f"({desc}); nothing written")
+        raise ExportError(
+            f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows "
+            f"({desc}); nothing written"
+        )
     meta.update(int8_label_agreement=agree, int8_group_agreement=g_agree)
     write_synced(q_tmp, seal(proto, meta).SerializeToString())
     rt = _load(q_tmp, "int8")
@@ -379,22 +461,43 @@ def _export_int8(fp32_tmp: Path, q_tmp: Path, q_path: Path, ref: dict[str, np.nd
     if not (np.array_equal(again, labels) and np.array_equal(g_again, groups)):
         raise ExportError("the sealed int8 model disagrees with the measured one")
     size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
-    return {"int8_path": str(q_path), "int8_bytes": size_q, "int8_size_ratio": size_q / size_fp32,
-            "int8_label_agreement": agree, "int8_group_agreement": g_agree, "int8_min_agreement": min_agreement,
-            "int8_excluded_nodes": exclude, "int8_per_channel": per_channel,
-            "int8_sha256": rt.metadata["weights_sha256"]}
+    return {
+        "int8_path": str(q_path),
+        "int8_bytes": size_q,
+        "int8_size_ratio": size_q / size_fp32,
+        "int8_label_agreement": agree,
+        "int8_group_agreement": g_agree,
+        "int8_min_agreement": min_agreement,
+        "int8_excluded_nodes": exclude,
+        "int8_per_channel": per_channel,
+        "int8_sha256": rt.metadata["weights_sha256"],
+    }
 
 
 # ------------------------------------------------------------------ export
 
-def export_text_classifier(backbone: FrozenBackbone, groups: Sequence[EnhancerGroup],
-                           prototypes: Mapping[int, np.ndarray], group_of: Mapping[int, int], path: str | os.PathLike,
-                           *, method: str, int8: bool = False, parity_ids: np.ndarray | None = None,
-                           parity_mask: np.ndarray | None = None, tokenizer_json: str | os.PathLike | None = None,
-                           embed_tokenizer: bool = True, max_length: int | None = None,
-                           class_names: Sequence[str] | None = None, task: int = 0, toolkit_version: str = "0.1.0",
-                           int8_min_agreement: float = INT8_MIN_AGREEMENT, int8_per_channel: bool = True,
-                           int8_exclude_selector: bool = True) -> dict[str, Any]:
+
+def export_text_classifier(
+    backbone: FrozenBackbone,
+    groups: Sequence[EnhancerGroup],
+    prototypes: Mapping[int, np.ndarray],
+    group_of: Mapping[int, int],
+    path: str | os.PathLike,
+    *,
+    method: str,
+    int8: bool = False,
+    parity_ids: np.ndarray | None = None,
+    parity_mask: np.ndarray | None = None,
+    tokenizer_json: str | os.PathLike | None = None,
+    embed_tokenizer: bool = True,
+    max_length: int | None = None,
+    class_names: Sequence[str] | None = None,
+    task: int = 0,
+    toolkit_version: str = "0.1.0",
+    int8_min_agreement: float = INT8_MIN_AGREEMENT,
+    int8_per_channel: bool = True,
+    int8_exclude_selector: bool = True,
+) -> dict[str, Any]:
     """Write the text classifier as ONNX to ``path`` atomically, after verifying the written bytes.
 
     ``groups``: every group of the state, indexed like ``group_of``'s values (empty groups are
@@ -438,15 +541,24 @@ def export_text_classifier(backbone: FrozenBackbone, groups: Sequence[EnhancerGr
         if all(isinstance(n, str) for n in class_names) and len(class_names) > max(classes):
             class_names = [class_names[c] for c in classes]  # names indexed by class id
         if len(class_names) != len(classes) or any(not isinstance(n, str) for n in class_names):
-            raise ExportError(f"class_names: expected {len(classes)} strings (or one per class id), "
-                              f"got {class_names!r}")
+            raise ExportError(
+                f"class_names: expected {len(classes)} strings (or one per class id), got {class_names!r}"
+            )
     metadata: dict[str, Any] = {
-        "format": FORMAT, "method": method, "task": int(task), "classes": classes, "groups": group_ids,
+        "format": FORMAT,
+        "method": method,
+        "task": int(task),
+        "classes": classes,
+        "groups": group_ids,
         "group_classes": [list(groups[j].classes) for j in group_ids],
         "group_of": [[int(c), int(selector.group_of[int(c)])] for c in selector.classes],
-        "max_length": int(max_length), "vocab_size": backbone.cfg.vocab_size, "hidden": backbone.cfg.hidden,
-        "layers": backbone.cfg.layers, "bottleneck": groups[group_ids[0]].cfg.bottleneck,
-        "toolkit_version": str(toolkit_version), "quantization": "none",
+        "max_length": int(max_length),
+        "vocab_size": backbone.cfg.vocab_size,
+        "hidden": backbone.cfg.hidden,
+        "layers": backbone.cfg.layers,
+        "bottleneck": groups[group_ids[0]].cfg.bottleneck,
+        "toolkit_version": str(toolkit_version),
+        "quantization": "none",
     }
     if class_names is not None:
         metadata["class_names"] = list(class_names)
@@ -465,18 +577,37 @@ def export_text_classifier(backbone: FrozenBackbone, groups: Sequence[EnhancerGr
         if wrong:
             raise ExportError(f"exported metadata does not round-trip: {wrong}")
         labels, routes, logits = rt.predict_ids(ids, mask)
-        report: dict[str, Any] = {"path": str(path), "bytes": tmp.stat().st_size, "classes": classes,
-                                  "groups": group_ids, "parity_rows": len(ids), "parity_data": desc,
-                                  **_compare(ref, labels, routes, logits, "fp32", desc),
-                                  "sha256": rt.metadata["weights_sha256"]}
+        report: dict[str, Any] = {
+            "path": str(path),
+            "bytes": tmp.stat().st_size,
+            "classes": classes,
+            "groups": group_ids,
+            "parity_rows": len(ids),
+            "parity_data": desc,
+            **_compare(ref, labels, routes, logits, "fp32", desc),
+            "sha256": rt.metadata["weights_sha256"],
+        }
         del rt
         pairs = [(tmp, path)]
         if int8:
             q_path = int8_path_for(path)
             q_tmp = temp_path(q_path)
             temps.append(q_tmp)
-            report.update(_export_int8(tmp, q_tmp, q_path, ref, ids, mask, desc, metadata, int8_min_agreement,
-                                       int8_per_channel, int8_exclude_selector))
+            report.update(
+                _export_int8(
+                    tmp,
+                    q_tmp,
+                    q_path,
+                    ref,
+                    ids,
+                    mask,
+                    desc,
+                    metadata,
+                    int8_min_agreement,
+                    int8_per_channel,
+                    int8_exclude_selector,
+                )
+            )
             pairs.append((q_tmp, q_path))
         report["file_sha256"] = file_sha256(tmp)
         publish(pairs, path.parent)
@@ -520,8 +651,15 @@ def export_client_text_classifier(client: Any, path: str | os.PathLike, **kwargs
 
 # ------------------------------------------------------------------ the served format
 
-def export_text_groups(served: Any, path: str | os.PathLike, *, parity_inputs: np.ndarray | None = None,
-                       int8: bool = False, toolkit_version: str = "0.1.0") -> dict[str, Any]:
+
+def export_text_groups(
+    served: Any,
+    path: str | os.PathLike,
+    *,
+    parity_inputs: np.ndarray | None = None,
+    int8: bool = False,
+    toolkit_version: str = "0.1.0",
+) -> dict[str, Any]:
     """Export a :class:`~fclcore.served.TextGroupsServed` to ``path`` (verified, atomic).
 
     ``parity_inputs``: int64 token ids ``(N, L)``, right-padded with id 0 (the attention mask
@@ -535,12 +673,24 @@ def export_text_groups(served: Any, path: str | os.PathLike, *, parity_inputs: n
     except (AttributeError, TypeError) as exc:
         raise ExportError(f"not a text-groups served model: {exc}") from None
     if not isinstance(method, str) or not method.strip():
-        raise ExportError(f"the served model names no method (served.method = {method!r}): the learner that "
-                          "made it must set it")
+        raise ExportError(
+            f"the served model names no method (served.method = {method!r}): the learner that made it must set it"
+        )
     ids = mask = None
     if parity_inputs is not None:
         ids = np.asarray(parity_inputs)
         mask = (ids != 0).astype(np.int64)
-    return export_text_classifier(backbone, groups, prototypes, group_of, path, method=method, int8=int8,
-                                  parity_ids=ids, parity_mask=mask, task=task, max_length=max_length,
-                                  toolkit_version=toolkit_version)
+    return export_text_classifier(
+        backbone,
+        groups,
+        prototypes,
+        group_of,
+        path,
+        method=method,
+        int8=int8,
+        parity_ids=ids,
+        parity_mask=mask,
+        task=task,
+        max_length=max_length,
+        toolkit_version=toolkit_version,
+    )

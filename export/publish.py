@@ -10,6 +10,7 @@ configuring the root logger or printing its pre-processing hint.
 
 Only the standard library is imported here (onnx lazily, inside :func:`seal`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,18 @@ from fclcore.errors import FclError
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["ExportError", "OPSET", "seal", "temp_path", "write_synced", "file_sha256", "int8_path_for",
-           "quiet_quantizer", "publish", "remove_temps"]
+__all__ = [
+    "ExportError",
+    "OPSET",
+    "seal",
+    "temp_path",
+    "write_synced",
+    "file_sha256",
+    "int8_path_for",
+    "quiet_quantizer",
+    "publish",
+    "remove_temps",
+]
 
 OPSET = 17
 

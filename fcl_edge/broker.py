@@ -74,10 +74,18 @@ class MosquittoProcess:
     sessions survive ``restart()``; after ``kill()`` only what the last autosave wrote).
     """
 
-    def __init__(self, workdir: Path, extra_config: str = "", *, password_file: str | Path | None = None,
-                 acl_file: str | Path | None = None, tls: tuple[str | Path, str | Path, str | Path] | None = None,
-                 require_certificate: bool = False, persistence_dir: str | Path | None = None,
-                 autosave_interval: int = 1) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        extra_config: str = "",
+        *,
+        password_file: str | Path | None = None,
+        acl_file: str | Path | None = None,
+        tls: tuple[str | Path, str | Path, str | Path] | None = None,
+        require_certificate: bool = False,
+        persistence_dir: str | Path | None = None,
+        autosave_interval: int = 1,
+    ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -107,11 +115,16 @@ class MosquittoProcess:
     def config_text(self) -> str:
         """The mosquitto.conf that start() writes (the listener-specific TLS block goes last)."""
         secured = any(x is not None for x in (self.password_file, self.acl_file, self.tls, self.persistence_dir))
-        lines = [f"listener {self.port} 127.0.0.1",
-                 f"allow_anonymous {'false' if self.password_file is not None else 'true'}"]
+        lines = [
+            f"listener {self.port} 127.0.0.1",
+            f"allow_anonymous {'false' if self.password_file is not None else 'true'}",
+        ]
         if self.persistence_dir is not None:
-            lines += ["persistence true", f"persistence_location {self.persistence_dir}",
-                      f"autosave_interval {self.autosave_interval}"]
+            lines += [
+                "persistence true",
+                f"persistence_location {self.persistence_dir}",
+                f"autosave_interval {self.autosave_interval}",
+            ]
         else:
             lines.append("persistence false")
         lines += ["max_queued_messages 0", "log_dest stdout"]
@@ -124,8 +137,13 @@ class MosquittoProcess:
         lines.append(self.extra_config)
         if self.tls is not None:
             cafile, certfile, keyfile = self.tls
-            lines += [f"listener {self.tls_port} 127.0.0.1", f"cafile {cafile}", f"certfile {certfile}",
-                      f"keyfile {keyfile}", f"require_certificate {str(self.require_certificate).lower()}"]
+            lines += [
+                f"listener {self.tls_port} 127.0.0.1",
+                f"cafile {cafile}",
+                f"certfile {certfile}",
+                f"keyfile {keyfile}",
+                f"require_certificate {str(self.require_certificate).lower()}",
+            ]
         return "\n".join(lines) + "\n"
 
     def start(self, timeout: float = 10.0) -> "MosquittoProcess":

@@ -22,8 +22,9 @@ log = logging.getLogger("fcl")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.run(args))
     except FclError as exc:  # the toolkit's own errors: one line, the documented exit code
@@ -41,18 +42,29 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("simulate", help="run a scenario: broker + aggregator + N clients as processes",
-                       description="Run a continual federated scenario through an MQTT broker. Starts an "
-                                   "embedded broker unless --broker is given.")
+    p = sub.add_parser(
+        "simulate",
+        help="run a scenario: broker + aggregator + N clients as processes",
+        description="Run a continual federated scenario through an MQTT broker. Starts an "
+        "embedded broker unless --broker is given.",
+    )
     p.add_argument("scenario", help="scenario YAML (see configs/scenarios/)")
     p.add_argument("--out", required=True, help="run directory for metrics.jsonl, summary.json, logs")
     p.add_argument("--broker", help="mqtt://host:port of an existing broker (default: start an embedded one)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a scenario key, e.g. --set federation.rounds_per_task=5 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a scenario key, e.g. --set federation.rounds_per_task=5 (repeatable)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the aggregator and clients as threads of this process over the in-process "
-                        "transport (no broker; for benchmarks and quick experiments)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the aggregator and clients as threads of this process over the in-process "
+        "transport (no broker; for benchmarks and quick experiments)",
+    )
     p.set_defaults(run=_simulate)
 
     p = sub.add_parser("aggregator", help="run the aggregator service", description="Run the aggregator service.")
@@ -66,52 +78,73 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_client)
 
     from export.cli import add_export_parser, add_infer_parser
+
     add_export_parser(sub)
     sub.choices["export"].set_defaults(state_loader=_served_from_state)
     add_infer_parser(sub)
 
-    p = sub.add_parser("report", help="plots and a table from one or more run directories",
-                       description="Write NLL-per-task, bytes-per-round and attention plots plus a markdown "
-                                   "table for run directories (or a directory holding several runs).")
+    p = sub.add_parser(
+        "report",
+        help="plots and a table from one or more run directories",
+        description="Write NLL-per-task, bytes-per-round and attention plots plus a markdown "
+        "table for run directories (or a directory holding several runs).",
+    )
     p.add_argument("runs", nargs="+", help="run directories written by fcl simulate or the aggregator")
     p.add_argument("--out", help="where to write the report (default: RUN/report for one run, else ./report)")
     p.set_defaults(run=_report)
 
-    p = sub.add_parser("status", help="the fleet as the broker's retained status topics show it",
-                       description="Connect to the broker, collect the retained status of every daemon and the "
-                                   "round announcement, and print per client: state, task, last round, bytes "
-                                   "up/down, last seen; plus the aggregator and the round in progress. "
-                                   "The password, if the broker needs one, is read from $FCL_MQTT_PASSWORD.")
+    p = sub.add_parser(
+        "status",
+        help="the fleet as the broker's retained status topics show it",
+        description="Connect to the broker, collect the retained status of every daemon and the "
+        "round announcement, and print per client: state, task, last round, bytes "
+        "up/down, last seen; plus the aggregator and the round in progress. "
+        "The password, if the broker needs one, is read from $FCL_MQTT_PASSWORD.",
+    )
     p.add_argument("--broker", required=True, help="mqtt://host:port or mqtts://host:port")
     p.add_argument("--federation", help="only this federation (default: every one on the broker)")
-    p.add_argument("--wait", type=float, default=1.0, metavar="S",
-                   help="seconds to collect messages after subscribing (default: %(default)s)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds to collect messages after subscribing (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--username", help="broker user name")
     p.add_argument("--ca-file", help="CA bundle for mqtts:// (default: the system CAs)")
     p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="default: %(default)s")
     p.set_defaults(run=_status)
 
-    p = sub.add_parser("ctl", help="ask a running client daemon for its status or for inference",
-                       description="Talk to a running `fcl client` through its control socket "
-                                   "(state_dir/control.sock, default out_dir/state/control.sock). "
-                                   "`status` prints its state as JSON; `loglik` scores rows with the model "
-                                   "it serves now (log-likelihood in nats, one line per row).")
+    p = sub.add_parser(
+        "ctl",
+        help="ask a running client daemon for its status or for inference",
+        description="Talk to a running `fcl client` through its control socket "
+        "(state_dir/control.sock, default out_dir/state/control.sock). "
+        "`status` prints its state as JSON; `loglik` scores rows with the model "
+        "it serves now (log-likelihood in nats, one line per row).",
+    )
     p.add_argument("socket", help="the client's control socket")
     p.add_argument("op", choices=["status", "loglik"])
     p.add_argument("--input", help="loglik: rows as .npy or .csv (0/1 values), '-' for CSV on stdin")
     p.set_defaults(run=_ctl)
 
-    p = sub.add_parser("keygen", help="provision per-device signing keys",
-                       description="Write a new random 32-byte key DIR/<client>.key (hex, mode 0600) for each "
-                                   "client. Copy each key to its device (client config: key_file) and point the "
-                                   "aggregator's keys_dir at DIR. Existing keys are never overwritten.")
+    p = sub.add_parser(
+        "keygen",
+        help="provision per-device signing keys",
+        description="Write a new random 32-byte key DIR/<client>.key (hex, mode 0600) for each "
+        "client. Copy each key to its device (client config: key_file) and point the "
+        "aggregator's keys_dir at DIR. Existing keys are never overwritten.",
+    )
     p.add_argument("dir", help="key directory (the aggregator's keys_dir)")
     p.add_argument("clients", nargs="+", help="client ids")
     p.set_defaults(run=_keygen)
 
-    p = sub.add_parser("broker", help="run the embedded MQTT broker (demo use; run Mosquitto in production)",
-                       description="Run an embedded amqtt broker on a loopback port.")
+    p = sub.add_parser(
+        "broker",
+        help="run the embedded MQTT broker (demo use; run Mosquitto in production)",
+        description="Run an embedded amqtt broker on a loopback port.",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=1883)
     p.set_defaults(run=_broker)
@@ -120,15 +153,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def _served_from_state(state_dir: str) -> object:
     from edge_client.state import served_from_state
+
     return served_from_state(state_dir)
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from fcl_edge.simulate import simulate
+
     if args.in_process and args.broker:
         raise ConfigError("--in-process and --broker: choose one")
-    return simulate(args.scenario, args.out, broker=args.broker, overrides=args.set, timeout=args.timeout,
-                    in_process=args.in_process)
+    return simulate(
+        args.scenario,
+        args.out,
+        broker=args.broker,
+        overrides=args.set,
+        timeout=args.timeout,
+        in_process=args.in_process,
+    )
 
 
 def _aggregator(args: argparse.Namespace) -> int:
@@ -136,6 +177,7 @@ def _aggregator(args: argparse.Namespace) -> int:
     from aggregator.service import AggregatorService
     from fclcore.config import load_config
     from fclcore.schema import AggregatorConfig
+
     cfg = load_config(AggregatorConfig, args.config, args.set)
     methods.resolve(cfg.federation, args.config)  # an unknown method or option: one line, exit 2
     return _serve(lambda stop: AggregatorService(cfg, stop).run())
@@ -146,6 +188,7 @@ def _client(args: argparse.Namespace) -> int:
     from fclcore.config import load_config
     from fclcore.data import DataError
     from fclcore.schema import ClientConfig
+
     cfg = load_config(ClientConfig, args.config, args.set)
     try:
         return _serve(lambda stop: ClientDaemon(cfg, stop).run())
@@ -156,6 +199,7 @@ def _client(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from fcl_edge.report import report
+
     out = args.out or (f"{args.runs[0]}/report" if len(args.runs) == 1 else "report")
     for path in report(args.runs, out):
         print(path)
@@ -165,6 +209,7 @@ def _report(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from fcl_edge.status import BrokerOptions, StatusError, password_from_env, status
     from fclcore.topics import validate_id
+
     try:
         if args.federation is not None:
             validate_id(args.federation, "--federation")
@@ -185,9 +230,11 @@ def _ctl(args: argparse.Namespace) -> int:
     import json
 
     from edge_client.control import request
+
     message: dict = {"op": args.op}
     if args.op == "loglik":
         import numpy as np
+
         if not args.input:
             print("fcl ctl: error: loglik needs --input", file=sys.stderr)
             return int(ExitCode.BAD_INPUT)
@@ -217,6 +264,7 @@ def _read_rows(source: str):
     import io
 
     import numpy as np
+
     if source.endswith(".npy"):
         return np.load(source, allow_pickle=False)
     text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
@@ -228,6 +276,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
     from fclcore.signing import write_key
     from fclcore.topics import validate_id
+
     try:
         for client in args.clients:
             validate_id(client, "client id")
@@ -247,6 +296,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _broker(args: argparse.Namespace) -> int:
     from fcl_edge.broker import run_embedded_broker
+
     return run_embedded_broker(args.host, args.port)
 
 

@@ -53,6 +53,7 @@ class Participant:
         self._thread.join(timeout)
         if self._thread.is_alive():
             import subprocess
+
             raise subprocess.TimeoutExpired(self.name, timeout)
         return self.returncode
 

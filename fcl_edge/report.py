@@ -44,6 +44,7 @@ def load_run(path: Path) -> tuple[dict, list[dict]]:
 
 def report(paths: Sequence[str], out: str) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -58,8 +59,10 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
     return written
 
 
-KEYS = {"nll": ("avg_nll_per_task", "base_nll", "new_nll"),
-        "accuracy": ("accuracy_per_task", "base_accuracy", "new_accuracy")}
+KEYS = {
+    "nll": ("avg_nll_per_task", "base_nll", "new_nll"),
+    "accuracy": ("accuracy_per_task", "base_accuracy", "new_accuracy"),
+}
 
 
 def _metric(summary: dict) -> str:
@@ -69,6 +72,7 @@ def _metric(summary: dict) -> str:
 
 def _per_task(runs: dict, metric: str, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharex=True)
     for name, (summary, _) in runs.items():
         final = _recomputed(summary)
@@ -88,6 +92,7 @@ def _per_task(runs: dict, metric: str, out_dir: Path) -> Path:
 
 def _bytes_per_round(runs: dict, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharex=True)
     for name, (_, events) in runs.items():
         up, down = defaultdict(int), defaultdict(int)
@@ -113,6 +118,7 @@ def _attention(name: str, events: list[dict], out_dir: Path) -> Path | None:
     if not rows:
         return None
     import matplotlib.pyplot as plt
+
     entries = sorted({x for e in rows for x in e["entries"]})
     labels = [f"{e['client']} t{e['task']}" for e in rows]
     grid = np.full((len(rows), len(entries)), np.nan)
@@ -131,13 +137,17 @@ def _attention(name: str, events: list[dict], out_dir: Path) -> Path | None:
 
 
 def _table(runs: dict, out_dir: Path) -> Path:
-    lines = ["| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down "
-             "| dense fp32 up |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down | dense fp32 up |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for name, (s, _) in runs.items():
         b, f = s["bytes"], s.get("final", {})
         score = f.get("avg_nll") if "avg_nll" in f else f.get("avg_incremental_accuracy")
-        lines.append(f"| {name} | {s['method']} | {score} | {f.get('forgetting')} | {b['up_total']:,} | "
-                     f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} |")
+        lines.append(
+            f"| {name} | {s['method']} | {score} | {f.get('forgetting')} | {b['up_total']:,} | "
+            f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} |"
+        )
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -146,6 +156,7 @@ def _table(runs: dict, out_dir: Path) -> Path:
 def _recomputed(summary: dict) -> dict:
     """Client-averaged metrics recomputed from the stored n[t][i] matrices."""
     from fclcore.continual import accuracy_metrics, continual_metrics, mean_metrics
+
     per_client = {}
     for c, v in summary.get("final", {}).get("per_client", {}).items():
         if "accuracy_matrix" in v:
@@ -158,5 +169,6 @@ def _recomputed(summary: dict) -> dict:
 def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path

@@ -48,6 +48,10 @@ class Plan:
 def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     """Load and check everything up front, so a bad scenario fails before any process starts."""
     sc = load_config(Scenario, scenario_path, overrides)
+    if sc.federation.task_rounds is not None:  # one entry per task: the task count, until the tasks say otherwise
+        sc = dataclasses.replace(
+            sc, federation=dataclasses.replace(sc.federation, num_tasks=len(sc.federation.task_rounds))
+        )
     spec, options, fed = methods.resolve(sc.federation, scenario_path)
     sc = dataclasses.replace(sc, federation=fed)
     try:
@@ -63,8 +67,9 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
             client_tasks = sc.tasks.per_client or [sc.tasks.shared] * sc.clients
         lengths = {len(t) for t in client_tasks}
         if len(lengths) != 1:
-            raise ConfigError(f"{scenario_path}: tasks: every client needs the same number of tasks, "
-                              f"got {sorted(lengths)}")
+            raise ConfigError(
+                f"{scenario_path}: tasks: every client needs the same number of tasks, got {sorted(lengths)}"
+            )
         sc = dataclasses.replace(sc, federation=dataclasses.replace(fed, num_tasks=lengths.pop()))
         try:
             sc.federation.check_schedule()
@@ -72,13 +77,23 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
             raise ConfigError(f"{scenario_path}: federation.{exc}") from None
         test_tasks = None
         if sc.data.class_fraction < 1:  # label skew: each device holds a seeded share of the classes
-            held = [[classes[i] for i in s] for s in
-                    client_class_subsets(len(classes), sc.clients, sc.data.class_fraction, fed.seed)]
+            held = [
+                [classes[i] for i in s]
+                for s in client_class_subsets(len(classes), sc.clients, sc.data.class_fraction, fed.seed)
+            ]
             test_tasks = [[list(t) for t in c] for c in client_tasks]
             client_tasks = [[[c for c in t if c in held[i]] for t in tasks] for i, tasks in enumerate(client_tasks)]
         for index in range(sc.clients):
-            client_task_split(train, test, client_tasks, index, fed.seed,
-                              test_tasks[index] if test_tasks else None, sc.data.per_class, sc.data.test_per_class)
+            client_task_split(
+                train,
+                test,
+                client_tasks,
+                index,
+                fed.seed,
+                test_tasks[index] if test_tasks else None,
+                sc.data.per_class,
+                sc.data.test_per_class,
+            )
     except DataError as exc:
         raise ConfigError(f"{scenario_path}: data: {exc}") from None
     return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]), test_tasks)
@@ -90,8 +105,15 @@ def _text_length(spec: methods.MethodSpec, options: object) -> int:
     return 64 if length is None else int(length)
 
 
-def simulate(scenario_path: str, out: str, *, broker: str | None = None, overrides: Sequence[str] = (),
-             timeout: float = 3600.0, in_process: bool = False) -> int:
+def simulate(
+    scenario_path: str,
+    out: str,
+    *,
+    broker: str | None = None,
+    overrides: Sequence[str] = (),
+    timeout: float = 3600.0,
+    in_process: bool = False,
+) -> int:
     p = plan(scenario_path, overrides)
     out_dir = Path(out)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -163,18 +185,38 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
         write_key(keys_dir / f"{cid}.key")
     method, options, _ = methods.resolve(fed)
     aux_dir = _write_aux_texts(p, out_dir / "aux") if method.needs_aux_data else None
-    configs = {"aggregator": AggregatorConfig(federation=fed, expected_clients=p.client_ids, out_dir=str(out_dir),
-                                              broker=broker, input_dim=p.input_dim,
-                                              keys_dir=str(keys_dir) if keys_dir else None, aux_dir=aux_dir)}
+    configs = {
+        "aggregator": AggregatorConfig(
+            federation=fed,
+            expected_clients=p.client_ids,
+            out_dir=str(out_dir),
+            broker=broker,
+            input_dim=p.input_dim,
+            keys_dir=str(keys_dir) if keys_dir else None,
+            aux_dir=aux_dir,
+        )
+    }
     for index, cid in enumerate(p.client_ids):
         spec = p.scenario.data
-        data = ClientDataSpec(dataset=spec.dataset, path=spec.path, client_tasks=p.client_tasks,
-                              client_index=index, seed=fed.seed,
-                              test_tasks=p.test_tasks[index] if p.test_tasks else None, per_class=spec.per_class,
-                              test_per_class=spec.test_per_class, max_length=_text_length(method, options))
-        configs[cid] = ClientConfig(client_id=cid, federation=fed.name, data=data, broker=broker,
-                                    out_dir=str(out_dir / "clients" / cid),
-                                    key_file=str(keys_dir / f"{cid}.key") if keys_dir else None)
+        data = ClientDataSpec(
+            dataset=spec.dataset,
+            path=spec.path,
+            client_tasks=p.client_tasks,
+            client_index=index,
+            seed=fed.seed,
+            test_tasks=p.test_tasks[index] if p.test_tasks else None,
+            per_class=spec.per_class,
+            test_per_class=spec.test_per_class,
+            max_length=_text_length(method, options),
+        )
+        configs[cid] = ClientConfig(
+            client_id=cid,
+            federation=fed.name,
+            data=data,
+            broker=broker,
+            out_dir=str(out_dir / "clients" / cid),
+            key_file=str(keys_dir / f"{cid}.key") if keys_dir else None,
+        )
     written = {}
     for name, cfg in configs.items():
         path = cfg_dir / f"{name}.yaml"
@@ -248,10 +290,15 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float)
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
         final, b = summary.get("final", {}), summary["bytes"]
-        score = (f"avg incremental accuracy {final.get('avg_incremental_accuracy')}" if "avg_accuracy" in final
-                 else f"avg NLL {final.get('avg_nll')}")
-        print(f"{score}  forgetting {final.get('forgetting')}  "
-              f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,})")
+        score = (
+            f"avg incremental accuracy {final.get('avg_incremental_accuracy')}"
+            if "avg_accuracy" in final
+            else f"avg NLL {final.get('avg_nll')}"
+        )
+        print(
+            f"{score}  forgetting {final.get('forgetting')}  "
+            f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,})"
+        )
         print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
     if failed:
         print(f"fcl: error: processes failed (exit codes {failed}); logs in {out_dir / 'logs'}", file=sys.stderr)

@@ -111,11 +111,17 @@ def read_status(who: str, payload: bytes) -> MemberStatus:
     state = _word(raw.get("state"))
     status_time = _seconds(raw.get("time"))
     return MemberStatus(
-        who, state=state or UNKNOWN, role=_word(raw.get("role")), task=_count(raw.get("task")),
-        round=_count(raw.get("round")), bytes_up=_count(raw.get("bytes_up")),
-        bytes_down=_count(raw.get("bytes_down")), status_time=status_time,
+        who,
+        state=state or UNKNOWN,
+        role=_word(raw.get("role")),
+        task=_count(raw.get("task")),
+        round=_count(raw.get("round")),
+        bytes_up=_count(raw.get("bytes_up")),
+        bytes_down=_count(raw.get("bytes_down")),
+        status_time=status_time,
         last_seen=None if state == "dead" else status_time,
-        problem=None if state else "state is not a short printable word")
+        problem=None if state else "state is not a short printable word",
+    )
 
 
 def read_round(fed: str, payload: bytes) -> RoundView | str | None:
@@ -134,9 +140,15 @@ def read_round(fed: str, payload: bytes) -> RoundView | str | None:
         return f"round topic: {h.kind.name} frame"
     meta = frame.meta
     federation = meta.get("federation") if isinstance(meta.get("federation"), dict) else {}
-    return RoundView(kind=h.kind.name.lower(), round=h.round, task=h.task,
-                     total_rounds=_count(meta.get("total_rounds")), attempt=_count(meta.get("attempt")),
-                     method=_word(federation.get("method"), 64), sequence=h.sequence)
+    return RoundView(
+        kind=h.kind.name.lower(),
+        round=h.round,
+        task=h.task,
+        total_rounds=_count(meta.get("total_rounds")),
+        attempt=_count(meta.get("attempt")),
+        method=_word(federation.get("method"), 64),
+        sequence=h.sequence,
+    )
 
 
 # -- collecting from the broker ------------------------------------------------------------------
@@ -156,8 +168,12 @@ class BrokerOptions:
 def collect(options: BrokerOptions, federation: str | None, wait_s: float) -> list[tuple[str, bytes]]:
     """(topic, payload) of every message that arrived within ``wait_s`` of subscribing."""
     host, port = parse_broker_url(options.url)
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fcl-status-{uuid.uuid4().hex[:12]}",
-                         protocol=mqtt.MQTTv311, clean_session=True)
+    client = mqtt.Client(
+        mqtt.CallbackAPIVersion.VERSION2,
+        client_id=f"fcl-status-{uuid.uuid4().hex[:12]}",
+        protocol=mqtt.MQTTv311,
+        clean_session=True,
+    )
     if options.username:
         client.username_pw_set(options.username, options.password)
     if options.url.startswith("mqtts://"):
@@ -237,8 +253,7 @@ def _apply_round(view: FederationView, result: RoundView | str | None) -> None:
 
 # -- output ---------------------------------------------------------------------------------------
 def to_json(views: dict[str, FederationView], broker: str, now: float) -> dict:
-    out: dict[str, Any] = {"broker": broker, "time": round(now, 3), "status_fields": STATUS_FIELDS,
-                           "federations": {}}
+    out: dict[str, Any] = {"broker": broker, "time": round(now, 3), "status_fields": STATUS_FIELDS, "federations": {}}
     for name, view in sorted(views.items()):
         out["federations"][name] = {
             "aggregator": asdict(view.aggregator) if view.aggregator else None,
@@ -285,14 +300,28 @@ def print_table(views: dict[str, FederationView], now: float, out: TextIO) -> No
     for name, view in sorted(views.items()):
         agg = view.aggregator.state if view.aggregator else "no status"
         online = sum(s.state == "online" for s in view.clients.values())
-        print(f"federation {name}: aggregator {agg}; {_round_line(view)}; "
-              f"{online}/{len(view.clients)} clients online", file=out)
-        rows = [header] + [(who, s.state, _cell(s.task), _cell(s.round), _cell(s.bytes_up), _cell(s.bytes_down),
-                            _age(s.last_seen, now)) for who, s in sorted(view.clients.items())]
+        print(
+            f"federation {name}: aggregator {agg}; {_round_line(view)}; {online}/{len(view.clients)} clients online",
+            file=out,
+        )
+        rows = [header] + [
+            (
+                who,
+                s.state,
+                _cell(s.task),
+                _cell(s.round),
+                _cell(s.bytes_up),
+                _cell(s.bytes_down),
+                _age(s.last_seen, now),
+            )
+            for who, s in sorted(view.clients.items())
+        ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         for row in rows:
-            print("  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))),
-                  file=out)
+            print(
+                "  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))),
+                file=out,
+            )
         for problem in view.problems + [f"{s.who}: {s.problem}" for s in view.clients.values() if s.problem]:
             print(f"  note: {problem}", file=out)
 

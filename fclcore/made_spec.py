@@ -21,6 +21,7 @@ Degree conventions (1-based, as in the paper):
 
 so output ``d`` depends only on inputs strictly earlier in the order.
 """
+
 from __future__ import annotations
 
 import functools

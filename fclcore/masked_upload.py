@@ -30,13 +30,15 @@ def pack(name: str, values: np.ndarray, made_mask: np.ndarray | None, units: np.
     """``values`` (out, in) -> the tensors that carry its selected entries."""
     units = np.asarray(units, dtype=bool)
     sel = np.broadcast_to(selection(made_mask, units), values.shape)
-    unit_map = SparseTensor((units.size,), np.flatnonzero(units).astype(np.int64),
-                            np.ones(int(units.sum()), dtype=np.float32))
+    unit_map = SparseTensor(
+        (units.size,), np.flatnonzero(units).astype(np.int64), np.ones(int(units.sum()), dtype=np.float32)
+    )
     return {name: np.ascontiguousarray(values[sel], dtype=np.float32), name + UNITS: unit_map}
 
 
-def unpack(name: str, tensors: Mapping[str, Tensor], shape: tuple[int, int],
-           made_mask: np.ndarray | None) -> SparseTensor:
+def unpack(
+    name: str, tensors: Mapping[str, Tensor], shape: tuple[int, int], made_mask: np.ndarray | None
+) -> SparseTensor:
     """Inverse of ``pack``; ValueError naming the tensor if anything does not fit."""
     if name not in tensors or name + UNITS not in tensors:
         raise ValueError(f"{name}: expected tensors {name!r} and {name + UNITS!r}")
@@ -46,6 +48,8 @@ def unpack(name: str, tensors: Mapping[str, Tensor], shape: tuple[int, int],
         raise ValueError(f"{name + UNITS}: expected a 0/1 vector of {shape[0]} units")
     sel = np.broadcast_to(selection(made_mask, dense_units > 0), shape)
     if isinstance(values, SparseTensor) or values.ndim != 1 or values.size != int(sel.sum()):
-        raise ValueError(f"{name}: expected {int(sel.sum())} values for the selected entries, "
-                         f"got shape {getattr(values, 'shape', None)}")
+        raise ValueError(
+            f"{name}: expected {int(sel.sum())} values for the selected entries, "
+            f"got shape {getattr(values, 'shape', None)}"
+        )
     return SparseTensor(tuple(shape), np.flatnonzero(sel).astype(np.int64), values.astype(np.float32))

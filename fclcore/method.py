@@ -73,8 +73,9 @@ def register(*specs: MethodSpec) -> None:
 def lookup(name: object, source: str = "federation") -> MethodSpec:
     """The spec registered under ``name``; ConfigError (one line, file and key) otherwise."""
     if not isinstance(name, str) or name not in REGISTRY:
-        raise ConfigError(f"{source}: federation.method: unknown method {name!r} "
-                          f"(expected one of: {', '.join(sorted(REGISTRY))})")
+        raise ConfigError(
+            f"{source}: federation.method: unknown method {name!r} (expected one of: {', '.join(sorted(REGISTRY))})"
+        )
     return REGISTRY[name]
 
 

@@ -27,10 +27,14 @@ class RoundPlace:
     @classmethod
     def from_meta(cls, meta: Any, task: int) -> "RoundPlace":
         """The place a round message states; ValueError if it is malformed or names another task."""
-        if not isinstance(meta, dict) or meta.get("task") != task or \
-                not all(isinstance(meta.get(k), bool) for k in ("task_start", "task_end")):
-            raise ValueError(f"schedule: expected {{task: {task}, task_start: bool, task_end: bool}}, "
-                             f"got {meta!r}"[:200])
+        if (
+            not isinstance(meta, dict)
+            or meta.get("task") != task
+            or not all(isinstance(meta.get(k), bool) for k in ("task_start", "task_end"))
+        ):
+            raise ValueError(
+                f"schedule: expected {{task: {task}, task_start: bool, task_end: bool}}, got {meta!r}"[:200]
+            )
         return cls(task, meta["task_start"], meta["task_end"])
 
 
@@ -40,10 +44,15 @@ class TaskSchedule:
     total_rounds: int
 
     def __post_init__(self) -> None:
-        if not self.starts or self.starts[0] != 0 or list(self.starts) != sorted(set(self.starts)) \
-                or self.starts[-1] >= self.total_rounds:
-            raise ValueError(f"task schedule: expected task starts 0 = s0 < s1 < ... < {self.total_rounds}, "
-                             f"got {list(self.starts)}")
+        if (
+            not self.starts
+            or self.starts[0] != 0
+            or list(self.starts) != sorted(set(self.starts))
+            or self.starts[-1] >= self.total_rounds
+        ):
+            raise ValueError(
+                f"task schedule: expected task starts 0 = s0 < s1 < ... < {self.total_rounds}, got {list(self.starts)}"
+            )
 
     @classmethod
     def uniform(cls, num_tasks: int, rounds_per_task: int) -> "TaskSchedule":

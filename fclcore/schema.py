@@ -62,8 +62,10 @@ class BrokerSpec:
             return
         if (self.cert_file is None) != (self.key_file is None):
             have, missing = ("cert_file", "key_file") if self.key_file is None else ("key_file", "cert_file")
-            raise ValueError(f"{missing}: a client certificate needs both cert_file and key_file, "
-                             f"got only {have}={getattr(self, have)!r}")
+            raise ValueError(
+                f"{missing}: a client certificate needs both cert_file and key_file, "
+                f"got only {have}={getattr(self, have)!r}"
+            )
         for key, path in files.items():
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{key}: expected an existing PEM file, got {path!r}")
@@ -72,8 +74,12 @@ class BrokerSpec:
         """For logs: file paths are shown (never their contents), the password never."""
         out = {"url": self.url, "username": self.username, "password": "***" if self.password else None}
         if self.tls:
-            out.update(ca_file=self.ca_file or "<system CAs>", cert_file=self.cert_file,
-                       key_file=self.key_file, tls_insecure=self.tls_insecure)
+            out.update(
+                ca_file=self.ca_file or "<system CAs>",
+                cert_file=self.cert_file,
+                key_file=self.key_file,
+                tls_insecure=self.tls_insecure,
+            )
         return out
 
 
@@ -112,9 +118,15 @@ class ModelSpec:
             raise ValueError(f"num_orders: expected >= 1, got {self.num_orders}")
 
     def made_config(self, input_dim: int) -> MadeConfig:
-        return MadeConfig(input_dim=input_dim, hidden_sizes=tuple(self.hidden_sizes), direct=self.direct,
-                          natural_order=self.natural_order, num_orders=self.num_orders,
-                          mask_seed=self.mask_seed, connectivity_agnostic=self.connectivity_agnostic)
+        return MadeConfig(
+            input_dim=input_dim,
+            hidden_sizes=tuple(self.hidden_sizes),
+            direct=self.direct,
+            natural_order=self.natural_order,
+            num_orders=self.num_orders,
+            mask_seed=self.mask_seed,
+            connectivity_agnostic=self.connectivity_agnostic,
+        )
 
 
 @dataclass
@@ -192,8 +204,9 @@ class FederationSpec:
     def check_schedule(self) -> None:
         """ValueError unless ``task_rounds`` (if given) has one entry per task."""
         if self.task_rounds is not None and len(self.task_rounds) != self.num_tasks:
-            raise ValueError(f"task_rounds: expected {self.num_tasks} round counts (one per task), "
-                             f"got {self.task_rounds}")
+            raise ValueError(
+                f"task_rounds: expected {self.num_tasks} round counts (one per task), got {self.task_rounds}"
+            )
 
 
 @dataclass
@@ -259,8 +272,7 @@ class TasksSpec:
     def __post_init__(self) -> None:
         given = [k for k in ("shared", "per_client", "random", "sizes") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"tasks: expected exactly one of shared, per_client, random, sizes; "
-                             f"got {given or 'none'}")
+            raise ValueError(f"tasks: expected exactly one of shared, per_client, random, sizes; got {given or 'none'}")
 
 
 @dataclass
@@ -318,5 +330,6 @@ class Scenario:
         if self.clients < 1:
             raise ValueError(f"clients: expected >= 1, got {self.clients}")
         if self.tasks.per_client is not None and len(self.tasks.per_client) != self.clients:
-            raise ValueError(f"tasks.per_client: expected {self.clients} client sequences, "
-                             f"got {len(self.tasks.per_client)}")
+            raise ValueError(
+                f"tasks.per_client: expected {self.clients} client sequences, got {len(self.tasks.per_client)}"
+            )

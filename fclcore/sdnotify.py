@@ -125,8 +125,7 @@ class WatchdogThread:
     watchdog (no ``WatchdogSec=``, or outside systemd) no thread is started.
     """
 
-    def __init__(self, notifier: Notifier, interval_s: float | None = None,
-                 stall_s: float | None = None) -> None:
+    def __init__(self, notifier: Notifier, interval_s: float | None = None, stall_s: float | None = None) -> None:
         self.notifier = notifier
         self.interval_s = interval_s if interval_s is not None else notifier.watchdog_interval()
         self.stall_s = stall_s if stall_s is not None else self.interval_s

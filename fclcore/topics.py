@@ -62,5 +62,5 @@ def parse_status_topic(fed: str, who_topic: str) -> str | None:
 def _last_level(prefix: str, topic: str) -> str | None:
     if not topic.startswith(prefix):
         return None
-    rest = topic[len(prefix):]
+    rest = topic[len(prefix) :]
     return rest if _ID.match(rest) else None

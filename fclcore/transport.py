@@ -56,7 +56,7 @@ def publish_packet_bytes(topic: str, payload_len: int, qos: int = QOS) -> int:
     """Size of an MQTT 3.1.1 PUBLISH packet: fixed header + topic + packet id + payload."""
     remaining = 2 + len(topic.encode("utf-8")) + (2 if qos > 0 else 0) + payload_len
     length_bytes = 1
-    while remaining >= 128 ** length_bytes:
+    while remaining >= 128**length_bytes:
         length_bytes += 1
     return 1 + length_bytes + remaining
 
@@ -99,9 +99,16 @@ class WireMeter:
 class MqttLink:
     """An MQTT session with status/last-will, resubscription and metering."""
 
-    def __init__(self, broker: BrokerSpec, client_id: str, *, status_topic: str,
-                 subscriptions: Sequence[str], on_message: MessageHandler,
-                 meter: WireMeter | None = None) -> None:
+    def __init__(
+        self,
+        broker: BrokerSpec,
+        client_id: str,
+        *,
+        status_topic: str,
+        subscriptions: Sequence[str],
+        on_message: MessageHandler,
+        meter: WireMeter | None = None,
+    ) -> None:
         self.broker = broker
         self.client_id = client_id
         self.status_topic = status_topic
@@ -119,8 +126,9 @@ class MqttLink:
         self._client = self._make_client()
 
     def _make_client(self) -> mqtt.Client:
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                             protocol=mqtt.MQTTv311, clean_session=True)
+        client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv311, clean_session=True
+        )
         client.enable_logger(_PAHO_LOG)
         if self.broker.username:
             client.username_pw_set(self.broker.username, self.broker.password)
@@ -142,14 +150,18 @@ class MqttLink:
         """TLS with the broker's chain checked against ca_file (or the system CAs)."""
         spec = self.broker
         try:
-            client.tls_set(ca_certs=spec.ca_file, certfile=spec.cert_file, keyfile=spec.key_file,
-                           keyfile_password=_no_key_password)
+            client.tls_set(
+                ca_certs=spec.ca_file, certfile=spec.cert_file, keyfile=spec.key_file, keyfile_password=_no_key_password
+            )
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; never print file contents
             raise TransportError(f"broker TLS setup failed for {spec.redacted()}: {exc}") from None
         if spec.tls_insecure:
             client.tls_insecure_set(True)
-            log.warning("broker %s: tls_insecure is on, the server's host name is NOT checked "
-                        "(anyone with a certificate from this CA can pose as the broker)", spec.url)
+            log.warning(
+                "broker %s: tls_insecure is on, the server's host name is NOT checked "
+                "(anyone with a certificate from this CA can pose as the broker)",
+                spec.url,
+            )
 
     def start(self, timeout: float = 30.0) -> None:
         """Connect in the background; return once connected or raise TransportError.
@@ -168,8 +180,9 @@ class MqttLink:
         hint = " (TLS: check the port, and cert_file/key_file if the broker requires one)" if self.broker.tls else ""
         raise TransportError(f"could not connect to {self.broker.url} within {timeout:.0f} s{last}{hint}")
 
-    def publish(self, topic: str, payload: bytes, *, retain: bool = False,
-                tag: str | None = None) -> mqtt.MQTTMessageInfo:
+    def publish(
+        self, topic: str, payload: bytes, *, retain: bool = False, tag: str | None = None
+    ) -> mqtt.MQTTMessageInfo:
         info = self._client.publish(topic, payload, qos=QOS, retain=retain)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
@@ -266,8 +279,9 @@ _PERMANENT_REFUSALS = frozenset({132, 133, 134, 135})
 
 def _no_key_password() -> str:
     """Called by ssl only for an encrypted key_file: fail instead of prompting on a terminal."""
-    raise ValueError("key_file is encrypted; a daemon cannot prompt for its passphrase: "
-                     "store it unencrypted with mode 0600")
+    raise ValueError(
+        "key_file is encrypted; a daemon cannot prompt for its passphrase: store it unencrypted with mode 0600"
+    )
 
 
 def _is_loopback(host: str) -> bool:

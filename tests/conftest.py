@@ -35,10 +35,10 @@ def quickstart_reference(tmp_path_factory) -> dict:
     """Per-client NLL matrices of an undisturbed short quickstart run with separate processes:
     what every crash, outage and restart test must reproduce exactly."""
     from support.fleet import QUICK_OVERRIDES, QUICK_SCENARIO, Fleet, matrices
+
     work = tmp_path_factory.mktemp("reference")
     broker = Mosquitto(work / "broker").start()
-    fleet = Fleet(Path(__file__).resolve().parent.parent / QUICK_SCENARIO, work / "run", broker.url,
-                  QUICK_OVERRIDES)
+    fleet = Fleet(Path(__file__).resolve().parent.parent / QUICK_SCENARIO, work / "run", broker.url, QUICK_OVERRIDES)
     try:
         fleet.start_all()
         assert set(fleet.wait().values()) == {0}, fleet.logs()
@@ -49,5 +49,6 @@ def quickstart_reference(tmp_path_factory) -> dict:
 
 
 def run_fcl(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fcl_edge.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "fcl_edge.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )

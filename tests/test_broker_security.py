@@ -45,6 +45,7 @@ ST_AGG = topics.status_topic(FED, topics.AGGREGATOR_ID)
 
 # ------------------------------------------------------------------ helpers
 
+
 class Inbox:
     """A message handler that records (topic, payload) and lets a test wait for one."""
 
@@ -82,13 +83,34 @@ class Links:
     def __init__(self) -> None:
         self.opened: list[MqttLink] = []
 
-    def make(self, url: str, user: str | None, *, who: str | None = None, subs: tuple[str, ...] = (),
-             inbox: Inbox | None = None, password: str | None = None, **tls: object) -> MqttLink:
-        spec = BrokerSpec(url=url, username=user, password=password or PASSWORDS.get(user or ""),
-                          keepalive_s=5, reconnect_min_s=0.1, reconnect_max_s=0.5, **tls)
+    def make(
+        self,
+        url: str,
+        user: str | None,
+        *,
+        who: str | None = None,
+        subs: tuple[str, ...] = (),
+        inbox: Inbox | None = None,
+        password: str | None = None,
+        **tls: object,
+    ) -> MqttLink:
+        spec = BrokerSpec(
+            url=url,
+            username=user,
+            password=password or PASSWORDS.get(user or ""),
+            keepalive_s=5,
+            reconnect_min_s=0.1,
+            reconnect_max_s=0.5,
+            **tls,
+        )
         who = who or user or "anonymous"
-        link = MqttLink(spec, f"test-{who}-{len(self.opened)}", status_topic=topics.status_topic(FED, who),
-                        subscriptions=list(subs), on_message=inbox or (lambda *a: None))
+        link = MqttLink(
+            spec,
+            f"test-{who}-{len(self.opened)}",
+            status_topic=topics.status_topic(FED, who),
+            subscriptions=list(subs),
+            on_message=inbox or (lambda *a: None),
+        )
         self.opened.append(link)
         return link
 
@@ -131,14 +153,20 @@ class ShippedMosquitto(Mosquitto):
     """The shipped configuration: TLS listener on ``tls_port``, loopback plain listener on ``port``."""
 
     def __init__(self, workdir: Path, passwd: Path, pki: Path) -> None:
-        super().__init__(workdir, password_file=passwd, acl_file=ACL, persistence_dir=workdir / "db",
-                         tls=(pki / "ca.crt", pki / "server.crt", pki / "server.key"))
+        super().__init__(
+            workdir,
+            password_file=passwd,
+            acl_file=ACL,
+            persistence_dir=workdir / "db",
+            tls=(pki / "ca.crt", pki / "server.crt", pki / "server.key"),
+        )
         self._pki = pki
 
     def config_text(self) -> str:
         assert self.persistence_dir is not None and self.password_file is not None
-        return _rewrite_shipped_conf(port=self.port, tls_port=self.tls_port, passwd=self.password_file,
-                                     pki=self._pki, db=self.persistence_dir)
+        return _rewrite_shipped_conf(
+            port=self.port, tls_port=self.tls_port, passwd=self.password_file, pki=self._pki, db=self.persistence_dir
+        )
 
 
 def _require(tool: str) -> str:
@@ -150,16 +178,24 @@ def _require(tool: str) -> str:
 
 # ------------------------------------------------------------------ fixtures
 
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
     """Two unrelated CAs made by the shipped script: good/ (server cert for localhost and
     127.0.0.1, client certs c0 and aggregator) and other/ (server cert for broker.example)."""
     _require("openssl")
     base = tmp_path_factory.mktemp("pki")
-    for name, servers, clients in (("good", "localhost,127.0.0.1", ["c0", "aggregator"]),
-                                   ("other", "broker.example", ["c0"])):
-        done = subprocess.run(["bash", str(MAKE_CERTS), str(base / name), servers, *clients],
-                              check=False, capture_output=True, text=True, timeout=60)
+    for name, servers, clients in (
+        ("good", "localhost,127.0.0.1", ["c0", "aggregator"]),
+        ("other", "broker.example", ["c0"]),
+    ):
+        done = subprocess.run(
+            ["bash", str(MAKE_CERTS), str(base / name), servers, *clients],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
     return base
 
@@ -195,6 +231,7 @@ def _tls(pki: Path, name: str = "good") -> dict:
 
 # ------------------------------------------------------------------ the shipped files
 
+
 def test_shipped_conf_matches_the_code():
     conf = {}
     for line in (DEPLOY / "mosquitto.conf").read_text().splitlines():
@@ -214,24 +251,35 @@ def test_shipped_conf_matches_the_code():
 def test_make_dev_certs_writes_a_verifiable_chain(pki):
     good = pki / "good"
     for name in ("server", "c0", "aggregator"):
-        done = subprocess.run(["openssl", "verify", "-CAfile", str(good / "ca.crt"), str(good / f"{name}.crt")],
-                              check=False, capture_output=True, text=True)
+        done = subprocess.run(
+            ["openssl", "verify", "-CAfile", str(good / "ca.crt"), str(good / f"{name}.crt")],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert (good / f"{name}.key").stat().st_mode & 0o077 == 0, "private keys must be 0600"
-    text = subprocess.run(["openssl", "x509", "-in", str(good / "server.crt"), "-noout", "-text"],
-                          check=True, capture_output=True, text=True).stdout
+    text = subprocess.run(
+        ["openssl", "x509", "-in", str(good / "server.crt"), "-noout", "-text"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert "DNS:localhost" in text and "IP Address:127.0.0.1" in text
-    bad = subprocess.run(["bash", str(MAKE_CERTS), str(pki / "x"), "h", "no/slash"],
-                         check=False, capture_output=True, text=True)
+    bad = subprocess.run(
+        ["bash", str(MAKE_CERTS), str(pki / "x"), "h", "no/slash"], check=False, capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "client id" in bad.stderr
 
 
 # ------------------------------------------------------------------ ACL: what a device may write
 
+
 def test_device_writes_only_its_own_update_and_status(shipped, pki, links):
     agg_in, c1_in = Inbox(), Inbox()
-    agg = links.open(shipped.url, "aggregator", subs=(topics.update_filter(FED), topics.status_filter(FED)),
-                     inbox=agg_in)
+    agg = links.open(
+        shipped.url, "aggregator", subs=(topics.update_filter(FED), topics.status_filter(FED)), inbox=agg_in
+    )
     links.open(shipped.tls_url, "c1", subs=(ROUND, KB1), inbox=c1_in, **_tls(pki))
     c0 = links.open(shipped.tls_url, "c0", **_tls(pki))
 
@@ -252,14 +300,20 @@ def test_device_writes_only_its_own_update_and_status(shipped, pki, links):
 
 # ------------------------------------------------------------------ ACL: what a device may read
 
+
 def test_device_reads_only_the_round_and_its_own_kb(shipped, pki, links):
     agg = links.open(shipped.url, "aggregator")
     c1 = links.open(shipped.tls_url, "c1", **_tls(pki))
     agg.publish(KB1, b"kb-of-c1", retain=True).wait_for_publish(5)  # retained before c0 subscribes
     agg.publish(KB0, b"kb-of-c0", retain=True).wait_for_publish(5)
     c0_in = Inbox()
-    links.open(shipped.tls_url, "c0", subs=(KB1, f"fcl/{FED}/update/#", topics.status_filter(FED), "#", KB0),
-               inbox=c0_in, **_tls(pki))  # Mosquitto grants every SUBSCRIBE and filters on delivery
+    links.open(
+        shipped.tls_url,
+        "c0",
+        subs=(KB1, f"fcl/{FED}/update/#", topics.status_filter(FED), "#", KB0),
+        inbox=c0_in,
+        **_tls(pki),
+    )  # Mosquitto grants every SUBSCRIBE and filters on delivery
 
     c1.publish(UP1, b"update-of-c1").wait_for_publish(5)
     agg.publish(KB1, b"kb-live-c1").wait_for_publish(5)
@@ -272,8 +326,12 @@ def test_device_reads_only_the_round_and_its_own_kb(shipped, pki, links):
 
 # ------------------------------------------------------------------ authentication
 
-@pytest.mark.parametrize("user,password", [("c0", "wrong"), ("nobody", "pw"), (None, None)],
-                         ids=["wrong-password", "unknown-user", "anonymous"])
+
+@pytest.mark.parametrize(
+    "user,password",
+    [("c0", "wrong"), ("nobody", "pw"), (None, None)],
+    ids=["wrong-password", "unknown-user", "anonymous"],
+)
 def test_bad_credentials_are_refused_at_once(shipped, links, user, password):
     link = links.make(shipped.url, user, password=password or "")
     started = time.monotonic()
@@ -301,8 +359,13 @@ time.sleep(120)
 
 def _device_process(url: str, user: str, ca: Path, status: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-c", _DEVICE, url, user, PASSWORDS[user], str(ca), status],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", _DEVICE, url, user, PASSWORDS[user], str(ca), status],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
 
 
 def test_last_will_of_a_killed_device_is_delivered_on_its_own_status_only(shipped, pki, links):
@@ -312,8 +375,10 @@ def test_last_will_of_a_killed_device_is_delivered_on_its_own_status_only(shippe
     impostor = _device_process(shipped.tls_url, "c0", ca, ST1)  # c0's credentials, a will on c1's status
     honest = _device_process(shipped.tls_url, "c0", ca, ST0)
     try:
-        ready = {name: proc.stdout.readline().strip() == "ready"
-                 for name, proc in (("impostor", impostor), ("honest", honest))}
+        ready = {
+            name: proc.stdout.readline().strip() == "ready"
+            for name, proc in (("impostor", impostor), ("honest", honest))
+        }
         assert ready["honest"]
         assert agg_in.wait_state(ST0, "online")
         if ready["impostor"]:  # Mosquitto 2.0 accepts the connection and drops the will on delivery
@@ -333,12 +398,17 @@ def test_last_will_of_a_killed_device_is_delivered_on_its_own_status_only(shippe
 
 # ------------------------------------------------------------------ TLS
 
+
 @pytest.fixture(scope="module")
 def tls_broker(tmp_path_factory, passwd, pki):
     _require("mosquitto")
     good = pki / "good"
-    broker = Mosquitto(tmp_path_factory.mktemp("tls"), password_file=passwd, acl_file=ACL,
-                       tls=(good / "ca.crt", good / "server.crt", good / "server.key")).start()
+    broker = Mosquitto(
+        tmp_path_factory.mktemp("tls"),
+        password_file=passwd,
+        acl_file=ACL,
+        tls=(good / "ca.crt", good / "server.crt", good / "server.key"),
+    ).start()
     yield broker
     broker.stop()
 
@@ -366,8 +436,12 @@ def test_mqtts_without_the_right_ca_fails_fast(tls_broker, pki, links, ca):
 
 def test_host_name_is_checked_unless_tls_insecure(tmp_path, passwd, pki, links, caplog):
     other = pki / "other"  # its server certificate names broker.example, not 127.0.0.1
-    broker = Mosquitto(tmp_path / "b", password_file=passwd, acl_file=ACL,
-                       tls=(other / "ca.crt", other / "server.crt", other / "server.key")).start()
+    broker = Mosquitto(
+        tmp_path / "b",
+        password_file=passwd,
+        acl_file=ACL,
+        tls=(other / "ca.crt", other / "server.crt", other / "server.key"),
+    ).start()
     try:
         with pytest.raises(TransportError, match="(?i)(hostname|IP address) mismatch"):
             links.make(broker.tls_url, "c0", **_tls(pki, "other")).start(10)
@@ -381,8 +455,13 @@ def test_host_name_is_checked_unless_tls_insecure(tmp_path, passwd, pki, links, 
 
 def test_require_certificate(tmp_path, passwd, pki, links):
     good, other = pki / "good", pki / "other"
-    broker = Mosquitto(tmp_path / "b", password_file=passwd, acl_file=ACL, require_certificate=True,
-                       tls=(good / "ca.crt", good / "server.crt", good / "server.key")).start()
+    broker = Mosquitto(
+        tmp_path / "b",
+        password_file=passwd,
+        acl_file=ACL,
+        require_certificate=True,
+        tls=(good / "ca.crt", good / "server.crt", good / "server.key"),
+    ).start()
     try:
         with pytest.raises(TransportError, match="could not connect"):
             links.make(broker.tls_url, "c0", **_tls(pki)).start(1.5)
@@ -398,25 +477,40 @@ def test_require_certificate(tmp_path, passwd, pki, links):
 def test_tls_setup_errors_never_show_key_contents(pki, tmp_path):
     good = pki / "good"
     secret = (good / "server.key").read_text()
-    spec = BrokerSpec(url="mqtts://127.0.0.1:1", ca_file=str(good / "ca.crt"),
-                      cert_file=str(good / "c0.crt"), key_file=str(good / "server.key"))  # key of another cert
+    spec = BrokerSpec(
+        url="mqtts://127.0.0.1:1",
+        ca_file=str(good / "ca.crt"),
+        cert_file=str(good / "c0.crt"),
+        key_file=str(good / "server.key"),
+    )  # key of another cert
     with pytest.raises(TransportError, match="TLS setup failed") as info:
         MqttLink(spec, "x", status_topic="x/status", subscriptions=[], on_message=lambda *a: None)
     assert "PRIVATE KEY" not in str(info.value) and secret not in str(info.value)
     encrypted = tmp_path / "enc.key"
-    subprocess.run(["openssl", "pkey", "-in", str(good / "c0.key"), "-aes256", "-passout", "pass:pw",
-                    "-out", str(encrypted)], check=True, capture_output=True)
-    spec = BrokerSpec(url="mqtts://127.0.0.1:1", ca_file=str(good / "ca.crt"),
-                      cert_file=str(good / "c0.crt"), key_file=str(encrypted))
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(good / "c0.key"), "-aes256", "-passout", "pass:pw", "-out", str(encrypted)],
+        check=True,
+        capture_output=True,
+    )
+    spec = BrokerSpec(
+        url="mqtts://127.0.0.1:1", ca_file=str(good / "ca.crt"), cert_file=str(good / "c0.crt"), key_file=str(encrypted)
+    )
     with pytest.raises(TransportError, match="encrypted"):  # instead of prompting on a terminal
         MqttLink(spec, "x", status_topic="x/status", subscriptions=[], on_message=lambda *a: None)
-    red = BrokerSpec(url="mqtts://h", username="u", password="s3cret", ca_file=str(good / "ca.crt"),
-                     cert_file=str(good / "c0.crt"), key_file=str(good / "c0.key")).redacted()
+    red = BrokerSpec(
+        url="mqtts://h",
+        username="u",
+        password="s3cret",
+        ca_file=str(good / "ca.crt"),
+        cert_file=str(good / "c0.crt"),
+        key_file=str(good / "c0.key"),
+    ).redacted()
     assert red["password"] == "***" and red["key_file"] == str(good / "c0.key")
     assert "s3cret" not in repr(red) and "PRIVATE KEY" not in repr(red)
 
 
 # ------------------------------------------------------------------ BrokerSpec validation
+
 
 def test_broker_url_schemes():
     assert parse_broker_url("mqtts://broker.local") == ("broker.local", 8883)
@@ -426,19 +520,34 @@ def test_broker_url_schemes():
     assert "ca_file" not in BrokerSpec().redacted()  # plain mqtt:// stays as it was
 
 
-@pytest.mark.parametrize("fields,expected", [
-    ({"url": "mqtts://h", "ca_file": "/nonexistent/ca.crt"}, "ca_file: expected an existing PEM file"),
-    ({"url": "mqtts://h", "cert_file": "CERT"}, "key_file: a client certificate needs both"),
-    ({"url": "mqtts://h", "key_file": "KEY"}, "cert_file: a client certificate needs both"),
-    ({"url": "mqtts://h", "cert_file": "CERT", "key_file": "/nonexistent/c0.key"},
-     "key_file: expected an existing PEM file"),
-    ({"url": "mqtt://h", "ca_file": "CA"}, "ca_file: TLS settings need an mqtts:// url"),
-    ({"url": "mqtt://h", "tls_insecure": True}, "tls_insecure: TLS settings need an mqtts:// url"),
-    ({"url": "mqtts://c0:s3cret@h"}, "credentials go in broker.username"),
-    ({"url": "tls://c0:s3cret@h"}, "credentials go in broker.username"),
-    ({"url": "tls://h"}, "expected mqtt://host[:port] or mqtts://host[:port]"),
-], ids=["missing-ca", "cert-without-key", "key-without-cert", "missing-key", "ca-on-plain", "insecure-on-plain",
-        "password-in-url", "password-in-bad-url", "bad-scheme"])
+@pytest.mark.parametrize(
+    "fields,expected",
+    [
+        ({"url": "mqtts://h", "ca_file": "/nonexistent/ca.crt"}, "ca_file: expected an existing PEM file"),
+        ({"url": "mqtts://h", "cert_file": "CERT"}, "key_file: a client certificate needs both"),
+        ({"url": "mqtts://h", "key_file": "KEY"}, "cert_file: a client certificate needs both"),
+        (
+            {"url": "mqtts://h", "cert_file": "CERT", "key_file": "/nonexistent/c0.key"},
+            "key_file: expected an existing PEM file",
+        ),
+        ({"url": "mqtt://h", "ca_file": "CA"}, "ca_file: TLS settings need an mqtts:// url"),
+        ({"url": "mqtt://h", "tls_insecure": True}, "tls_insecure: TLS settings need an mqtts:// url"),
+        ({"url": "mqtts://c0:s3cret@h"}, "credentials go in broker.username"),
+        ({"url": "tls://c0:s3cret@h"}, "credentials go in broker.username"),
+        ({"url": "tls://h"}, "expected mqtt://host[:port] or mqtts://host[:port]"),
+    ],
+    ids=[
+        "missing-ca",
+        "cert-without-key",
+        "key-without-cert",
+        "missing-key",
+        "ca-on-plain",
+        "insecure-on-plain",
+        "password-in-url",
+        "password-in-bad-url",
+        "bad-scheme",
+    ],
+)
 def test_broker_spec_errors_are_one_clear_line(tmp_path, pki, fields, expected):
     files = {"CA": pki / "good" / "ca.crt", "CERT": pki / "good" / "c0.crt", "KEY": pki / "good" / "c0.key"}
     fields = {k: str(files.get(v, v)) if isinstance(v, str) else v for k, v in fields.items()}
@@ -455,6 +564,7 @@ def test_broker_spec_errors_are_one_clear_line(tmp_path, pki, fields, expected):
 
 
 # ------------------------------------------------------------------ kill and restart
+
 
 def test_links_reconnect_after_kill_and_restart_and_retained_state_survives(tmp_path, passwd, links):
     broker = Mosquitto(tmp_path / "b", password_file=passwd, acl_file=ACL, persistence_dir=tmp_path / "db").start()

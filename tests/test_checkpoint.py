@@ -1,4 +1,5 @@
 """Crash-safe state files (fclcore.checkpoint) and the aggregator's state store."""
+
 from __future__ import annotations
 
 import io
@@ -60,15 +61,27 @@ def test_state_store_commit_and_journal(tmp_path) -> None:
     assert store.journaled(4) == [("c.1__x", b"payload-1", 99), ("client-0", b"payload-0", 120)]
     assert store.journaled(3) == []  # the round-4 files were not round 3's, and went
     store.journal(5, "client-0", b"p", 1)
-    state = Committed("fp", round=5, sequence=9, last_seq={"client-0": 7}, rejections={"codec": 2},
-                      metrics_offset=1234, strategy={"knowledge": []},
-                      global_params={"l0.weight": np.ones((2, 2), np.float32)},
-                      strategy_arrays={"kb/0/x/indices": np.array([1])})
+    state = Committed(
+        "fp",
+        round=5,
+        sequence=9,
+        last_seq={"client-0": 7},
+        rejections={"codec": 2},
+        metrics_offset=1234,
+        strategy={"knowledge": []},
+        global_params={"l0.weight": np.ones((2, 2), np.float32)},
+        strategy_arrays={"kb/0/x/indices": np.array([1])},
+    )
     store.commit(state)
     assert store.journaled(5) == []  # a commit clears the journal
     loaded = store.load()
-    assert (loaded.round, loaded.sequence, loaded.last_seq, loaded.rejections, loaded.metrics_offset) == \
-        (5, 9, {"client-0": 7}, {"codec": 2}, 1234)
+    assert (loaded.round, loaded.sequence, loaded.last_seq, loaded.rejections, loaded.metrics_offset) == (
+        5,
+        9,
+        {"client-0": 7},
+        {"codec": 2},
+        1234,
+    )
     assert np.array_equal(loaded.global_params["l0.weight"], np.ones((2, 2)))
     assert set(loaded.strategy_arrays) == {"kb/0/x/indices"}
 
@@ -76,15 +89,29 @@ def test_state_store_commit_and_journal(tmp_path) -> None:
 def _service_cfg(tmp_path, **federation):
     from fclcore.config import from_dict
     from fclcore.schema import AggregatorConfig
-    return from_dict(AggregatorConfig, {
-        "federation": {"name": "f", "num_tasks": 1, "rounds_per_task": 3, "model": {"hidden_sizes": [4]},
-                       **federation},
-        "expected_clients": ["c0"], "out_dir": str(tmp_path / "agg"), "input_dim": 5}, "test")
+
+    return from_dict(
+        AggregatorConfig,
+        {
+            "federation": {
+                "name": "f",
+                "num_tasks": 1,
+                "rounds_per_task": 3,
+                "model": {"hidden_sizes": [4]},
+                **federation,
+            },
+            "expected_clients": ["c0"],
+            "out_dir": str(tmp_path / "agg"),
+            "input_dim": 5,
+        },
+        "test",
+    )
 
 
 def test_aggregator_refuses_state_of_another_federation_and_damaged_state(tmp_path) -> None:
     from aggregator.service import AggregatorService
     from fclcore.errors import ConfigError
+
     service = AggregatorService(_service_cfg(tmp_path))
     service._commit(0)  # as after round 0
     service.runlog.close()

@@ -2,6 +2,7 @@
 a task and gets the current global model and its knowledge-base entries; a device that dies
 is marked by its last-will and the rounds go on with the quorum; an update for a closed
 round is counted and dropped."""
+
 from __future__ import annotations
 
 import paho.mqtt.client as mqtt
@@ -9,9 +10,14 @@ from support.fleet import Fleet
 
 from fclcore.codec import Frame, Header, Kind, encode
 
-OVERRIDES = ["federation.method=confedmade", "federation.rounds_per_task=6", "federation.rounds.quorum=0.6",
-             "federation.rounds.deadline_s=20", "federation.rounds.start_timeout_s=3",
-             "federation.rounds.resend_after_s=5"]
+OVERRIDES = [
+    "federation.method=confedmade",
+    "federation.rounds_per_task=6",
+    "federation.rounds.quorum=0.6",
+    "federation.rounds.deadline_s=20",
+    "federation.rounds.start_timeout_s=3",
+    "federation.rounds.resend_after_s=5",
+]
 
 
 def test_late_join_and_dead_device(mosquitto, tmp_path, repo_root) -> None:

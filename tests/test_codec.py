@@ -1,4 +1,5 @@
 """Tests for the wire codec v1 (fclcore.codec)."""
+
 from __future__ import annotations
 
 import math
@@ -29,6 +30,7 @@ HEADER = Header(Kind.UPDATE, "fed", 3, 1, "client-1", 7)
 
 # ---------------------------------------------------------------- helpers
 
+
 def reseal(body: bytes) -> bytes:
     """Append a correct CRC so that checks behind the checksum are exercised."""
     return bytes(body) + struct.pack("<I", zlib.crc32(body))
@@ -44,13 +46,30 @@ def small_frame() -> Frame:
     few[[3, 40]] = [1.5, -2.0]
     many = np.zeros(64, np.float32)
     many[:40] = np.arange(1, 41)
-    return Frame(HEADER, {"lr": 0.1, "n": 5},
-                 {"w": np.arange(6, dtype=np.float32).reshape(2, 3),
-                  "few": SparseTensor.from_dense(few), "many": SparseTensor.from_dense(many)})
+    return Frame(
+        HEADER,
+        {"lr": 0.1, "n": 5},
+        {
+            "w": np.arange(6, dtype=np.float32).reshape(2, 3),
+            "few": SparseTensor.from_dense(few),
+            "many": SparseTensor.from_dense(many),
+        },
+    )
 
 
-def raw_frame(*, magic=MAGIC, version=VERSION, kind=2, flags=0, fed=b"f", client=b"c",
-              meta=b"{}", tensors=(), count=None, extra=b"") -> bytes:
+def raw_frame(
+    *,
+    magic=MAGIC,
+    version=VERSION,
+    kind=2,
+    flags=0,
+    fed=b"f",
+    client=b"c",
+    meta=b"{}",
+    tensors=(),
+    count=None,
+    extra=b"",
+) -> bytes:
     """Build a frame by hand, independently of the encoder, with a valid CRC."""
     out = struct.pack("<4sBBHIIQ", magic, version, kind, flags, 1, 0, 9)
     out += bytes([len(fed)]) + fed + bytes([len(client)]) + client
@@ -96,15 +115,31 @@ def tensors(draw):
     return SparseTensor.from_dense(dense, mask)  # may keep explicit zeros: that's fine
 
 
-json_leaf = (st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=8)
-             | st.floats(allow_nan=False, allow_infinity=False))
-json_values = st.recursive(json_leaf, lambda c: st.lists(c, max_size=3)
-                           | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8)
-headers = st.builds(Header, st.sampled_from(list(Kind)), st.text(max_size=20),
-                    st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.text(max_size=20),
-                    st.integers(0, 2**64 - 1))
-frames = st.builds(Frame, headers, st.dictionaries(st.text(max_size=10), json_values, max_size=4),
-                   st.dictionaries(st.text(min_size=1, max_size=12), tensors(), max_size=4))
+json_leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
+json_values = st.recursive(
+    json_leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8
+)
+headers = st.builds(
+    Header,
+    st.sampled_from(list(Kind)),
+    st.text(max_size=20),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**32 - 1),
+    st.text(max_size=20),
+    st.integers(0, 2**64 - 1),
+)
+frames = st.builds(
+    Frame,
+    headers,
+    st.dictionaries(st.text(max_size=10), json_values, max_size=4),
+    st.dictionaries(st.text(min_size=1, max_size=12), tensors(), max_size=4),
+)
 
 
 @FAST
@@ -146,6 +181,7 @@ def test_scalar_and_decoded_arrays_are_independent_copies():
 
 # ---------------------------------------------------------------- layout choice
 
+
 def layout_of(data: bytes) -> int:
     """Layout byte of the single tensor named 't' (right after count u16 + name)."""
     base = len(encode(Frame(HEADER)))  # count u16 sits at base-6, CRC after it
@@ -172,8 +208,7 @@ def test_encoder_picks_smallest_layout(value_dtype):
     # index list beats bitmap at 1%, bitmap beats index list at 60%: compare with the other layout
     vb, bitmap_bytes = (4 if value_dtype == "float32" else 2), numel // 8
     assert sizes[0.01] - sizes[0.0] == 100 * (2 + vb) < bitmap_bytes + 100 * vb
-    assert isinstance(decode(encode(Frame(HEADER, {}, {"t": sparse_of(numel, 1.0)}))).tensors["t"],
-                      np.ndarray)
+    assert isinstance(decode(encode(Frame(HEADER, {}, {"t": sparse_of(numel, 1.0)}))).tensors["t"], np.ndarray)
 
 
 def test_dense_ndarray_is_always_dense():
@@ -182,6 +217,7 @@ def test_dense_ndarray_is_always_dense():
 
 
 # ---------------------------------------------------------------- sparse API
+
 
 def test_sparse_tensor_api():
     dense = np.array([[0, 1.5], [0, -2]], np.float32)
@@ -193,19 +229,28 @@ def test_sparse_tensor_api():
     assert m.nnz == 1 and m.values.tolist() == [0.0]
     with pytest.raises(CodecError, match="mask shape"):
         SparseTensor.from_dense(dense, mask=np.ones(3, bool))
-    for shape, idx, vals in [((4,), [2, 1], [1, 1]), ((4,), [1, 1], [1, 1]), ((4,), [4], [1]),
-                             ((4,), [-1], [1]), ((4,), [1, 2], [1]), ((0, 4), [], []), ((4,), [0.5], [1]),
-                             ((4,), [2**62, -2**63], [1, 1])]:  # np.diff would wrap around here
+    for shape, idx, vals in [
+        ((4,), [2, 1], [1, 1]),
+        ((4,), [1, 1], [1, 1]),
+        ((4,), [4], [1]),
+        ((4,), [-1], [1]),
+        ((4,), [1, 2], [1]),
+        ((0, 4), [], []),
+        ((4,), [0.5], [1]),
+        ((4,), [2**62, -(2**63)], [1, 1]),
+    ]:  # np.diff would wrap around here
         with pytest.raises(CodecError):
             SparseTensor(shape, idx, vals)
 
 
 # ---------------------------------------------------------------- decode rejections
 
+
 def test_raw_builder_matches_spec():
     sparse_idx = rec(b"i", layout=1, dims=(10,), nnz=2, data=u16(1, 7) + f32(1, 2))
-    sparse_bits = rec(b"b", layout=2, dtype=2, dims=(2, 5), nnz=2,
-                      data=bytes([0b0000_0110, 0]) + np.array([3, 4], "<f2").tobytes())
+    sparse_bits = rec(
+        b"b", layout=2, dtype=2, dims=(2, 5), nnz=2, data=bytes([0b0000_0110, 0]) + np.array([3, 4], "<f2").tobytes()
+    )
     frame = decode(raw_frame(meta=b'{"a":[1,2.5]}', tensors=[rec(), sparse_idx, sparse_bits]))
     assert frame.header == Header(Kind.UPDATE, "f", 1, 0, "c", 9) and frame.meta == {"a": [1, 2.5]}
     np.testing.assert_array_equal(frame.tensors["t"], np.ones(4))
@@ -241,8 +286,10 @@ BAD_FRAMES = {
     "numel": (raw_frame(tensors=[rec(dims=(2**16, 2**16), data=b"")]), "numel"),
     "nnz > numel": (raw_frame(tensors=[rec(layout=1, dims=(2,), nnz=3, data=u16(0, 1, 2) + f32(1, 1, 1))]), "nnz"),
     "index repeated": (raw_frame(tensors=[rec(layout=1, dims=(4,), nnz=2, data=u16(1, 1) + f32(1, 1))]), "increasing"),
-    "index decreasing": (raw_frame(tensors=[rec(layout=1, dims=(4,), nnz=2, data=u16(2, 1) + f32(1, 1))]),
-                         "increasing"),
+    "index decreasing": (
+        raw_frame(tensors=[rec(layout=1, dims=(4,), nnz=2, data=u16(2, 1) + f32(1, 1))]),
+        "increasing",
+    ),
     "index >= numel": (raw_frame(tensors=[rec(layout=1, dims=(4,), nnz=2, data=u16(1, 4) + f32(1, 1))]), "numel"),
     "popcount": (raw_frame(tensors=[rec(layout=2, dims=(8,), nnz=1, data=bytes([3]) + f32(1))]), "popcount"),
     "bitmap padding": (raw_frame(tensors=[rec(layout=2, dims=(5,), nnz=1, data=bytes([0x80]) + f32(1))]), "bitmap"),
@@ -339,9 +386,14 @@ def test_fuzz_random_bytes(data, sealed):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["set", "insert", "delete"]),
-                          st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
-       st.sampled_from(["float32", "float16"]))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["set", "insert", "delete"]), st.integers(0, 10**6), st.integers(0, 255)),
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from(["float32", "float16"]),
+)
 def test_fuzz_mutated_frames(edits, value_dtype):
     body = bytearray(encode(small_frame(), value_dtype)[:-4])
     for op, pos, byte in edits:
@@ -362,6 +414,7 @@ def test_fuzz_mutated_frames(edits, value_dtype):
 
 
 # ---------------------------------------------------------------- encode rejections
+
 
 def frame_with(**tensors) -> Frame:
     return Frame(HEADER, {}, tensors)

@@ -1,4 +1,5 @@
 """Tests for the typed YAML configuration (fclcore.config + fclcore.schema)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,6 +41,7 @@ def config_error(cls, path: Path, overrides=()) -> str:
 
 
 # --------------------------------------------------------------- valid files
+
 
 def test_quickstart_loads_as_scenario():
     sc = load_config(Scenario, QUICKSTART)
@@ -83,78 +85,149 @@ def test_exponent_string_is_read_as_float(tmp_path):
 # (id, class, file text, substrings the one-line message must contain)
 BAD = [
     ("unknown-top", Scenario, BASE + "clinets: 3\n", ["clinets", "unknown key", "expected one of", "clients"]),
-    ("unknown-nested", Scenario, BASE.replace("name: t", "name: t\n  modle: {}"),
-     ["federation.modle", "unknown key", "model"]),
-    ("unknown-deep", Scenario, BASE.replace("name: t", "name: t\n  train: {lrr: 1}"),
-     ["federation.train.lrr", "unknown key", "lr"]),
-    ("type-clients-str", Scenario, BASE.replace("clients: 2", "clients: three"),
-     ["clients", "expected int", "three"]),
-    ("type-clients-float", Scenario, BASE.replace("clients: 2", "clients: 2.5"),
-     ["clients", "expected int", "2.5"]),
-    ("type-lr-list", Scenario, BASE.replace("name: t", "name: t\n  train: {lr: [1]}"),
-     ["federation.train.lr", "expected float", "list"]),
-    ("type-lr-word", Scenario, BASE.replace("name: t", "name: t\n  train: {lr: fast}"),
-     ["federation.train.lr", "expected float", "fast"]),
-    ("type-bool-for-int", Scenario, BASE.replace("name: t", "name: t\n  rounds_per_task: true"),
-     ["federation.rounds_per_task", "expected int", "bool"]),
-    ("type-bool-clients", Scenario, BASE.replace("clients: 2", "clients: yes"),
-     ["clients", "expected int", "bool"]),
-    ("type-list-item", Scenario, BASE.replace("name: t", "name: t\n  model: {hidden_sizes: [8, x]}"),
-     ["federation.model.hidden_sizes[1]", "expected int", "'x'"]),
-    ("type-list-expected", Scenario, BASE.replace("name: t", "name: t\n  model: {hidden_sizes: 8}"),
-     ["federation.model.hidden_sizes", "expected a list", "int"]),
-    ("type-mapping-expected", Scenario, BASE.replace("federation:\n  name: t", "federation: fed"),
-     ["federation", "expected a mapping", "str"]),
-    ("type-str-expected", Scenario, BASE.replace("name: t", "name: 12"),
-     ["federation.name", "expected str", "int"]),
-    ("type-tasks-nested", Scenario, BASE.replace("[[0], [1]]", "[[0], [one]]"),
-     ["tasks.shared[1][0]", "expected int", "one"]),
-    ("missing-clients", Scenario, BASE.replace("clients: 2\n", ""),
-     ["clients", "missing value", "int required"]),
-    ("missing-nested", Scenario, BASE.replace("name: t", "seed: 1"),
-     ["federation.name", "missing value", "str required"]),
+    (
+        "unknown-nested",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  modle: {}"),
+        ["federation.modle", "unknown key", "model"],
+    ),
+    (
+        "unknown-deep",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  train: {lrr: 1}"),
+        ["federation.train.lrr", "unknown key", "lr"],
+    ),
+    ("type-clients-str", Scenario, BASE.replace("clients: 2", "clients: three"), ["clients", "expected int", "three"]),
+    ("type-clients-float", Scenario, BASE.replace("clients: 2", "clients: 2.5"), ["clients", "expected int", "2.5"]),
+    (
+        "type-lr-list",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  train: {lr: [1]}"),
+        ["federation.train.lr", "expected float", "list"],
+    ),
+    (
+        "type-lr-word",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  train: {lr: fast}"),
+        ["federation.train.lr", "expected float", "fast"],
+    ),
+    (
+        "type-bool-for-int",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  rounds_per_task: true"),
+        ["federation.rounds_per_task", "expected int", "bool"],
+    ),
+    ("type-bool-clients", Scenario, BASE.replace("clients: 2", "clients: yes"), ["clients", "expected int", "bool"]),
+    (
+        "type-list-item",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  model: {hidden_sizes: [8, x]}"),
+        ["federation.model.hidden_sizes[1]", "expected int", "'x'"],
+    ),
+    (
+        "type-list-expected",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  model: {hidden_sizes: 8}"),
+        ["federation.model.hidden_sizes", "expected a list", "int"],
+    ),
+    (
+        "type-mapping-expected",
+        Scenario,
+        BASE.replace("federation:\n  name: t", "federation: fed"),
+        ["federation", "expected a mapping", "str"],
+    ),
+    ("type-str-expected", Scenario, BASE.replace("name: t", "name: 12"), ["federation.name", "expected str", "int"]),
+    (
+        "type-tasks-nested",
+        Scenario,
+        BASE.replace("[[0], [1]]", "[[0], [one]]"),
+        ["tasks.shared[1][0]", "expected int", "one"],
+    ),
+    ("missing-clients", Scenario, BASE.replace("clients: 2\n", ""), ["clients", "missing value", "int required"]),
+    (
+        "missing-nested",
+        Scenario,
+        BASE.replace("name: t", "seed: 1"),
+        ["federation.name", "missing value", "str required"],
+    ),
     ("missing-everything", Scenario, "", ["federation", "missing value"]),
     ("invalid-yaml", Scenario, "federation: [unclosed\n", ["not valid YAML", "line"]),
     ("invalid-yaml-tab", Scenario, "federation:\n\tname: t\n", ["not valid YAML"]),
     ("top-list", Scenario, "- a\n- b\n", ["expected a mapping at the top level", "list"]),
     ("top-scalar", Scenario, "42\n", ["expected a mapping at the top level", "int"]),
-    ("literal-dtype", Scenario, BASE.replace("name: t", "name: t\n  wire: {value_dtype: float8}"),
-     ["federation.wire.value_dtype", "expected one of", "float32", "float16", "float8"]),
-    ("literal-optimizer", Scenario, BASE.replace("name: t", "name: t\n  train: {optimizer: rmsprop}"),
-     ["federation.train.optimizer", "adam", "sgd", "rmsprop"]),
-    ("literal-dataset", Scenario, BASE + "data: {dataset: cifar}\n",
-     ["data.dataset", "digits", "mnist", "cifar"]),
-    ("tasks-two-kinds", Scenario, BASE.replace("shared: [[0], [1]]", "shared: [[0], [1]]\n  random: {}"),
-     ["tasks", "exactly one of shared, per_client, random", "random"]),
-    ("tasks-shared-and-per-client", Scenario,
-     BASE.replace("shared: [[0], [1]]", "shared: [[0], [1]]\n  per_client: [[[0]], [[1]]]"),
-     ["tasks", "exactly one of shared, per_client, random", "per_client"]),
-    ("tasks-none", Scenario, BASE.replace("tasks:\n  shared: [[0], [1]]", "tasks: {}"),
-     ["tasks", "exactly one of", "none"]),
-    ("tasks-per-client-count", Scenario,
-     BASE.replace("shared: [[0], [1]]", "per_client: [[[0]], [[1]], [[2]]]"),
-     ["tasks.per_client", "expected 2 client sequences", "got 3"]),
+    (
+        "literal-dtype",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  wire: {value_dtype: float8}"),
+        ["federation.wire.value_dtype", "expected one of", "float32", "float16", "float8"],
+    ),
+    (
+        "literal-optimizer",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  train: {optimizer: rmsprop}"),
+        ["federation.train.optimizer", "adam", "sgd", "rmsprop"],
+    ),
+    ("literal-dataset", Scenario, BASE + "data: {dataset: cifar}\n", ["data.dataset", "digits", "mnist", "cifar"]),
+    (
+        "tasks-two-kinds",
+        Scenario,
+        BASE.replace("shared: [[0], [1]]", "shared: [[0], [1]]\n  random: {}"),
+        ["tasks", "exactly one of shared, per_client, random", "random"],
+    ),
+    (
+        "tasks-shared-and-per-client",
+        Scenario,
+        BASE.replace("shared: [[0], [1]]", "shared: [[0], [1]]\n  per_client: [[[0]], [[1]]]"),
+        ["tasks", "exactly one of shared, per_client, random", "per_client"],
+    ),
+    (
+        "tasks-none",
+        Scenario,
+        BASE.replace("tasks:\n  shared: [[0], [1]]", "tasks: {}"),
+        ["tasks", "exactly one of", "none"],
+    ),
+    (
+        "tasks-per-client-count",
+        Scenario,
+        BASE.replace("shared: [[0], [1]]", "per_client: [[[0]], [[1]], [[2]]]"),
+        ["tasks.per_client", "expected 2 client sequences", "got 3"],
+    ),
     ("clients-zero", Scenario, BASE.replace("clients: 2", "clients: 0"), ["clients", ">= 1", "0"]),
-    ("federation-name", Scenario, BASE.replace("name: t", "name: a/b"),
-     ["federation", "federation name", "'a/b'"]),
-    ("federation-name-newline", Scenario, BASE.replace("name: t", 'name: "a\\nb"'),
-     ["federation", "federation name"]),
-    ("quorum", Scenario, BASE.replace("name: t", "name: t\n  rounds: {quorum: 1.5}"),
-     ["federation.rounds", "quorum", "1.5"]),
-    ("train-lr-negative", Scenario, BASE.replace("name: t", "name: t\n  train: {lr: -1}"),
-     ["federation.train", "lr > 0"]),
-    ("broker-scheme", AggregatorConfig, AGG + "broker: {url: 'http://host:1883'}\n",
-     ["broker", "url", "mqtt://host[:port]", "http://host:1883"]),
-    ("broker-no-host", AggregatorConfig, AGG + "broker: {url: 'mqtt://'}\n",
-     ["broker", "url", "mqtt://host[:port]"]),
-    ("broker-port", ClientConfig, CLIENT + "broker: {url: 'mqtt://host:port'}\n",
-     ["broker", "url", "bad port", "mqtt://host:port"]),
-    ("broker-keepalive", AggregatorConfig, AGG + "broker: {keepalive_s: 1}\n",
-     ["broker", "keepalive_s", ">= 5"]),
-    ("broker-reconnect", AggregatorConfig, AGG + "broker: {reconnect_min_s: 5, reconnect_max_s: 1}\n",
-     ["broker", "reconnect_min_s <= reconnect_max_s"]),
-    ("agg-no-clients", AggregatorConfig, AGG.replace("[a, b]", "[]"),
-     ["expected_clients", "at least one"]),
+    ("federation-name", Scenario, BASE.replace("name: t", "name: a/b"), ["federation", "federation name", "'a/b'"]),
+    ("federation-name-newline", Scenario, BASE.replace("name: t", 'name: "a\\nb"'), ["federation", "federation name"]),
+    (
+        "quorum",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  rounds: {quorum: 1.5}"),
+        ["federation.rounds", "quorum", "1.5"],
+    ),
+    (
+        "train-lr-negative",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  train: {lr: -1}"),
+        ["federation.train", "lr > 0"],
+    ),
+    (
+        "broker-scheme",
+        AggregatorConfig,
+        AGG + "broker: {url: 'http://host:1883'}\n",
+        ["broker", "url", "mqtt://host[:port]", "http://host:1883"],
+    ),
+    ("broker-no-host", AggregatorConfig, AGG + "broker: {url: 'mqtt://'}\n", ["broker", "url", "mqtt://host[:port]"]),
+    (
+        "broker-port",
+        ClientConfig,
+        CLIENT + "broker: {url: 'mqtt://host:port'}\n",
+        ["broker", "url", "bad port", "mqtt://host:port"],
+    ),
+    ("broker-keepalive", AggregatorConfig, AGG + "broker: {keepalive_s: 1}\n", ["broker", "keepalive_s", ">= 5"]),
+    (
+        "broker-reconnect",
+        AggregatorConfig,
+        AGG + "broker: {reconnect_min_s: 5, reconnect_max_s: 1}\n",
+        ["broker", "reconnect_min_s <= reconnect_max_s"],
+    ),
+    ("agg-no-clients", AggregatorConfig, AGG.replace("[a, b]", "[]"), ["expected_clients", "at least one"]),
     ("agg-dup-clients", AggregatorConfig, AGG.replace("[a, b]", "[a, a]"), ["expected_clients", "duplicate"]),
     ("agg-bad-client-id", AggregatorConfig, AGG.replace("[a, b]", "['a+', b]"), ["client id", "'a+'"]),
     ("client-missing-data", ClientConfig, "client_id: a\nfederation: t\n", ["data, data_dir", "exactly one"]),
@@ -185,15 +258,18 @@ def test_unknown_key_with_newline_is_still_one_line(tmp_path):
     assert "unknown key" in message
 
 
-@pytest.mark.parametrize("setting", [
-    "rounds: {deadline_s: .nan}",
-    "rounds: {start_timeout_s: .nan}",
-    "wire: {max_frame_mb: -1}",
-    "wire: {max_frame_mb: .nan}",
-    "wire: {max_frame_mb: 0}",
-    "train: {lr: .inf}",
-    "rounds: {quorum: .nan}",
-])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "rounds: {deadline_s: .nan}",
+        "rounds: {start_timeout_s: .nan}",
+        "wire: {max_frame_mb: -1}",
+        "wire: {max_frame_mb: .nan}",
+        "wire: {max_frame_mb: 0}",
+        "train: {lr: .inf}",
+        "rounds: {quorum: .nan}",
+    ],
+)
 def test_nonsense_numbers_are_rejected(tmp_path, setting):
     """NaN/negative sizes and deadlines must fail at load, not break the round loop later."""
     key = setting.split(":")[0]
@@ -203,6 +279,7 @@ def test_nonsense_numbers_are_rejected(tmp_path, setting):
 
 # ----------------------------------------------------------------- overrides
 
+
 def test_override_on_quickstart():
     sc = load_config(Scenario, QUICKSTART, ["federation.rounds_per_task=3"])
     assert sc.federation.rounds_per_task == 3
@@ -210,9 +287,16 @@ def test_override_on_quickstart():
 
 
 def test_override_values_are_yaml():
-    sc = load_config(Scenario, QUICKSTART, ["federation.model.hidden_sizes=[16, 8]",
-                                            "federation.train.optimizer=sgd", "clients=5",
-                                            "federation.wire.value_dtype=float16"])
+    sc = load_config(
+        Scenario,
+        QUICKSTART,
+        [
+            "federation.model.hidden_sizes=[16, 8]",
+            "federation.train.optimizer=sgd",
+            "clients=5",
+            "federation.wire.value_dtype=float16",
+        ],
+    )
     assert sc.federation.model.hidden_sizes == [16, 8]
     assert sc.federation.train.optimizer == "sgd"
     assert sc.clients == 5
@@ -275,6 +359,7 @@ def test_override_result_is_validated(tmp_path):
 
 # -------------------------------------------------------------------- secrets
 
+
 def test_env_reference_resolves(tmp_path, monkeypatch):
     monkeypatch.setenv("FCL_TEST_BROKER_PW", "s3cret")
     monkeypatch.setenv("FCL_TEST_BROKER_USER", "device-1")
@@ -324,6 +409,7 @@ def test_broker_redacted_hides_password():
 
 # ------------------------------------------------------------------ round trip
 
+
 def test_scenario_round_trips_through_to_dict():
     sc = load_config(Scenario, QUICKSTART)
     data = to_dict(sc)
@@ -334,10 +420,12 @@ def test_scenario_round_trips_through_to_dict():
 
 
 def test_other_configs_round_trip(tmp_path):
-    per_client = from_dict(Scenario, {"federation": {"name": "f"}, "clients": 2,
-                                      "tasks": {"per_client": [[[0], [1]], [[2], [3]]]}}, "x")
-    randomised = from_dict(Scenario, {"federation": {"name": "f"}, "clients": 2,
-                                      "tasks": {"random": {"classes_per_task": 2}}}, "x")
+    per_client = from_dict(
+        Scenario, {"federation": {"name": "f"}, "clients": 2, "tasks": {"per_client": [[[0], [1]], [[2], [3]]]}}, "x"
+    )
+    randomised = from_dict(
+        Scenario, {"federation": {"name": "f"}, "clients": 2, "tasks": {"random": {"classes_per_task": 2}}}, "x"
+    )
     agg = load_config(AggregatorConfig, write(tmp_path, AGG + "broker: {password: pw}\n"))
     client = load_config(ClientConfig, write(tmp_path, CLIENT, "c.yaml"))
     for obj in (per_client, randomised, agg, client):

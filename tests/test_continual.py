@@ -4,6 +4,7 @@ n[t][i] = test NLL of task i after training task t (nan for i > t), T = last tas
 avg_nll = mean_i n[T][i]; base_nll = [n[t][0]]; new_nll = [n[t][t]];
 forgetting = mean over i < T of (n[T][i] - min_{i <= t < T} n[t][i]).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,25 +22,31 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 # Example A: ordinary forgetting.
 #   task 0: 2.0 -> 2.5 -> 2.2 ; task 1: 3.0 -> 3.4 ; task 2: 1.8
-A = [[2.0, NAN, NAN],
-     [2.5, 3.0, NAN],
-     [2.2, 3.4, 1.8]]
+A = [[2.0, NAN, NAN], [2.5, 3.0, NAN], [2.2, 3.4, 1.8]]
 # avg_nll    = (2.2 + 3.4 + 1.8) / 3 = 7.4 / 3 = 2.46666... -> 2.4667
 # forgetting = mean(2.2 - min(2.0, 2.5), 3.4 - min(3.0)) = mean(0.2, 0.4) = 0.3
 # avg after each task: 2.0 ; (2.5 + 3.0) / 2 = 2.75 ; 2.4667
-A_METRICS = {"avg_nll": 2.4667, "forgetting": 0.3, "base_nll": [2.0, 2.5, 2.2], "new_nll": [2.0, 3.0, 1.8],
-             "avg_nll_per_task": [2.0, 2.75, 2.4667]}
+A_METRICS = {
+    "avg_nll": 2.4667,
+    "forgetting": 0.3,
+    "base_nll": [2.0, 2.5, 2.2],
+    "new_nll": [2.0, 3.0, 1.8],
+    "avg_nll_per_task": [2.0, 2.75, 2.4667],
+}
 
 # Example B: the best earlier value of task 0 is after task 1 (not right after task 0), and
 # task 1 improves after training task 2 (negative forgetting = backward transfer).
-B = [[5.0, NAN, NAN],
-     [4.0, 6.0, NAN],
-     [4.5, 5.0, 3.0]]
+B = [[5.0, NAN, NAN], [4.0, 6.0, NAN], [4.5, 5.0, 3.0]]
 # avg_nll    = (4.5 + 5.0 + 3.0) / 3 = 12.5 / 3 = 4.16666... -> 4.1667
 # forgetting = mean(4.5 - min(5.0, 4.0), 5.0 - min(6.0)) = mean(0.5, -1.0) = -0.25
 # avg after each task: 5.0 ; (4.0 + 6.0) / 2 = 5.0 ; 4.1667
-B_METRICS = {"avg_nll": 4.1667, "forgetting": -0.25, "base_nll": [5.0, 4.0, 4.5], "new_nll": [5.0, 6.0, 3.0],
-             "avg_nll_per_task": [5.0, 5.0, 4.1667]}
+B_METRICS = {
+    "avg_nll": 4.1667,
+    "forgetting": -0.25,
+    "base_nll": [5.0, 4.0, 4.5],
+    "new_nll": [5.0, 6.0, 3.0],
+    "avg_nll_per_task": [5.0, 5.0, 4.1667],
+}
 
 
 def assert_metrics(got: dict, expected: dict) -> None:
@@ -70,8 +77,9 @@ def test_hand_computed_4x4_min_over_window():
     # forgetting = (3 + 1 + 0) / 3 = 1.3333 ; avg = (10 + 5 + 2 + 1) / 4 = 4.5
     rows = [[9.0], [7.0, 6.0], [8.0, 4.0, 2.0], [10.0, 5.0, 2.0, 1.0]]
     got = continual_metrics(loss_matrix(rows))
-    assert_metrics(got, {"avg_nll": 4.5, "forgetting": 1.3333, "base_nll": [9.0, 7.0, 8.0, 10.0],
-                         "new_nll": [9.0, 6.0, 2.0, 1.0]})
+    assert_metrics(
+        got, {"avg_nll": 4.5, "forgetting": 1.3333, "base_nll": [9.0, 7.0, 8.0, 10.0], "new_nll": [9.0, 6.0, 2.0, 1.0]}
+    )
 
 
 def test_single_task_has_zero_forgetting():
@@ -100,6 +108,7 @@ def test_lists_accepted():
 
 # --------------------------------------------------------------- loss_matrix
 
+
 def test_loss_matrix_pads_with_nan():
     m = loss_matrix([[1.0], [2.0, 3.0], [4.0, 5.0, 6.0]])
     assert m.shape == (3, 3) and m.dtype == np.float64
@@ -112,6 +121,7 @@ def test_loss_matrix_empty():
 
 
 # -------------------------------------------------------- reference property
+
 
 def reference(n: np.ndarray) -> dict:
     """Straight transcription of the DESIGN.md definitions with loops."""
@@ -129,8 +139,11 @@ def reference(n: np.ndarray) -> dict:
 
 
 @FAST
-@given(st.integers(1, 6).flatmap(lambda k: st.lists(
-    st.floats(0.0, 500.0, allow_nan=False), min_size=k * (k + 1) // 2, max_size=k * (k + 1) // 2)))
+@given(
+    st.integers(1, 6).flatmap(
+        lambda k: st.lists(st.floats(0.0, 500.0, allow_nan=False), min_size=k * (k + 1) // 2, max_size=k * (k + 1) // 2)
+    )
+)
 def test_matches_reference_definitions(values):
     k = int((math.isqrt(8 * len(values) + 1) - 1) // 2)
     rows, it = [], iter(values)
@@ -145,6 +158,7 @@ def test_matches_reference_definitions(values):
 
 
 # -------------------------------------------------------------- mean_metrics
+
 
 def test_mean_metrics_two_clients():
     per_client = {"a": continual_metrics(np.array(A)), "b": continual_metrics(np.array(B))}

@@ -12,8 +12,18 @@ SCENARIO = "configs/scenarios/digits_continual.yaml"
 
 
 def _run(mosquitto, repo_root: Path, out: Path, method: str) -> dict:
-    result = run_fcl("simulate", str(repo_root / SCENARIO), "--out", str(out), "--broker", mosquitto.url,
-                     "--set", f"federation.method={method}", "--set", f"federation.name=dc-{method}")
+    result = run_fcl(
+        "simulate",
+        str(repo_root / SCENARIO),
+        "--out",
+        str(out),
+        "--broker",
+        mosquitto.url,
+        "--set",
+        f"federation.method={method}",
+        "--set",
+        f"federation.name=dc-{method}",
+    )
     assert result.returncode == 0, result.stderr + "".join(p.read_text() for p in (out / "logs").glob("*.log"))
     return json.loads((out / "summary.json").read_text())
 
@@ -37,9 +47,20 @@ def test_connectivity_agnostic_masks_stay_synchronised(mosquitto, tmp_path, repo
     """Every order also redraws the hidden degrees; devices and aggregator derive the same
     masks, so every masked upload is accepted (a mismatch is rejected as content)."""
     out = tmp_path / "agnostic"
-    result = run_fcl("simulate", str(repo_root / SCENARIO), "--out", str(out), "--broker", mosquitto.url,
-                     "--set", "federation.name=dc-agnostic", "--set", "federation.model.connectivity_agnostic=true",
-                     "--set", "federation.model.num_orders=3")
+    result = run_fcl(
+        "simulate",
+        str(repo_root / SCENARIO),
+        "--out",
+        str(out),
+        "--broker",
+        mosquitto.url,
+        "--set",
+        "federation.name=dc-agnostic",
+        "--set",
+        "federation.model.connectivity_agnostic=true",
+        "--set",
+        "federation.model.num_orders=3",
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rejected"] == {}
@@ -52,9 +73,20 @@ def test_offline_reference_beats_single_device_finetune(mosquitto, tmp_path, rep
     runs = {}
     for method in ("offline", "fedcl-finetune"):
         out = tmp_path / method
-        result = run_fcl("simulate", str(repo_root / SCENARIO), "--out", str(out), "--broker", mosquitto.url,
-                         "--set", f"federation.method={method}", "--set", f"federation.name=one-{method}",
-                         "--set", "clients=1")
+        result = run_fcl(
+            "simulate",
+            str(repo_root / SCENARIO),
+            "--out",
+            str(out),
+            "--broker",
+            mosquitto.url,
+            "--set",
+            f"federation.method={method}",
+            "--set",
+            f"federation.name=one-{method}",
+            "--set",
+            "clients=1",
+        )
         assert result.returncode == 0, result.stderr
         runs[method] = json.loads((out / "summary.json").read_text())["final"]
     assert runs["offline"]["avg_nll"] < runs["fedcl-finetune"]["avg_nll"] - 1.0

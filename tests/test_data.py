@@ -1,4 +1,5 @@
 """Tests for fclcore.data: IDX parsing, loaders, and the federated task/shard plan."""
+
 from __future__ import annotations
 
 import gzip
@@ -22,8 +23,14 @@ from fclcore.data import (
     stratified_split,
 )
 
-_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(np.int16): 0x0B,
-          np.dtype(np.int32): 0x0C, np.dtype(np.float32): 0x0D, np.dtype(np.float64): 0x0E}
+_CODES = {
+    np.dtype(np.uint8): 0x08,
+    np.dtype(np.int8): 0x09,
+    np.dtype(np.int16): 0x0B,
+    np.dtype(np.int32): 0x0C,
+    np.dtype(np.float32): 0x0D,
+    np.dtype(np.float64): 0x0E,
+}
 
 
 def idx_bytes(arr: np.ndarray) -> bytes:
@@ -39,6 +46,7 @@ def write_idx(path: Path, arr: np.ndarray) -> Path:
 
 
 # ---------------------------------------------------------------- read_idx
+
 
 @pytest.mark.parametrize("name", ["a.idx", "a.idx.gz"])
 @pytest.mark.parametrize("shape", [(7,), (3, 4, 5)])
@@ -108,6 +116,7 @@ def test_read_idx_missing_file(tmp_path):
 
 # ---------------------------------------------------------------- MNIST
 
+
 @pytest.fixture(scope="module")
 def mnist():
     return load_mnist()
@@ -115,8 +124,12 @@ def mnist():
 
 def test_default_mnist_dir_has_files():
     d = default_mnist_dir()
-    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                 "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    for stem in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         assert (d / f"{stem}.gz").is_file()
 
 
@@ -174,6 +187,7 @@ def test_load_mnist_count_mismatch(tmp_path):
 
 # ---------------------------------------------------------------- digits
 
+
 def test_load_digits_shapes_binary_deterministic():
     train, test = load_digits(seed=3)
     assert len(train) + len(test) == 1797 and train.x.shape[1] == 64
@@ -189,6 +203,7 @@ def test_load_digits_shapes_binary_deterministic():
 
 def test_digits_split_disjoint_stratified_and_matches_loader():
     from sklearn.datasets import load_digits as sk
+
     y = sk().target
     tr, te = stratified_split(y, 0.2, seed=0)
     assert len(np.intersect1d(tr, te)) == 0 and len(tr) + len(te) == len(y)
@@ -212,6 +227,7 @@ def test_load_dataset_names():
 
 
 # ---------------------------------------------------------------- client split
+
 
 def indexed(y: np.ndarray) -> Dataset:
     """Dataset whose single feature is the row index, so shard identity is checkable."""
@@ -237,8 +253,7 @@ def test_client_split_partitions_each_class(toy):
     assert all(isinstance(s, ClientTasks) and len(s.train) == 2 for s in shards)
     users = {c: sorted({ci for ci, ts in enumerate(PLAN) for t in ts if c in t}) for c in range(6)}
     for c in range(6):
-        per_client = [np.unique(np.concatenate([rows(d)[d.y == c] for d in shards[ci].train]))
-                      for ci in users[c]]
+        per_client = [np.unique(np.concatenate([rows(d)[d.y == c] for d in shards[ci].train])) for ci in users[c]]
         got = np.concatenate(per_client)
         assert len(got) == len(np.unique(got)), f"class {c} rows shared between clients"
         np.testing.assert_array_equal(np.sort(got), np.flatnonzero(train.y == c))
@@ -298,6 +313,7 @@ def test_client_split_on_digits_plan():
 
 
 # ---------------------------------------------------------------- random_client_tasks
+
 
 def test_random_client_tasks():
     plan = random_client_tasks(5, 3, range(10), 2, seed=7)

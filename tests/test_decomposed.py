@@ -26,10 +26,15 @@ D = 10
 
 
 def _fed(method: str = "confedmade", **options) -> FederationSpec:
-    return FederationSpec(name="t", method=method, num_tasks=3, rounds_per_task=2,
-                          model=ModelSpec(hidden_sizes=[24], num_orders=3, mask_seed=3),
-                          train=TrainSpec(batch_size=8, lr=0.01),
-                          options={"order_per": "round", "keep_units": 0.5, **options})
+    return FederationSpec(
+        name="t",
+        method=method,
+        num_tasks=3,
+        rounds_per_task=2,
+        model=ModelSpec(hidden_sizes=[24], num_orders=3, mask_seed=3),
+        train=TrainSpec(batch_size=8, lr=0.01),
+        options={"order_per": "round", "keep_units": 0.5, **options},
+    )
 
 
 def _made(fed: FederationSpec) -> MadeConfig:

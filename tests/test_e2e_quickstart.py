@@ -22,9 +22,16 @@ FED = "quickstart"
 def quickstart_run(mosquitto, tmp_path: Path, repo_root: Path):
     counter = MqttCounter(mosquitto.port)
     out = tmp_path / "run"
-    result = run_fcl("simulate", str(repo_root / "configs/scenarios/quickstart.yaml"), "--out", str(out),
-                     "--broker", f"mqtt://127.0.0.1:{counter.port}",
-                     "--set", f"federation.rounds_per_task={ROUNDS_PER_TASK}")
+    result = run_fcl(
+        "simulate",
+        str(repo_root / "configs/scenarios/quickstart.yaml"),
+        "--out",
+        str(out),
+        "--broker",
+        f"mqtt://127.0.0.1:{counter.port}",
+        "--set",
+        f"federation.rounds_per_task={ROUNDS_PER_TASK}",
+    )
     logs = "".join(p.read_text() for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{logs}"
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -48,7 +55,8 @@ def test_every_round_completes_and_files_follow_the_contract(quickstart_run):
     assert all(e["accepted"] == 3 for e in closed)
     per_round = [e for e in events if e["event"] == "round_client"]
     assert {(e["round"], e["client"]) for e in per_round} == {
-        (r, c) for r in range(rounds) for c in summary["client_ids"]}
+        (r, c) for r in range(rounds) for c in summary["client_ids"]
+    }
     for e in per_round:
         assert e["task"] == e["round"] // ROUNDS_PER_TASK
         assert e["status"] == "accepted"
@@ -77,7 +85,8 @@ def test_metered_bytes_match_an_independent_count(quickstart_run):
         rows = [e for e in events if e["event"] == "round_client" and e["client"] == cid]
         updates = {k: v for k, v in wire["by_tag"].items() if k.startswith("up:update:")}
         assert {int(k.rsplit(":", 1)[1]): v["bytes"] for k, v in updates.items()} == {
-            e["round"]: e["bytes_up"] for e in rows}
+            e["round"]: e["bytes_up"] for e in rows
+        }
         assert {int(r): b for r, b in wire["round_bytes_down"].items()} == {e["round"]: e["bytes_down"] for e in rows}
     agg = summary["meter"]
     assert agg["up"]["bytes"] == counter.publish_bytes(f"fcl-{FED}-aggregator", "up")
@@ -99,8 +108,21 @@ def test_served_models_answer_without_torch_and_match_the_final_evaluation(quick
     blocked = "import sys; sys.modules['torch'] = None; from fcl_edge.cli import main; sys.exit(main())"
     for cid in summary["client_ids"]:
         model = out / "clients" / cid / "model.onnx"
-        result = subprocess.run([sys.executable, "-c", blocked, "infer", str(model), "--op", "loglik",
-                                 "--input", str(tmp_path / "task1.npy")], capture_output=True, text=True)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                blocked,
+                "infer",
+                str(model),
+                "--op",
+                "loglik",
+                "--input",
+                str(tmp_path / "task1.npy"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert result.returncode == 0, result.stderr
         answer = json.loads(result.stdout)
         assert answer["model"]["task"] == 1 and answer["n"] == len(task1)

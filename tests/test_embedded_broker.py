@@ -10,8 +10,14 @@ from conftest import run_fcl
 
 def test_simulate_with_the_embedded_broker(tmp_path: Path, repo_root: Path) -> None:
     out = tmp_path / "run"
-    result = run_fcl("simulate", str(repo_root / "configs/scenarios/quickstart.yaml"), "--out", str(out),
-                     "--set", "federation.rounds_per_task=2")
+    result = run_fcl(
+        "simulate",
+        str(repo_root / "configs/scenarios/quickstart.yaml"),
+        "--out",
+        str(out),
+        "--set",
+        "federation.rounds_per_task=2",
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds"] == 4 and summary["final"]["avg_nll"] > 0

@@ -2,18 +2,29 @@
 aggregator was not configured with enrolls by coming online and trains from the next round;
 a device that dies leaves the roster after ``drop_after_missed`` rounds, and the quorum is a
 share of the clients enrolled for each round."""
+
 from __future__ import annotations
 
 from support.fleet import Fleet
 
-OVERRIDES = ["federation.method=confedmade", "federation.rounds_per_task=5", "federation.rounds.quorum=0.6",
-             "federation.rounds.deadline_s=30", "federation.rounds.resend_after_s=5"]
+OVERRIDES = [
+    "federation.method=confedmade",
+    "federation.rounds_per_task=5",
+    "federation.rounds.quorum=0.6",
+    "federation.rounds.deadline_s=30",
+    "federation.rounds.resend_after_s=5",
+]
 AGGREGATOR = {"expected_clients": ["client-0", "client-1"], "enrollment": "open", "drop_after_missed": 2}
 
 
 def test_a_device_enrolls_mid_run_and_a_dead_one_leaves(mosquitto, tmp_path, repo_root) -> None:
-    fleet = Fleet(repo_root / "configs/scenarios/quickstart.yaml", tmp_path / "run", mosquitto.url, OVERRIDES,
-                  aggregator=AGGREGATOR)
+    fleet = Fleet(
+        repo_root / "configs/scenarios/quickstart.yaml",
+        tmp_path / "run",
+        mosquitto.url,
+        OVERRIDES,
+        aggregator=AGGREGATOR,
+    )
     try:
         for name in ("client-0", "client-1", "aggregator"):
             fleet.start(name)

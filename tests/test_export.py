@@ -1,4 +1,5 @@
 """ONNX export of served MADE models: parity with torch, autoregressive property, int8, snapshots."""
+
 from __future__ import annotations
 
 import json
@@ -29,21 +30,28 @@ CASES = {
     "seeded_2layer": (MadeConfig(14, (24, 24), direct=True, natural_order=False, mask_seed=123), 0),
     "multi_order_natural_k3": (MadeConfig(12, (32,), direct=True, natural_order=True, num_orders=4, mask_seed=3), 3),
     "multi_order_wraps": (MadeConfig(8, (16,), direct=False, natural_order=True, num_orders=4, mask_seed=9), 6),
-    "multi_order_seeded_2layer": (MadeConfig(20, (24, 24), direct=False, natural_order=False, num_orders=3,
-                                             mask_seed=42), 2),
-    "multi_order_seeded_direct_k1": (MadeConfig(18, (40,), direct=True, natural_order=False, num_orders=5,
-                                                mask_seed=2024), 1),
+    "multi_order_seeded_2layer": (
+        MadeConfig(20, (24, 24), direct=False, natural_order=False, num_orders=3, mask_seed=42),
+        2,
+    ),
+    "multi_order_seeded_direct_k1": (
+        MadeConfig(18, (40,), direct=True, natural_order=False, num_orders=5, mask_seed=2024),
+        1,
+    ),
 }
 
 
-def served(cfg: MadeConfig, order_index: int = 0, seed: int = 0, *, big: bool = False, method: str = "fedavg",
-           task: int = 0) -> ServedModel:
+def served(
+    cfg: MadeConfig, order_index: int = 0, seed: int = 0, *, big: bool = False, method: str = "fedavg", task: int = 0
+) -> ServedModel:
     """A ServedModel with nn.Linear-scale weights, or (big) random non-zero weights of magnitude >= 0.1."""
     params = init_params(cfg, seed)
     if big:
         rng = np.random.default_rng(seed)
-        params = {n: ((np.abs(rng.standard_normal(p.shape)) + 0.1) * rng.choice([-1.0, 1.0], p.shape))
-                  .astype(np.float32) for n, p in params.items()}
+        params = {
+            n: ((np.abs(rng.standard_normal(p.shape)) + 0.1) * rng.choice([-1.0, 1.0], p.shape)).astype(np.float32)
+            for n, p in params.items()
+        }
     return ServedModel(cfg, params, order_index, method, task, "value>7")
 
 
@@ -122,8 +130,19 @@ def test_export_structure_and_opset(tmp_path: Path) -> None:
     dims = proto.graph.input[0].type.tensor_type.shape.dim
     assert dims[0].dim_param == "batch" and dims[1].dim_value == cfg.input_dim
     props = {p.key: p.value for p in proto.metadata_props}
-    for key in ("fcl.method", "fcl.task", "fcl.mask_seed", "fcl.order_index", "fcl.input_order", "fcl.input_dim",
-                "fcl.hidden_sizes", "fcl.direct", "fcl.binarize", "fcl.toolkit_version", "fcl.weights_sha256"):
+    for key in (
+        "fcl.method",
+        "fcl.task",
+        "fcl.mask_seed",
+        "fcl.order_index",
+        "fcl.input_order",
+        "fcl.input_dim",
+        "fcl.hidden_sizes",
+        "fcl.direct",
+        "fcl.binarize",
+        "fcl.toolkit_version",
+        "fcl.weights_sha256",
+    ):
         assert key in props, key
     assert props["fcl.format"] == "fcl-made/1" and props["fcl.toolkit_version"] == "9.9.9"
     assert json.loads(props["fcl.input_order"]) == input_order(cfg, 0).tolist()
@@ -150,8 +169,9 @@ def test_parity_violation_raises_and_leaves_target_untouched(tmp_path: Path, mon
 
 
 @pytest.mark.parametrize("rel, passes", [(3e-6, True), (3e-5, False)])
-def test_parity_tolerance_scales_with_large_logits(rel: float, passes: bool, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parity_tolerance_scales_with_large_logits(
+    rel: float, passes: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """|onnx - torch| <= 1e-5 * max(1, |torch|): float32 noise on logits near -30 passes, a real error does not."""
     cfg, _ = CASES["natural_1layer"]
     model = served(cfg, seed=1)
@@ -176,12 +196,15 @@ def test_export_rejects_bad_parity_inputs_and_missing_dir(tmp_path: Path) -> Non
         export_served_model(served(cfg), tmp_path / "nope" / "m.onnx")
 
 
-@pytest.mark.parametrize("bad, match", [
-    (lambda p: p.pop("output.bias"), "missing"),
-    (lambda p: p.update({"extra": np.zeros(3, np.float32)}), "unexpected"),
-    (lambda p: p.update({"hidden.0.weight": np.zeros((3, 3), np.float32)}), "expected shape"),
-    (lambda p: p["output.bias"].__setitem__(0, np.nan), "NaN"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda p: p.pop("output.bias"), "missing"),
+        (lambda p: p.update({"extra": np.zeros(3, np.float32)}), "unexpected"),
+        (lambda p: p.update({"hidden.0.weight": np.zeros((3, 3), np.float32)}), "expected shape"),
+        (lambda p: p["output.bias"].__setitem__(0, np.nan), "NaN"),
+    ],
+)
 def test_served_model_validates_params(bad, match: str) -> None:
     cfg, _ = CASES["natural_1layer"]
     params = {n: a.copy() for n, a in init_params(cfg, 0).items()}
@@ -224,8 +247,9 @@ def test_snapshot_round_trip_and_cli_export(tmp_path: Path, capsys: pytest.Captu
     for n in model.params:
         assert np.array_equal(back.params[n], model.params[n])
 
-    rc = cli_main(["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m.onnx"), "--int8",
-                   "--parity-data", "none"])
+    rc = cli_main(
+        ["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m.onnx"), "--int8", "--parity-data", "none"]
+    )
     out = capsys.readouterr().out
     assert rc == ExitCode.OK
     report = json.loads(out)
@@ -236,13 +260,24 @@ def test_snapshot_round_trip_and_cli_export(tmp_path: Path, capsys: pytest.Captu
 def test_cli_export_digits_parity_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = MadeConfig(64, (32,), direct=True, mask_seed=1)
     save_snapshot(served(cfg), tmp_path / "served.npz")
-    rc = cli_main(["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m.onnx"),
-                   "--parity-data", "digits", "--parity-rows", "100"])
+    rc = cli_main(
+        [
+            "export",
+            str(tmp_path / "served.npz"),
+            "--out",
+            str(tmp_path / "m.onnx"),
+            "--parity-data",
+            "digits",
+            "--parity-rows",
+            "100",
+        ]
+    )
     assert rc == ExitCode.OK
     assert json.loads(capsys.readouterr().out)["parity_data"] == "parity_inputs:100"
     # Dataset whose dimension does not match the model: bad input, one line.
-    rc = cli_main(["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m2.onnx"),
-                   "--parity-data", "mnist"])
+    rc = cli_main(
+        ["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m2.onnx"), "--parity-data", "mnist"]
+    )
     err = capsys.readouterr().err
     assert rc == ExitCode.BAD_INPUT and "784" in err and len(err.strip().splitlines()) == 1
 
@@ -254,10 +289,18 @@ def _npz_with(path: Path, arrays: dict[str, np.ndarray]) -> Path:
 
 
 def _snapshot_arrays(model: ServedModel, **meta_changes: object) -> dict[str, np.ndarray]:
-    meta = {"input_dim": model.made.input_dim, "hidden_sizes": list(model.made.hidden_sizes),
-            "direct": model.made.direct, "natural_order": model.made.natural_order,
-            "num_orders": model.made.num_orders, "mask_seed": model.made.mask_seed,
-            "order_index": model.order_index, "method": model.method, "task": model.task, "binarize": model.binarize}
+    meta = {
+        "input_dim": model.made.input_dim,
+        "hidden_sizes": list(model.made.hidden_sizes),
+        "direct": model.made.direct,
+        "natural_order": model.made.natural_order,
+        "num_orders": model.made.num_orders,
+        "mask_seed": model.made.mask_seed,
+        "order_index": model.order_index,
+        "method": model.method,
+        "task": model.task,
+        "binarize": model.binarize,
+    }
     meta.update(meta_changes)
     return {**{n: np.array(a) for n, a in model.params.items()}, "__meta__": np.array(json.dumps(meta))}
 
@@ -275,8 +318,10 @@ def test_snapshot_rejections(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
         "pickled_meta": ({**ok, "__meta__": np.array([{"input_dim": 12}], dtype=object)}, "pickle"),
         "no_meta": ({n: a for n, a in ok.items() if n != "__meta__"}, "__meta__"),
         "meta_not_json": ({**ok, "__meta__": np.array("{nope")}, "JSON"),
-        "meta_missing_field": (_snapshot_arrays(model, order_index=None) | {
-            "__meta__": np.array(json.dumps({"input_dim": 12}))}, "missing"),
+        "meta_missing_field": (
+            _snapshot_arrays(model, order_index=None) | {"__meta__": np.array(json.dumps({"input_dim": 12}))},
+            "missing",
+        ),
         "bad_config": (_snapshot_arrays(model, hidden_sizes=[0]), "hidden_sizes"),
         "bad_task": (_snapshot_arrays(model, task=-1), "task"),
         "int_params": ({**ok, "output.bias": np.zeros(12, np.int64)}, "float"),

@@ -1,4 +1,5 @@
 """export.formats.export_served: one entry point, dispatched on the served model's format."""
+
 from __future__ import annotations
 
 import subprocess
@@ -68,8 +69,15 @@ def test_text_groups_export(tmp_path):
     for r, n in enumerate([10, 7, 4, 10, 5, 8]):  # [CLS] tokens [SEP], right-padded with 0
         ids[r, :n] = np.concatenate([[2], rng.integers(4, 40, n - 2), [3]])
     pooled = pooled_embeddings(backbone, ids, (ids != 0).astype(np.int64))
-    served = TextGroupsServed(backbone, groups, {0: pooled[0], 1: pooled[1], 2: pooled[2]}, {0: 0, 1: 0, 2: 2},
-                              task=1, max_length=16, method="toy")
+    served = TextGroupsServed(
+        backbone,
+        groups,
+        {0: pooled[0], 1: pooled[1], 2: pooled[2]},
+        {0: 0, 1: 0, 2: 2},
+        task=1,
+        max_length=16,
+        method="toy",
+    )
     report = export_served(served, tmp_path / "t.onnx", parity_inputs=ids, int8=True)
     assert report["classes"] == [0, 1, 2] and report["groups"] == [0, 2]
     assert report["parity_data"] == "parity_ids:6" and report["float32_ties"] == 0
@@ -93,7 +101,9 @@ def test_text_groups_export(tmp_path):
 
 
 def test_importing_formats_is_cheap():
-    code = ("import sys\nimport export.formats\n"
-            "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'export.onnx_made') if m in sys.modules))")
+    code = (
+        "import sys\nimport export.formats\n"
+        "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'export.onnx_made') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -1,4 +1,5 @@
 """The torch-free runtime: file validation, sampling, inputs, hot swap and the ``fcl infer`` command."""
+
 from __future__ import annotations
 
 import io
@@ -72,8 +73,15 @@ def test_every_byte_corruption_rejected(model_file: Path, tmp_path: Path) -> Non
             MadeRuntime.load(bad)
 
 
-@pytest.mark.parametrize("content", [b"hello, this is not an ONNX model\n", os.urandom(4096),
-                                     b"\x08\x08" + b"\x00" * 100, b"PK\x03\x04" + b"\x00" * 60])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"hello, this is not an ONNX model\n",
+        os.urandom(4096),
+        b"\x08\x08" + b"\x00" * 100,
+        b"PK\x03\x04" + b"\x00" * 60,
+    ],
+)
 def test_non_onnx_files_rejected(content: bytes, tmp_path: Path) -> None:
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(content)
@@ -97,17 +105,20 @@ def _plain_onnx(model: ServedModel) -> onnx.ModelProto:
     return proto
 
 
-@pytest.mark.parametrize("name, make, match", [
-    ("plain_onnx_no_metadata", lambda m: _plain_onnx(m).SerializeToString(), "fcl.format"),
-    ("other_format", lambda m: _resealed(m, format="fcl-made/2"), "fcl.format"),
-    ("bad_task", lambda m: _resealed(m, task=-3), "fcl.task"),
-    ("order_not_permutation", lambda m: _resealed(m, input_order=[0] * 12), "permutation"),
-    ("hidden_not_list", lambda m: _resealed(m, hidden_sizes="24"), "hidden_sizes"),
-    ("direct_not_bool", lambda m: _resealed(m, direct="yes"), "fcl.direct"),
-    ("order_index_out_of_range", lambda m: _resealed(m, order_index=5), "order_index"),
-    ("wrong_input_dim", lambda m: _resealed(m, input_dim=13, input_order=list(range(13))), "input_dim 13"),
-    ("int8_without_delta", lambda m: _resealed(m, quantization="int8-dynamic"), "int8_nll_delta"),
-])
+@pytest.mark.parametrize(
+    "name, make, match",
+    [
+        ("plain_onnx_no_metadata", lambda m: _plain_onnx(m).SerializeToString(), "fcl.format"),
+        ("other_format", lambda m: _resealed(m, format="fcl-made/2"), "fcl.format"),
+        ("bad_task", lambda m: _resealed(m, task=-3), "fcl.task"),
+        ("order_not_permutation", lambda m: _resealed(m, input_order=[0] * 12), "permutation"),
+        ("hidden_not_list", lambda m: _resealed(m, hidden_sizes="24"), "hidden_sizes"),
+        ("direct_not_bool", lambda m: _resealed(m, direct="yes"), "fcl.direct"),
+        ("order_index_out_of_range", lambda m: _resealed(m, order_index=5), "order_index"),
+        ("wrong_input_dim", lambda m: _resealed(m, input_dim=13, input_order=list(range(13))), "input_dim 13"),
+        ("int8_without_delta", lambda m: _resealed(m, quantization="int8-dynamic"), "int8_nll_delta"),
+    ],
+)
 def test_bad_metadata_rejected(name: str, make, match: str, tmp_path: Path) -> None:
     bad = tmp_path / f"{name}.onnx"
     bad.write_bytes(make(served()))
@@ -159,8 +170,13 @@ def test_original_file_still_loads_after_onnx_round_trip(model_file: Path, tmp_p
 def test_inference_input_validation(model_file: Path) -> None:
     rt = MadeRuntime.load(model_file)
     x = binary(4, 12)
-    for bad, match in [(x[:, :5], r"shape \(N, 12\)"), (x[0], r"shape \(N, 12\)"), (x * 0.5, "only 0 and 1"),
-                       (np.full((2, 12), np.nan), "NaN"), (np.array([["a"] * 12]), "numeric")]:
+    for bad, match in [
+        (x[:, :5], r"shape \(N, 12\)"),
+        (x[0], r"shape \(N, 12\)"),
+        (x * 0.5, "only 0 and 1"),
+        (np.full((2, 12), np.nan), "NaN"),
+        (np.array([["a"] * 12]), "numeric"),
+    ]:
         with pytest.raises(InputError, match=match):
             rt.log_likelihood(bad)
     with pytest.raises(InputError):
@@ -218,9 +234,15 @@ def test_load_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "text.csv").write_text("1,0,a\n")
     (tmp_path / "ragged.csv").write_text("1,0,1\n1,0\n")
     (tmp_path / "x.txt").write_text("1,0\n")
-    for name, match in [("obj.npy", "pickle"), ("wide.npy", r"shape \(N, 12\)"), ("half.npy", "0 or 1"),
-                        ("text.csv", "not numeric"), ("ragged.csv", "not numeric"), ("x.txt", "unsupported"),
-                        ("missing.npy", "no such")]:
+    for name, match in [
+        ("obj.npy", "pickle"),
+        ("wide.npy", r"shape \(N, 12\)"),
+        ("half.npy", "0 or 1"),
+        ("text.csv", "not numeric"),
+        ("ragged.csv", "not numeric"),
+        ("x.txt", "unsupported"),
+        ("missing.npy", "no such"),
+    ]:
         with pytest.raises(InputError, match=match) as info:
             load_inputs(str(tmp_path / name), 12)
         assert name in str(info.value)
@@ -309,8 +331,14 @@ _RUNNER = (
 
 
 def _infer(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _RUNNER, "infer", *args], input=stdin, capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-c", _RUNNER, "infer", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
 
 
 def _heavy(proc: subprocess.CompletedProcess) -> list[str]:
@@ -343,10 +371,12 @@ def test_cli_infer_ops_torch_free(model_file: Path, tmp_path: Path) -> None:
 def test_cli_infer_bad_inputs_exit_2(model_file: Path, tmp_path: Path) -> None:
     (tmp_path / "bad.onnx").write_bytes(model_file.read_bytes()[:-20])
     np.save(tmp_path / "wide.npy", binary(2, 13))
-    for args in ([str(tmp_path / "bad.onnx"), "--op", "sample"],
-                 [str(model_file), "--op", "loglik"],
-                 [str(model_file), "--op", "loglik", "--input", str(tmp_path / "wide.npy")],
-                 [str(tmp_path / "missing.onnx"), "--op", "sample"]):
+    for args in (
+        [str(tmp_path / "bad.onnx"), "--op", "sample"],
+        [str(model_file), "--op", "loglik"],
+        [str(model_file), "--op", "loglik", "--input", str(tmp_path / "wide.npy")],
+        [str(tmp_path / "missing.onnx"), "--op", "sample"],
+    ):
         proc = _infer(*args)
         errs = [ln for ln in proc.stderr.splitlines() if not ln.startswith("HEAVY_MODULES=")]
         assert proc.returncode == 2 and len(errs) == 1 and errs[0].startswith("fcl infer: error:"), proc.stderr
@@ -354,11 +384,17 @@ def test_cli_infer_bad_inputs_exit_2(model_file: Path, tmp_path: Path) -> None:
 
 def test_cli_infer_watch_hot_swaps(model_file: Path, tmp_path: Path) -> None:
     """--watch: one JSON line per stdin row; a replaced file is picked up, a corrupt one is not."""
-    proc = subprocess.Popen([sys.executable, "-c", _RUNNER, "infer", str(model_file), "--op", "loglik", "--watch",
-                             "--interval", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUNNER, "infer", str(model_file), "--op", "loglik", "--watch", "--interval", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     row = ",".join(str(int(v)) for v in binary(1, 12, seed=4)[0])
     try:
+
         def ask(line: str) -> dict:
             proc.stdin.write(line + "\n")
             proc.stdin.flush()

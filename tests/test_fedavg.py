@@ -1,4 +1,5 @@
 """Tests for sample-weighted FedAvg over dense and sparse updates (fclcore.aggregation)."""
+
 from __future__ import annotations
 
 import math
@@ -20,14 +21,16 @@ def sparse_from(dense: np.ndarray, mask: np.ndarray) -> SparseTensor:
 
 # ----------------------------------------------------------------- dense
 
+
 @st.composite
 def dense_case(draw):
     ndim = draw(st.integers(0, 3))
     shape = tuple(draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim)))
     clients = draw(st.integers(1, 5))
     seed = draw(st.integers(0, 2**32 - 1))
-    weights = draw(st.lists(st.one_of(st.integers(1, 10_000), st.floats(0.01, 1e4)),
-                            min_size=clients, max_size=clients))
+    weights = draw(
+        st.lists(st.one_of(st.integers(1, 10_000), st.floats(0.01, 1e4)), min_size=clients, max_size=clients)
+    )
     return shape, seed, weights
 
 
@@ -83,6 +86,7 @@ def test_tensor_nobody_sent_keeps_previous_value():
 
 
 # ---------------------------------------------------------------- sparse
+
 
 def expected_by_loop(dense_updates, masks, weights, previous):
     """Per-element weighted mean over the clients whose mask covers it; else previous."""
@@ -168,6 +172,7 @@ def test_float16_sparse_values():
 
 # ------------------------------------------------------------------ errors
 
+
 def test_dense_shape_mismatch():
     prev = {"w": np.zeros((2, 3), np.float32)}
     with pytest.raises(ValueError, match="w: expected shape"):
@@ -213,13 +218,13 @@ def test_huge_finite_weights_still_average():
 
 # --------------------------------------------------------- dtype / purity
 
+
 def test_output_float32_and_inputs_untouched():
     rng = np.random.default_rng(3)
     prev = {"w": rng.normal(size=(3, 3)).astype(np.float64), "b": np.arange(3, dtype=np.int32)}
     dense = rng.normal(size=(3, 3)).astype(np.float64)
     sparse = SparseTensor((3,), np.array([0, 2]), np.array([1.0, 2.0], np.float32))
-    snapshots = ({k: v.copy() for k, v in prev.items()}, dense.copy(),
-                 sparse.indices.copy(), sparse.values.copy())
+    snapshots = ({k: v.copy() for k, v in prev.items()}, dense.copy(), sparse.indices.copy(), sparse.values.copy())
     out = weighted_average([({"w": dense, "b": sparse}, 2), ({"w": dense}, 5)], prev)
     assert all(v.dtype == np.float32 for v in out.values())
     for k in prev:
@@ -233,6 +238,7 @@ def test_output_float32_and_inputs_untouched():
 
 
 def test_update_tensor_not_in_previous_is_ignored():
-    out = weighted_average([({"w": np.ones(2, np.float32), "extra": np.ones(1, np.float32)}, 1)],
-                           {"w": np.zeros(2, np.float32)})
+    out = weighted_average(
+        [({"w": np.ones(2, np.float32), "extra": np.ones(1, np.float32)}, 1)], {"w": np.zeros(2, np.float32)}
+    )
     assert set(out) == {"w"}

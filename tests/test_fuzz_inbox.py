@@ -1,6 +1,7 @@
 """100,000+ generated hostile messages through the decoder and the aggregator's message
 handler: nothing crashes, and no rejected message changes any state that feeds the model
 (the open round's accepted updates, the journal, the per-device sequence marks)."""
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,24 @@ FED, OPEN = "fuzz", 3
 
 
 def _service(tmp_path) -> AggregatorService:
-    cfg = from_dict(AggregatorConfig, {
-        "federation": {"name": FED, "method": "fedavg", "num_tasks": 2, "rounds_per_task": 4,
-                       "model": {"hidden_sizes": [8]}, "wire": {"max_frame_mb": 1},
-                       "rounds": {"max_update_norm": 1000.0}},
-        "expected_clients": ["c0", "c1"], "out_dir": str(tmp_path / "agg"), "input_dim": 6}, "test")
+    cfg = from_dict(
+        AggregatorConfig,
+        {
+            "federation": {
+                "name": FED,
+                "method": "fedavg",
+                "num_tasks": 2,
+                "rounds_per_task": 4,
+                "model": {"hidden_sizes": [8]},
+                "wire": {"max_frame_mb": 1},
+                "rounds": {"max_update_norm": 1000.0},
+            },
+            "expected_clients": ["c0", "c1"],
+            "out_dir": str(tmp_path / "agg"),
+            "input_dim": 6,
+        },
+        "test",
+    )
     return AggregatorService(cfg)
 
 
@@ -58,23 +72,23 @@ def _mutate(frame: bytes, rng: np.random.Generator) -> bytes:
         return _reseal(bytes(body))
     if choice == 3:  # overwrite a header field (kind, flags, round, task, sequence)
         offset = int(rng.choice([5, 6, 8, 12, 16]))
-        body[offset:offset + 4] = rng.integers(0, 256, 4, dtype=np.uint8).tobytes()
+        body[offset : offset + 4] = rng.integers(0, 256, 4, dtype=np.uint8).tobytes()
         return _reseal(bytes(body))
     if choice == 4:  # a hostile float: NaN/Inf/huge inside the tensor data
         bad = rng.choice([np.nan, np.inf, -np.inf, 3e38])
         at = int(rng.integers(len(body) // 2, len(body) - 4))
-        body[at:at + 4] = np.float32(bad).tobytes()
+        body[at : at + 4] = np.float32(bad).tobytes()
         return _reseal(bytes(body))
     if choice == 5:  # insert or delete bytes in the middle
         i = int(rng.integers(0, len(body)))
         if rng.random() < 0.5:
-            del body[i:i + int(rng.integers(1, 16))]
+            del body[i : i + int(rng.integers(1, 16))]
         else:
             body[i:i] = rng.integers(0, 256, int(rng.integers(1, 16)), dtype=np.uint8).tobytes()
         return _reseal(bytes(body))
     if choice == 6:  # huge length prefixes
         i = int(rng.integers(0, len(body) - 4))
-        body[i:i + 4] = struct.pack("<I", int(rng.choice([2**31, 2**32 - 1, 10**6])))
+        body[i : i + 4] = struct.pack("<I", int(rng.choice([2**31, 2**32 - 1, 10**6])))
         return _reseal(bytes(body))
     if choice == 7:
         return b"FCLS" + bytes(rng.integers(0, 256, 40, dtype=np.uint8)) + frame
@@ -99,13 +113,25 @@ def _hostile_frame(service: AggregatorService, rng: np.random.Generator) -> byte
         meta = {"n_samples": rng.choice([0, -1, 2**40, 1.5, "x", None, True])}
         meta = json.loads(json.dumps(meta, default=str))
     elif choice == 4:
-        meta = {"n_samples": 3, "eval": {"round": int(rng.integers(-5, 9)), "task": int(rng.integers(-1, 4)),
-                                         "nll": [float(rng.normal())] * int(rng.integers(0, 4))}}
+        meta = {
+            "n_samples": 3,
+            "eval": {
+                "round": int(rng.integers(-5, 9)),
+                "task": int(rng.integers(-1, 4)),
+                "nll": [float(rng.normal())] * int(rng.integers(0, 4)),
+            },
+        }
     elif choice == 5:
         header = Header(Kind(int(rng.choice([1, 3, 4, 5, 6, 7, 8]))), FED, OPEN, 0, "c0", header.sequence)
     elif choice == 6:
-        header = Header(Kind.UPDATE, rng.choice([FED + "x", ""]) or "f", int(rng.integers(0, 10)), 0,
-                        str(rng.choice(["c1", "c2", "aggregator"])), header.sequence)
+        header = Header(
+            Kind.UPDATE,
+            rng.choice([FED + "x", ""]) or "f",
+            int(rng.integers(0, 10)),
+            0,
+            str(rng.choice(["c1", "c2", "aggregator"])),
+            header.sequence,
+        )
     else:
         tensors[name] = tensors[name] + 5000.0  # far outside max_update_norm
     return encode(Frame(header, meta, tensors))
@@ -113,9 +139,18 @@ def _hostile_frame(service: AggregatorService, rng: np.random.Generator) -> byte
 
 def test_decoder_never_crashes() -> None:
     rng = np.random.default_rng(0)
-    seed_frames = [encode(Frame(Header(Kind.UPDATE, "f", 1, 0, "c", 1), {"a": [1, 2]},
-                                {"w": np.ones((3, 4), np.float32),
-                                 "s": SparseTensor((300,), np.array([1, 7, 299]), np.ones(3, np.float32))}))]
+    seed_frames = [
+        encode(
+            Frame(
+                Header(Kind.UPDATE, "f", 1, 0, "c", 1),
+                {"a": [1, 2]},
+                {
+                    "w": np.ones((3, 4), np.float32),
+                    "s": SparseTensor((300,), np.array([1, 7, 299]), np.ones(3, np.float32)),
+                },
+            )
+        )
+    ]
     outcomes = {"ok": 0, "error": 0}
     for _ in range(N_DECODER):
         data = _mutate(seed_frames[0], rng)
@@ -143,8 +178,17 @@ def test_message_handler_rejects_without_side_effects(tmp_path) -> None:
         elif kind == 1:
             topic, payload = update_topic, _hostile_frame(service, rng)
         else:  # wrong or hostile topics, garbage status messages
-            topic = str(rng.choice([topics.update_topic(FED, "intruder"), topics.update_topic(FED, "c1"),
-                                    topics.status_topic(FED, "c0"), f"fcl/{FED}/update/", "fcl/other/update/c0"]))
+            topic = str(
+                rng.choice(
+                    [
+                        topics.update_topic(FED, "intruder"),
+                        topics.update_topic(FED, "c1"),
+                        topics.status_topic(FED, "c0"),
+                        f"fcl/{FED}/update/",
+                        "fcl/other/update/c0",
+                    ]
+                )
+            )
             payload = _mutate(base, rng) if rng.random() < 0.7 else bytes(rng.integers(0, 256, 50, np.uint8))
         received: dict[str, Update] = {}
         seq_before = dict(service.inbox.last_seq)

@@ -27,7 +27,7 @@ def _with_nan(payload: bytes) -> bytes:
     """Replace a float32 1.0 in a valid frame with NaN and fix the CRC, so only finiteness fails."""
     body = payload[:-4]
     at = body.rindex(np.float32(1.0).tobytes())
-    body = body[:at] + np.float32(np.nan).tobytes() + body[at + 4:]
+    body = body[:at] + np.float32(np.nan).tobytes() + body[at + 4 :]
     return body + zlib.crc32(body).to_bytes(4, "little")
 
 
@@ -43,10 +43,25 @@ def _wait_for_round(metrics: Path, timeout: float = 120) -> None:
 def test_run_survives_hostile_messages(mosquitto, tmp_path: Path, repo_root: Path) -> None:
     out = tmp_path / "run"
     sim = subprocess.Popen(
-        [sys.executable, "-m", "fcl_edge.cli", "simulate", str(repo_root / "configs/scenarios/quickstart.yaml"),
-         "--out", str(out), "--broker", mosquitto.url, "--set", "federation.rounds_per_task=4",
-         "--set", "federation.wire.max_frame_mb=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "fcl_edge.cli",
+            "simulate",
+            str(repo_root / "configs/scenarios/quickstart.yaml"),
+            "--out",
+            str(out),
+            "--broker",
+            mosquitto.url,
+            "--set",
+            "federation.rounds_per_task=4",
+            "--set",
+            "federation.wire.max_frame_mb=1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     _wait_for_round(out / "metrics.jsonl")
 
     attacker = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="attacker")

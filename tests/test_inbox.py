@@ -1,4 +1,5 @@
 """Tests for the aggregator's validation of incoming frames (aggregator.inbox)."""
+
 from __future__ import annotations
 
 import struct
@@ -35,8 +36,9 @@ def sparse_tensors() -> dict:
     return {"w": SparseTensor.from_dense(w), "b": SparseTensor((3,), np.array([], np.int64), np.array([]))}
 
 
-def payload(*, fed="fed", client="a", rnd=OPEN, task=1, kind=Kind.UPDATE, meta=None, tensors=None,
-            seq=1, value_dtype="float32") -> bytes:
+def payload(
+    *, fed="fed", client="a", rnd=OPEN, task=1, kind=Kind.UPDATE, meta=None, tensors=None, seq=1, value_dtype="float32"
+) -> bytes:
     meta = {"n_samples": 10} if meta is None else meta
     tensors = dense_tensors() if tensors is None else tensors
     return encode(Frame(Header(kind, fed, rnd, task, client, seq), meta, tensors), value_dtype)
@@ -59,6 +61,7 @@ def rejected(result, reason: str) -> Rejection:
 
 
 # ------------------------------------------------------------------ accepted
+
 
 def test_dense_update_accepted():
     data = payload(meta={"n_samples": 12})
@@ -106,6 +109,7 @@ def test_eval_frame_accepted_without_tensors_or_n_samples():
 
 # ---------------------------------------------------------------- rejections
 
+
 @pytest.mark.parametrize("client", [None, "zzz", "", "A", "fed"])
 def test_unknown_client(client):
     r = rejected(check(payload(), client=client), "unknown-client")
@@ -116,12 +120,19 @@ def test_unknown_client_checked_before_decoding():
     rejected(check(b"garbage", client=None), "unknown-client")
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"abc", b"garbage garbage garbage", b"\x00" * 64,
-    payload()[:-1],  # truncated
-    payload()[:20],
-    payload() + b"\x00",  # trailing byte breaks the CRC
-], ids=["empty", "short", "text", "zeros", "truncated", "head-only", "trailing"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"abc",
+        b"garbage garbage garbage",
+        b"\x00" * 64,
+        payload()[:-1],  # truncated
+        payload()[:20],
+        payload() + b"\x00",  # trailing byte breaks the CRC
+    ],
+    ids=["empty", "short", "text", "zeros", "truncated", "head-only", "trailing"],
+)
 def test_codec_garbage(data):
     r = rejected(check(data), "codec")
     assert r.client == "a" and not r.late
@@ -195,28 +206,46 @@ def test_late_duplicate_is_reported_late():
     rejected(check(payload(rnd=OPEN - 1), received={"a"}), "late")
 
 
-@pytest.mark.parametrize("tensors, words", [
-    ({"w": dense_tensors()["w"]}, ["missing ['b']"]),
-    ({**dense_tensors(), "c": np.zeros(1, np.float32)}, ["unexpected ['c']"]),
-    ({}, ["missing ['b', 'w']"]),
-    ({"w": dense_tensors()["w"], "B": dense_tensors()["b"]}, ["missing ['b']", "unexpected ['B']"]),
-    ({"w": np.zeros((3, 2), np.float32), "b": dense_tensors()["b"]}, ["w", "(2, 3)", "(3, 2)"]),
-    ({"w": np.zeros(6, np.float32), "b": dense_tensors()["b"]}, ["w", "(2, 3)", "(6,)"]),
-    ({"w": dense_tensors()["w"], "b": np.zeros((1, 3), np.float32)}, ["b", "(3,)", "(1, 3)"]),
-    ({"w": SparseTensor((3, 2), np.array([0]), np.array([1.0])), "b": dense_tensors()["b"]},
-     ["w", "(2, 3)", "(3, 2)"]),
-    ({"w": dense_tensors()["w"], "b": np.array(1.0, np.float32)}, ["b", "(3,)", "()"]),
-], ids=["missing", "extra", "none", "renamed", "transposed", "flat", "extra-dim", "sparse-shape", "scalar"])
+@pytest.mark.parametrize(
+    "tensors, words",
+    [
+        ({"w": dense_tensors()["w"]}, ["missing ['b']"]),
+        ({**dense_tensors(), "c": np.zeros(1, np.float32)}, ["unexpected ['c']"]),
+        ({}, ["missing ['b', 'w']"]),
+        ({"w": dense_tensors()["w"], "B": dense_tensors()["b"]}, ["missing ['b']", "unexpected ['B']"]),
+        ({"w": np.zeros((3, 2), np.float32), "b": dense_tensors()["b"]}, ["w", "(2, 3)", "(3, 2)"]),
+        ({"w": np.zeros(6, np.float32), "b": dense_tensors()["b"]}, ["w", "(2, 3)", "(6,)"]),
+        ({"w": dense_tensors()["w"], "b": np.zeros((1, 3), np.float32)}, ["b", "(3,)", "(1, 3)"]),
+        (
+            {"w": SparseTensor((3, 2), np.array([0]), np.array([1.0])), "b": dense_tensors()["b"]},
+            ["w", "(2, 3)", "(3, 2)"],
+        ),
+        ({"w": dense_tensors()["w"], "b": np.array(1.0, np.float32)}, ["b", "(3,)", "()"]),
+    ],
+    ids=["missing", "extra", "none", "renamed", "transposed", "flat", "extra-dim", "sparse-shape", "scalar"],
+)
 def test_tensor_problems(tensors, words):
     r = rejected(check(payload(tensors=tensors)), "content")
     for word in words:
         assert word in r.detail, r.detail
 
 
-@pytest.mark.parametrize("meta", [
-    {}, {"n_samples": 0}, {"n_samples": -3}, {"n_samples": True}, {"n_samples": False},
-    {"n_samples": "5"}, {"n_samples": 5.0}, {"n_samples": 2.5}, {"n_samples": None}, {"n_samples": [5]},
-], ids=["missing", "zero", "negative", "true", "false", "str", "float", "fraction", "null", "list"])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {},
+        {"n_samples": 0},
+        {"n_samples": -3},
+        {"n_samples": True},
+        {"n_samples": False},
+        {"n_samples": "5"},
+        {"n_samples": 5.0},
+        {"n_samples": 2.5},
+        {"n_samples": None},
+        {"n_samples": [5]},
+    ],
+    ids=["missing", "zero", "negative", "true", "false", "str", "float", "fraction", "null", "list"],
+)
 def test_bad_n_samples(meta):
     r = rejected(check(payload(meta=meta)), "content")
     assert "n_samples" in r.detail
@@ -227,18 +256,24 @@ def test_n_samples_checked_before_tensors():
     assert "n_samples" in r.detail
 
 
-@pytest.mark.parametrize("report, word", [
-    ({"round": OPEN, "task": 1, "nll": [1.0]}, "list of 2"),
-    ({"round": OPEN, "task": 1, "nll": [1.0, 2.0, 3.0]}, "list of 2"),
-    ({"round": OPEN, "task": 2, "nll": [1.0, 2.0, 3.0]}, "[0, 2)"),
-    ({"round": OPEN, "task": -1, "nll": []}, "[0, 2)"),
-    ({"round": OPEN, "task": 0, "nll": ["1.0"]}, "finite"),
-    ({"round": "4", "task": 0, "nll": [1.0]}, "integer round"),
-    ("report", "mapping"),
-], ids=["short", "long", "task-high", "task-negative", "str-value", "str-round", "not-mapping"])
+@pytest.mark.parametrize(
+    "report, word",
+    [
+        ({"round": OPEN, "task": 1, "nll": [1.0]}, "list of 2"),
+        ({"round": OPEN, "task": 1, "nll": [1.0, 2.0, 3.0]}, "list of 2"),
+        ({"round": OPEN, "task": 2, "nll": [1.0, 2.0, 3.0]}, "[0, 2)"),
+        ({"round": OPEN, "task": -1, "nll": []}, "[0, 2)"),
+        ({"round": OPEN, "task": 0, "nll": ["1.0"]}, "finite"),
+        ({"round": "4", "task": 0, "nll": [1.0]}, "integer round"),
+        ("report", "mapping"),
+    ],
+    ids=["short", "long", "task-high", "task-negative", "str-value", "str-round", "not-mapping"],
+)
 def test_bad_eval_report(report, word):
-    for kind, tensors, meta in ((Kind.UPDATE, None, {"n_samples": 5, "eval": report}),
-                                (Kind.EVAL, {}, {"eval": report})):
+    for kind, tensors, meta in (
+        (Kind.UPDATE, None, {"n_samples": 5, "eval": report}),
+        (Kind.EVAL, {}, {"eval": report}),
+    ):
         r = rejected(check(payload(kind=kind, tensors=tensors, meta=meta), kind=kind), "content")
         assert word in r.detail, r.detail
 
@@ -264,41 +299,45 @@ def test_eval_frame_with_non_numeric_n_samples(n_samples):
 
 # --------------------------------------------------------------- eval_problem
 
-@pytest.mark.parametrize("report, num_tasks, word", [
-    ({"round": 0, "task": 0, "nll": [1.0]}, 1, None),
-    ({"round": 9, "task": 2, "nll": [1, 2.5, 0]}, 3, None),
-    ({"round": 0, "task": 0, "nll": [1.0], "extra": "ok"}, 1, None),
-    ({"round": 0, "task": 0, "nll": [-1e300]}, 1, None),
-    (None, 1, "expected a mapping, got NoneType"),
-    ([1.0], 1, "expected a mapping, got list"),
-    ("x", 1, "expected a mapping, got str"),
-    ({}, 1, "integer round and task in [0, 1)"),
-    ({"task": 0, "nll": [1.0]}, 1, "integer round"),
-    ({"round": 0, "nll": [1.0]}, 1, "integer round"),
-    ({"round": 0.0, "task": 0, "nll": [1.0]}, 1, "integer round"),
-    ({"round": 0, "task": 1.0, "nll": [1.0, 1.0]}, 2, "integer round"),
-    ({"round": 0, "task": 3, "nll": [1.0] * 4}, 3, "[0, 3)"),
-    ({"round": 0, "task": -1, "nll": []}, 3, "[0, 3)"),
-    ({"round": 0, "task": 0}, 1, "list of 1 numbers"),
-    ({"round": 0, "task": 0, "nll": 1.0}, 1, "list of 1 numbers"),
-    ({"round": 0, "task": 0, "nll": (1.0,)}, 1, "list of 1 numbers"),
-    ({"round": 0, "task": 1, "nll": [1.0]}, 2, "list of 2 numbers"),
-    ({"round": 0, "task": 0, "nll": []}, 1, "list of 1 numbers"),
-    ({"round": 0, "task": 0, "nll": [float("nan")]}, 1, "finite"),
-    ({"round": 0, "task": 1, "nll": [1.0, float("inf")]}, 2, "finite"),
-    ({"round": 0, "task": 0, "nll": [float("-inf")]}, 1, "finite"),
-    ({"round": 0, "task": 0, "nll": [True]}, 1, "finite"),
-    ({"round": 0, "task": 0, "nll": [None]}, 1, "finite"),
-    ({"round": 0, "task": 0, "nll": ["1"]}, 1, "finite"),
-    ({"round": 0, "task": 0, "nll": [[1.0]]}, 1, "finite"),
-    ({"round": 0, "task": 0, "accuracy": [0.5]}, 1, None),
-    ({"round": 0, "task": 1, "accuracy": [None, 1.0]}, 2, None),
-    ({"round": 0, "task": 0, "accuracy": [1.5]}, 1, "[0, 1]"),
-    ({"round": 0, "task": 0, "accuracy": [-0.1]}, 1, "[0, 1]"),
-    ({"round": 0, "task": 0, "accuracy": [float("nan")]}, 1, "finite"),
-    ({"round": 0, "task": 0, "accuracy": []}, 1, "list of 1 numbers"),
-    ({"round": 0, "task": 0, "accuracy": [0.5], "nll": [1.0]}, 1, "both"),
-])
+
+@pytest.mark.parametrize(
+    "report, num_tasks, word",
+    [
+        ({"round": 0, "task": 0, "nll": [1.0]}, 1, None),
+        ({"round": 9, "task": 2, "nll": [1, 2.5, 0]}, 3, None),
+        ({"round": 0, "task": 0, "nll": [1.0], "extra": "ok"}, 1, None),
+        ({"round": 0, "task": 0, "nll": [-1e300]}, 1, None),
+        (None, 1, "expected a mapping, got NoneType"),
+        ([1.0], 1, "expected a mapping, got list"),
+        ("x", 1, "expected a mapping, got str"),
+        ({}, 1, "integer round and task in [0, 1)"),
+        ({"task": 0, "nll": [1.0]}, 1, "integer round"),
+        ({"round": 0, "nll": [1.0]}, 1, "integer round"),
+        ({"round": 0.0, "task": 0, "nll": [1.0]}, 1, "integer round"),
+        ({"round": 0, "task": 1.0, "nll": [1.0, 1.0]}, 2, "integer round"),
+        ({"round": 0, "task": 3, "nll": [1.0] * 4}, 3, "[0, 3)"),
+        ({"round": 0, "task": -1, "nll": []}, 3, "[0, 3)"),
+        ({"round": 0, "task": 0}, 1, "list of 1 numbers"),
+        ({"round": 0, "task": 0, "nll": 1.0}, 1, "list of 1 numbers"),
+        ({"round": 0, "task": 0, "nll": (1.0,)}, 1, "list of 1 numbers"),
+        ({"round": 0, "task": 1, "nll": [1.0]}, 2, "list of 2 numbers"),
+        ({"round": 0, "task": 0, "nll": []}, 1, "list of 1 numbers"),
+        ({"round": 0, "task": 0, "nll": [float("nan")]}, 1, "finite"),
+        ({"round": 0, "task": 1, "nll": [1.0, float("inf")]}, 2, "finite"),
+        ({"round": 0, "task": 0, "nll": [float("-inf")]}, 1, "finite"),
+        ({"round": 0, "task": 0, "nll": [True]}, 1, "finite"),
+        ({"round": 0, "task": 0, "nll": [None]}, 1, "finite"),
+        ({"round": 0, "task": 0, "nll": ["1"]}, 1, "finite"),
+        ({"round": 0, "task": 0, "nll": [[1.0]]}, 1, "finite"),
+        ({"round": 0, "task": 0, "accuracy": [0.5]}, 1, None),
+        ({"round": 0, "task": 1, "accuracy": [None, 1.0]}, 2, None),
+        ({"round": 0, "task": 0, "accuracy": [1.5]}, 1, "[0, 1]"),
+        ({"round": 0, "task": 0, "accuracy": [-0.1]}, 1, "[0, 1]"),
+        ({"round": 0, "task": 0, "accuracy": [float("nan")]}, 1, "finite"),
+        ({"round": 0, "task": 0, "accuracy": []}, 1, "list of 1 numbers"),
+        ({"round": 0, "task": 0, "accuracy": [0.5], "nll": [1.0]}, 1, "both"),
+    ],
+)
 def test_eval_problem_table(report, num_tasks, word):
     problem = eval_problem(report, num_tasks)
     if word is None:
@@ -307,10 +346,14 @@ def test_eval_problem_table(report, num_tasks, word):
         assert isinstance(problem, str) and word in problem, problem
 
 
-@pytest.mark.parametrize("report", [
-    {"round": 0, "task": True, "nll": [1.0, 2.0]},
-    {"round": True, "task": 0, "nll": [1.0]},
-], ids=["task-true", "round-true"])
+@pytest.mark.parametrize(
+    "report",
+    [
+        {"round": 0, "task": True, "nll": [1.0, 2.0]},
+        {"round": True, "task": 0, "nll": [1.0]},
+    ],
+    ids=["task-true", "round-true"],
+)
 def test_eval_problem_refuses_bools(report):
     assert eval_problem(report, 2) is not None
 
@@ -325,8 +368,9 @@ VALID_PAYLOADS = [
     payload(),
     payload(tensors=sparse_tensors(), meta={"n_samples": 3, "eval": GOOD_EVAL}),
     payload(kind=Kind.EVAL, tensors={}, meta={"eval": {"round": OPEN, "task": 0, "nll": [2.0]}}),
-    payload(value_dtype="float16", tensors={"w": SparseTensor((2, 3), np.arange(5), np.ones(5)),
-                                            "b": dense_tensors()["b"]}),
+    payload(
+        value_dtype="float16", tensors={"w": SparseTensor((2, 3), np.arange(5), np.ones(5)), "b": dense_tensors()["b"]}
+    ),
 ]
 
 
@@ -364,15 +408,20 @@ def mutate(data: bytes, ops) -> bytes:
         elif op == "insert":
             buf[pos:pos] = arg
         elif op == "delete":
-            del buf[pos:pos + arg]
+            del buf[pos : pos + arg]
         else:
             del buf[pos:]
     return bytes(buf)
 
 
 @FAST
-@given(st.sampled_from(range(len(VALID_PAYLOADS))), st.lists(mutation, min_size=1, max_size=4), st.booleans(),
-       st.sampled_from([Kind.UPDATE, Kind.EVAL]), st.sets(st.sampled_from(["a", "b"])))
+@given(
+    st.sampled_from(range(len(VALID_PAYLOADS))),
+    st.lists(mutation, min_size=1, max_size=4),
+    st.booleans(),
+    st.sampled_from([Kind.UPDATE, Kind.EVAL]),
+    st.sets(st.sampled_from(["a", "b"])),
+)
 def test_mutated_frames_never_raise(index, ops, seal, kind, received):
     data = mutate(VALID_PAYLOADS[index], ops)
     if seal and len(data) >= 4:
@@ -381,19 +430,36 @@ def test_mutated_frames_never_raise(index, ops, seal, kind, received):
 
 
 # JSON-like meta values; integers stay within float range (see the xfail tests above).
-json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**53, 2**53),
-                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5))
-json_value = st.recursive(json_scalar, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=4)), max_leaves=12)
-eval_like = st.fixed_dictionaries({}, optional={"round": json_value | st.integers(0, 10),
-                                                "task": json_value | st.integers(-1, 3),
-                                                "nll": json_value | st.lists(st.floats(0, 10), max_size=4)})
+json_scalar = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**53), 2**53),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=5),
+)
+json_value = st.recursive(
+    json_scalar,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=4)),
+    max_leaves=12,
+)
+eval_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "round": json_value | st.integers(0, 10),
+        "task": json_value | st.integers(-1, 3),
+        "nll": json_value | st.lists(st.floats(0, 10), max_size=4),
+    },
+)
 
 
 @FAST
-@given(st.fixed_dictionaries({}, optional={"n_samples": json_value | st.integers(-2, 100),
-                                           "eval": json_value | eval_like, "other": json_value}),
-       st.sampled_from([Kind.UPDATE, Kind.EVAL]))
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={"n_samples": json_value | st.integers(-2, 100), "eval": json_value | eval_like, "other": json_value},
+    ),
+    st.sampled_from([Kind.UPDATE, Kind.EVAL]),
+)
 def test_random_meta_never_raises(meta, kind):
     if kind is Kind.EVAL and not isinstance(meta.get("n_samples", 0), (int, float)):
         del meta["n_samples"]  # known bug, see test_eval_frame_with_non_numeric_n_samples

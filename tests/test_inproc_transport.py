@@ -51,32 +51,40 @@ def broker():
 
 
 def open_link(broker: InProcessBroker, cid: str, subscriptions=(), inbox=None) -> InProcessLink:
-    link = InProcessLink(broker, cid, status_topic=f"t/status/{cid}", subscriptions=subscriptions,
-                         on_message=inbox if inbox is not None else Inbox())
+    link = InProcessLink(
+        broker,
+        cid,
+        status_topic=f"t/status/{cid}",
+        subscriptions=subscriptions,
+        on_message=inbox if inbox is not None else Inbox(),
+    )
     link.start()
     return link
 
 
-@pytest.mark.parametrize("pattern,topic,expected", [
-    ("a/b", "a/b", True),
-    ("a/b", "a/c", False),
-    ("a/b", "a/b/c", False),
-    ("a/+", "a/b", True),
-    ("a/+", "a/b/c", False),
-    ("a/+", "a/", True),          # + matches an empty level
-    ("+/+", "/x", True),
-    ("+", "/x", False),
-    ("a/+/c", "a/b/c", True),
-    ("a/+/c", "a/b/d", False),
-    ("a/#", "a", True),           # # includes the parent level
-    ("a/#", "a/b/c", True),
-    ("a/#", "b/c", False),
-    ("#", "a/b/c", True),
-    ("+/b/#", "x/b", True),
-    ("+/b/#", "x/c/b", False),
-    ("#", "$SYS/x", False),       # wildcards at the start never match $ topics
-    ("$SYS/#", "$SYS/x", True),
-])
+@pytest.mark.parametrize(
+    "pattern,topic,expected",
+    [
+        ("a/b", "a/b", True),
+        ("a/b", "a/c", False),
+        ("a/b", "a/b/c", False),
+        ("a/+", "a/b", True),
+        ("a/+", "a/b/c", False),
+        ("a/+", "a/", True),  # + matches an empty level
+        ("+/+", "/x", True),
+        ("+", "/x", False),
+        ("a/+/c", "a/b/c", True),
+        ("a/+/c", "a/b/d", False),
+        ("a/#", "a", True),  # # includes the parent level
+        ("a/#", "a/b/c", True),
+        ("a/#", "b/c", False),
+        ("#", "a/b/c", True),
+        ("+/b/#", "x/b", True),
+        ("+/b/#", "x/c/b", False),
+        ("#", "$SYS/x", False),  # wildcards at the start never match $ topics
+        ("$SYS/#", "$SYS/x", True),
+    ],
+)
 def test_wildcard_matching(pattern, topic, expected):
     assert topic_matches(pattern, topic) is expected
 
@@ -276,7 +284,9 @@ def test_link_factory_has_mqttlinks_signature(broker):
     link.publish_status("training", round=3)
     got = inbox.take(2)
     assert [parse_status(p) | {"time": 0} for _, p, _ in got] == [
-        {"state": "online", "time": 0}, {"state": "training", "time": 0, "round": 3}]
+        {"state": "online", "time": 0},
+        {"state": "training", "time": 0, "round": 3},
+    ]
     link.close()
     assert parse_status(broker.retained("t/status/f")) | {"time": 0} == {"state": "stopped", "time": 0, "round": 3}
 

@@ -31,11 +31,17 @@ def test_install_then_uninstall_in_a_fake_root(tmp_path):
     done = install(*common, "--no-systemd", "--system-site-packages")
     assert done.returncode == 0, done.stdout + done.stderr
 
-    fcl = subprocess.run([str(venv / "bin" / "fcl"), "client", "--help"], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    fcl = subprocess.run(
+        [str(venv / "bin" / "fcl"), "client", "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert fcl.returncode == 0 and "--config" in fcl.stdout, fcl.stderr
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import fcl_edge; print(fcl_edge.__file__)"],
-                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import fcl_edge; print(fcl_edge.__file__)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert where.stdout.startswith(str(venv)), where.stdout  # the venv's copy, not the checkout
 
     unit = (root / UNIT).read_text()
@@ -76,18 +82,22 @@ def test_uninstall_refuses_to_remove_what_is_not_a_venv(tmp_path):
     precious = tmp_path / "data"
     precious.mkdir()
     (precious / "keep.txt").write_text("x")
-    done = install("--root", str(tmp_path / "root"), "--prefix", str(precious), "--no-systemd", "--uninstall",
-                   timeout=60)
+    done = install(
+        "--root", str(tmp_path / "root"), "--prefix", str(precious), "--no-systemd", "--uninstall", timeout=60
+    )
     assert done.returncode == 2 and "pyvenv.cfg" in done.stderr
     assert (precious / "keep.txt").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--bogus"], "unknown option"),
-    (["--purge"], "--purge only goes with --uninstall"),
-    (["--prefix", "/opt/with space/venv", "--dry-run"], "no spaces"),
-    (["--source", "/nonexistent/fcl-edge", "--dry-run"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus"], "unknown option"),
+        (["--purge"], "--purge only goes with --uninstall"),
+        (["--prefix", "/opt/with space/venv", "--dry-run"], "no spaces"),
+        (["--source", "/nonexistent/fcl-edge", "--dry-run"], "no such file"),
+    ],
+)
 def test_bad_arguments_exit_2(tmp_path, args, message):
     done = install("--root", str(tmp_path / "root"), *args, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stdout + done.stderr

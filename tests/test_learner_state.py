@@ -1,4 +1,5 @@
 """A learner checkpointed mid-run and rebuilt continues exactly as if it had never stopped."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,10 +18,15 @@ METHODS = ["fedavg", "fedprox", "fedcurv", "confedmade", "fedweit-made"]
 
 
 def _fed(method: str) -> FederationSpec:
-    return FederationSpec(name="t", method=method, num_tasks=3, rounds_per_task=2,
-                          model=ModelSpec(hidden_sizes=[16], num_orders=2, mask_seed=3),
-                          train=TrainSpec(batch_size=8, lr=0.01),
-                          options={"order_per": "round", "keep_units": 0.5, "ewc_lambda": 1.0})
+    return FederationSpec(
+        name="t",
+        method=method,
+        num_tasks=3,
+        rounds_per_task=2,
+        model=ModelSpec(hidden_sizes=[16], num_orders=2, mask_seed=3),
+        train=TrainSpec(batch_size=8, lr=0.01),
+        options={"order_per": "round", "keep_units": 0.5, "ewc_lambda": 1.0},
+    )
 
 
 def _data(seed: int, n: int = 32) -> Dataset:
@@ -33,9 +39,13 @@ def _knowledge(task: int, made) -> Frame | None:
     if task == 0:
         return None
     rng = np.random.default_rng(task)
-    tensors = {f"other/t{task - 1}|{name}": SparseTensor.from_dense(
-        (rng.normal(size=shape) * (rng.random(shape) > 0.7)).astype(np.float32))
-        for name, shape in {n: v.shape for n, v in init_params(made, 0).items()}.items() if name.endswith("weight")}
+    tensors = {
+        f"other/t{task - 1}|{name}": SparseTensor.from_dense(
+            (rng.normal(size=shape) * (rng.random(shape) > 0.7)).astype(np.float32)
+        )
+        for name, shape in {n: v.shape for n, v in init_params(made, 0).items()}.items()
+        if name.endswith("weight")
+    }
     meta = {"for_task": task, "entries": [{"id": f"other/t{task - 1}", "client": "other", "task": task - 1}]}
     return Frame(Header(Kind.KNOWLEDGE, "t", task * 2, task, "aggregator", 1), meta, tensors)
 

@@ -1,4 +1,5 @@
 """Tests for the MADE spec (numpy, aggregator side) and model (torch, client side)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,10 +32,12 @@ CONFIGS = {
     "seeded_1layer": MadeConfig(16, (32,), direct=True, natural_order=False, mask_seed=7),
     "seeded_2layer": MadeConfig(14, (24, 24), direct=True, natural_order=False, mask_seed=123),
     "multi_order_natural": MadeConfig(12, (32,), direct=True, natural_order=True, num_orders=4, mask_seed=3),
-    "multi_order_seeded_2layer": MadeConfig(20, (24, 24), direct=False, natural_order=False, num_orders=3,
-                                            mask_seed=42),
-    "connectivity_agnostic_2layer": MadeConfig(14, (24, 24), direct=True, natural_order=True, num_orders=4,
-                                               mask_seed=5, connectivity_agnostic=True),
+    "multi_order_seeded_2layer": MadeConfig(
+        20, (24, 24), direct=False, natural_order=False, num_orders=3, mask_seed=42
+    ),
+    "connectivity_agnostic_2layer": MadeConfig(
+        14, (24, 24), direct=True, natural_order=True, num_orders=4, mask_seed=5, connectivity_agnostic=True
+    ),
 }
 # Order switches, including going back and forth and indices >= num_orders (wrap around).
 ORDER_SEQUENCES = [[0], [1, 2, 0, 2, 1, 1, 0], [3, 0, 5, 2, 0]]
@@ -376,6 +379,7 @@ def test_set_order_is_noop_when_unchanged() -> None:
 
 
 def test_made_spec_does_not_import_torch() -> None:
-    code = ("import sys, fclcore.made_spec as s; s.made_masks(s.MadeConfig(5, (8,)), 0); "
-            "assert 'torch' not in sys.modules")
+    code = (
+        "import sys, fclcore.made_spec as s; s.made_masks(s.MadeConfig(5, (8,)), 0); assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

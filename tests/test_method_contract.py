@@ -22,8 +22,12 @@ from fclcore.errors import ConfigError
 from fclcore.method import REGISTRY
 
 NAMES = sorted(REGISTRY)
-SMOKE = ["clients=2", "federation.rounds_per_task=2", "federation.rounds.deadline_s=120",
-         "federation.rounds.start_timeout_s=120"]
+SMOKE = [
+    "clients=2",
+    "federation.rounds_per_task=2",
+    "federation.rounds.deadline_s=120",
+    "federation.rounds.start_timeout_s=120",
+]
 
 
 def _needs(spec) -> None:
@@ -52,9 +56,11 @@ def test_an_unknown_method_is_one_line() -> None:
 def test_server_half_imports_no_device_code(name: str) -> None:
     """In a fresh interpreter: the strategy class loads without any learner module, and without
     torch unless the method declares server-side training."""
-    code = ("import sys, methods; spec = methods.lookup(%r); spec.strategy_class(); "
-            "learner = spec.learner.partition(':')[0]; "
-            "print(int('torch' in sys.modules), int(learner in sys.modules))" % name)
+    code = (
+        "import sys, methods; spec = methods.lookup(%r); spec.strategy_class(); "
+        "learner = spec.learner.partition(':')[0]; "
+        "print(int('torch' in sys.modules), int(learner in sys.modules))" % name
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[1] == "0", "the strategy imported the device learner"
     assert out[0] == str(int(REGISTRY[name].server_torch)), "torch imported by a strategy that does not declare it"
@@ -71,8 +77,7 @@ def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_
     _needs(spec)
     overrides = [f"federation.method={name}", f"federation.name=contract-{name}", *SMOKE, *spec.smoke_overrides]
     out = tmp_path / "run"
-    code = simulate(str(repo_root / spec.example_scenario), str(out), overrides=overrides, timeout=600,
-                    in_process=True)
+    code = simulate(str(repo_root / spec.example_scenario), str(out), overrides=overrides, timeout=600, in_process=True)
     assert code == 0, (out / "logs" / "in-process.log").read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == name and summary["tasks"] == 2 and summary["rounds"] == 4
@@ -102,10 +107,34 @@ def test_misspelled_method_is_one_line_and_exit_2(tmp_path, repo_root) -> None:
 
     configs = write_configs(plan(str(repo_root / "configs/scenarios/quickstart.yaml")), tmp_path, "mqtt://127.0.0.1:1")
     path = configs["aggregator"][1]
-    proc = subprocess.run([sys.executable, "-m", "fcl_edge.cli", "aggregator", "--config", str(path), "--set",
-                           "federation.method=fedavgg"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fcl_edge.cli",
+            "aggregator",
+            "--config",
+            str(path),
+            "--set",
+            "federation.method=fedavgg",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{path}: federation.method: unknown method 'fedavgg'" in lines[0], proc.stderr
-    assert main(["simulate", str(repo_root / "configs/scenarios/quickstart.yaml"), "--out", str(tmp_path / "s"),
-                 "--set", "federation.options.keep_unitz=0.5"]) == 2
+    assert (
+        main(
+            [
+                "simulate",
+                str(repo_root / "configs/scenarios/quickstart.yaml"),
+                "--out",
+                str(tmp_path / "s"),
+                "--set",
+                "federation.options.keep_unitz=0.5",
+            ]
+        )
+        == 2
+    )

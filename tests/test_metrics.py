@@ -19,8 +19,11 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         assert response.status == 200
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def fed(**labels: str) -> tuple:
@@ -95,6 +98,7 @@ def test_port_in_use_is_a_config_error():
 
 def test_no_port_no_server_but_the_registry_counts():
     from prometheus_client import generate_latest
+
     m = AggregatorMetrics("home")
     m.round_done(4, 0, 3, 2.0)
     assert m.port is None
@@ -104,6 +108,7 @@ def test_no_port_no_server_but_the_registry_counts():
 
 def test_without_prometheus_client_it_is_a_no_op(monkeypatch):
     import builtins
+
     real_import = builtins.__import__
 
     def no_prometheus(name, *args, **kwargs):

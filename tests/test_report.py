@@ -11,12 +11,19 @@ from conftest import run_fcl
 def _fake_run(path: Path, method: str, nll_offset: float) -> None:
     path.mkdir(parents=True)
     matrix = [[10 + nll_offset, None], [12 + nll_offset, 11 + nll_offset]]
-    summary = {"method": method, "clients": 1, "tasks": 2, "rounds": 4,
-               "bytes": {"up_total": 100, "down_total": 200, "dense_fp32_up_total": 400},
-               "final": {"avg_nll": 11.5 + nll_offset, "forgetting": 2.0, "per_client": {"c0": {"nll_matrix": matrix}}}}
+    summary = {
+        "method": method,
+        "clients": 1,
+        "tasks": 2,
+        "rounds": 4,
+        "bytes": {"up_total": 100, "down_total": 200, "dense_fp32_up_total": 400},
+        "final": {"avg_nll": 11.5 + nll_offset, "forgetting": 2.0, "per_client": {"c0": {"nll_matrix": matrix}}},
+    }
     (path / "summary.json").write_text(json.dumps(summary))
-    events = [{"event": "round_client", "round": r, "client": "c0", "task": r // 2, "bytes_up": 25,
-               "bytes_down": 50} for r in range(4)]
+    events = [
+        {"event": "round_client", "round": r, "client": "c0", "task": r // 2, "bytes_up": 25, "bytes_down": 50}
+        for r in range(4)
+    ]
     events.append({"event": "attention", "round": 3, "task": 1, "client": "c0", "entries": ["c1/t0"], "alpha": [0.3]})
     (path / "metrics.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
 
@@ -38,11 +45,17 @@ def test_report_plots_accuracy_runs_apart(tmp_path: Path) -> None:
     _fake_run(tmp_path / "runs" / "made", "confedmade", 0.0)
     fedet = tmp_path / "runs" / "fedet"
     fedet.mkdir(parents=True)
-    final = {"avg_accuracy": 0.8, "avg_incremental_accuracy": 0.85, "forgetting": 0.1,
-             "per_client": {"c0": {"accuracy_matrix": [[0.9, None], [0.8, 0.8]]}}}
-    (fedet / "summary.json").write_text(json.dumps({"method": "fedet", "bytes": {"up_total": 1, "down_total": 2,
-                                                                               "dense_fp32_up_total": 3},
-                                                    "final": final}))
+    final = {
+        "avg_accuracy": 0.8,
+        "avg_incremental_accuracy": 0.85,
+        "forgetting": 0.1,
+        "per_client": {"c0": {"accuracy_matrix": [[0.9, None], [0.8, 0.8]]}},
+    }
+    (fedet / "summary.json").write_text(
+        json.dumps(
+            {"method": "fedet", "bytes": {"up_total": 1, "down_total": 2, "dense_fp32_up_total": 3}, "final": final}
+        )
+    )
     (fedet / "metrics.jsonl").write_text("")
     result = run_fcl("report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"))
     assert result.returncode == 0, result.stderr

@@ -32,14 +32,17 @@ def received(sock: socket.socket) -> list[str]:
     return sock.recv(4096).decode().split("\n")
 
 
-@pytest.mark.parametrize("call, fields", [
-    (lambda n: n.ready(), ["READY=1"]),
-    (lambda n: n.ready("connected to mqtt://b:1883"), ["READY=1", "STATUS=connected to mqtt://b:1883"]),
-    (lambda n: n.stopping("checkpointing"), ["STOPPING=1", "STATUS=checkpointing"]),
-    (lambda n: n.status("round 3\ntask 1"), ["STATUS=round 3 task 1"]),  # one line, never a 2nd field
-    (lambda n: n.watchdog(), ["WATCHDOG=1"]),
-    (lambda n: n.extend_timeout(2.5), ["EXTEND_TIMEOUT_USEC=2500000"]),
-])
+@pytest.mark.parametrize(
+    "call, fields",
+    [
+        (lambda n: n.ready(), ["READY=1"]),
+        (lambda n: n.ready("connected to mqtt://b:1883"), ["READY=1", "STATUS=connected to mqtt://b:1883"]),
+        (lambda n: n.stopping("checkpointing"), ["STOPPING=1", "STATUS=checkpointing"]),
+        (lambda n: n.status("round 3\ntask 1"), ["STATUS=round 3 task 1"]),  # one line, never a 2nd field
+        (lambda n: n.watchdog(), ["WATCHDOG=1"]),
+        (lambda n: n.extend_timeout(2.5), ["EXTEND_TIMEOUT_USEC=2500000"]),
+    ],
+)
 def test_messages_reach_the_manager_socket(manager, call, fields):
     path, sock = manager
     notifier = Notifier({"NOTIFY_SOCKET": path})
@@ -85,14 +88,17 @@ def test_notify_address():
     assert notify_address("vsock:2:1234") is None and notify_address(None) is None
 
 
-@pytest.mark.parametrize("env, seconds", [
-    ({"WATCHDOG_USEC": "30000000"}, 30.0),
-    ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "4242"}, 30.0),  # ours
-    ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}, None),  # another process's watchdog
-    ({"WATCHDOG_USEC": "0"}, None),
-    ({"WATCHDOG_USEC": "soon"}, None),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "env, seconds",
+    [
+        ({"WATCHDOG_USEC": "30000000"}, 30.0),
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "4242"}, 30.0),  # ours
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}, None),  # another process's watchdog
+        ({"WATCHDOG_USEC": "0"}, None),
+        ({"WATCHDOG_USEC": "soon"}, None),
+        ({}, None),
+    ],
+)
 def test_watchdog_seconds(env, seconds):
     assert watchdog_seconds(env, pid=4242) == seconds
 

@@ -2,6 +2,7 @@
 gets READY / STATUS / STOPPING; the Prometheus endpoint is scraped during a run; SIGTERM
 stops either daemon cleanly (status "stopped", exit 130) and a restart carries on to the
 same numbers as an undisturbed run."""
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,7 @@ def test_notify_metrics_and_sigterm(mosquitto, tmp_path, repo_root, quickstart_r
 
     listener = threading.Thread(target=listen, daemon=True)
     listener.start()
-    fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES,
-                  aggregator={"metrics_port": port})
+    fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES, aggregator={"metrics_port": port})
     scrapes = []
     try:
         fleet.start("aggregator", env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "2000000"})

@@ -1,6 +1,7 @@
 """Signed updates end to end, with forged, replayed and unsigned frames injected by a stock
 MQTT client; and the privacy guard: every payload a device published in the run is
 recorded and none contains a training sample, nor any vector equal to one."""
+
 from __future__ import annotations
 
 import subprocess
@@ -54,7 +55,7 @@ def leaked_vectors(frame: Frame, samples: set[bytes], dim: int) -> int:
         if a.ndim >= 2 and a.shape[0] == dim:
             candidates += list(a.reshape(dim, -1).T)
         flat = a.reshape(-1)
-        candidates += [flat[i:i + dim] for i in range(0, flat.size - dim + 1, dim)]
+        candidates += [flat[i : i + dim] for i in range(0, flat.size - dim + 1, dim)]
 
     def walk(value):
         if isinstance(value, list) and len(value) == dim and all(isinstance(v, (int, float)) for v in value):
@@ -65,6 +66,7 @@ def leaked_vectors(frame: Frame, samples: set[bytes], dim: int) -> int:
         elif isinstance(value, dict):
             for v in value.values():
                 walk(v)
+
     walk(frame.meta)
     for vector in candidates:
         found += np.ascontiguousarray(vector, np.float32).tobytes() in samples
@@ -76,9 +78,23 @@ def test_signed_run_rejects_forgeries_and_leaks_no_sample(mosquitto, tmp_path: P
     overrides = ["federation.rounds_per_task=4", "sign_updates=true"]
     recorder = Recorder(mosquitto.port)
     out = tmp_path / "run"
-    sim = subprocess.Popen([sys.executable, "-m", "fcl_edge.cli", "simulate", str(scenario), "--out", str(out),
-                            "--broker", mosquitto.url, *sum((["--set", o] for o in overrides), [])],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sim = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fcl_edge.cli",
+            "simulate",
+            str(scenario),
+            "--out",
+            str(out),
+            "--broker",
+            mosquitto.url,
+            *sum((["--set", o] for o in overrides), []),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while len(recorder.updates_of("client-0")) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -89,13 +105,18 @@ def test_signed_run_rejects_forgeries_and_leaks_no_sample(mosquitto, tmp_path: P
     attacker.connect("127.0.0.1", mosquitto.port)
     attacker.loop_start()
     topic = f"fcl/{FED}/update/client-0"
-    forged_tensors = {k: (np.asarray(v.to_dense() if isinstance(v, SparseTensor) else v) * 0 + 1e3)
-                      for k, v in inner.tensors.items()}
-    forged = encode(Frame(Header(Kind.UPDATE, FED, inner.header.round + 2, 0, "client-0", 2**62),
-                          inner.meta, forged_tensors))
-    injected = [sign(forged, bytes(32)),  # signed with a key that is not client-0's
-                forged,  # unsigned
-                latest, first]  # replays of client-0's own signed updates
+    forged_tensors = {
+        k: (np.asarray(v.to_dense() if isinstance(v, SparseTensor) else v) * 0 + 1e3) for k, v in inner.tensors.items()
+    }
+    forged = encode(
+        Frame(Header(Kind.UPDATE, FED, inner.header.round + 2, 0, "client-0", 2**62), inner.meta, forged_tensors)
+    )
+    injected = [
+        sign(forged, bytes(32)),  # signed with a key that is not client-0's
+        forged,  # unsigned
+        latest,
+        first,
+    ]  # replays of client-0's own signed updates
     for payload in injected:
         attacker.publish(topic, payload, qos=1).wait_for_publish(5)
     output, _ = sim.communicate(timeout=240)
@@ -104,6 +125,7 @@ def test_signed_run_rejects_forgeries_and_leaks_no_sample(mosquitto, tmp_path: P
     assert sim.returncode == 0, output
 
     import json
+
     summary = json.loads((out / "summary.json").read_text())
     rejected = summary["rejected"]
     assert rejected.get("signature", 0) >= 2, rejected

@@ -22,22 +22,42 @@ from methods import strategy_for
 FED = "fleet"
 NOW = time.time()
 CLIENTS = {  # what three daemons left behind: a busy one, a cleanly stopped one, a dead one
-    "cam-0": {"state": "online", "time": NOW - 5, "role": "client", "task": 1, "round": 6,
-              "bytes_up": 123456, "bytes_down": 654321, "future_field": [1, 2]},
-    "cam-1": {"state": "stopped", "time": NOW - 600, "role": "client", "task": 0, "round": 4,
-              "bytes_up": 1000, "bytes_down": 2000},
+    "cam-0": {
+        "state": "online",
+        "time": NOW - 5,
+        "role": "client",
+        "task": 1,
+        "round": 6,
+        "bytes_up": 123456,
+        "bytes_down": 654321,
+        "future_field": [1, 2],
+    },
+    "cam-1": {
+        "state": "stopped",
+        "time": NOW - 600,
+        "role": "client",
+        "task": 0,
+        "round": 4,
+        "bytes_up": 1000,
+        "bytes_down": 2000,
+    },
     "cam-2": {"state": "dead", "time": NOW - 7200},  # the last-will: no task, round or bytes
 }
 
 
-def announcement(rnd: int = 7, task: int = 1, kind: Kind = Kind.ROUND, sequence: int = 9,
-                 fed_name: str = FED) -> bytes:
+def announcement(rnd: int = 7, task: int = 1, kind: Kind = Kind.ROUND, sequence: int = 9, fed_name: str = FED) -> bytes:
     """Built the way AggregatorService._announce builds it: header, meta, the global model."""
-    fed = FederationSpec(name=fed_name, method="fedavg", num_tasks=2, rounds_per_task=5,
-                         model=ModelSpec(hidden_sizes=[8]))
+    fed = FederationSpec(
+        name=fed_name, method="fedavg", num_tasks=2, rounds_per_task=5, model=ModelSpec(hidden_sizes=[8])
+    )
     strategy = strategy_for(fed, 16)
-    meta = {"federation": to_dict(fed), "input_dim": 16, "total_rounds": fed.total_rounds, "attempt": 2,
-            "knowledge": False}
+    meta = {
+        "federation": to_dict(fed),
+        "input_dim": 16,
+        "total_rounds": fed.total_rounds,
+        "attempt": 2,
+        "knowledge": False,
+    }
     header = Header(kind, fed_name, rnd, task, topics.AGGREGATOR_ID, sequence)
     return encode(Frame(header, meta, strategy.initial_model()))
 
@@ -60,7 +80,8 @@ def fleet_messages() -> dict[str, bytes]:
     msgs = {topics.status_topic(FED, cid): json.dumps(s).encode() for cid, s in CLIENTS.items()}
     msgs[topics.status_topic(FED, "cam-3")] = b"\xff\x00 not json {"  # garbage must not crash it
     msgs[topics.status_topic(FED, topics.AGGREGATOR_ID)] = json.dumps(
-        {"state": "online", "time": NOW, "role": "aggregator", "round": 7, "task": 1}).encode()
+        {"state": "online", "time": NOW, "role": "aggregator", "round": 7, "task": 1}
+    ).encode()
     msgs[topics.round_topic(FED)] = announcement()
     return msgs
 
@@ -75,18 +96,36 @@ def test_fcl_status_json_against_a_live_broker(mosquitto):
     view = report["federations"][FED]
     clients = view["clients"]
     assert set(clients) == {"cam-0", "cam-1", "cam-2", "cam-3"}
-    assert {k: clients["cam-0"][k] for k in ("state", "task", "round", "bytes_up", "bytes_down")} == \
-        {"state": "online", "task": 1, "round": 6, "bytes_up": 123456, "bytes_down": 654321}
+    assert {k: clients["cam-0"][k] for k in ("state", "task", "round", "bytes_up", "bytes_down")} == {
+        "state": "online",
+        "task": 1,
+        "round": 6,
+        "bytes_up": 123456,
+        "bytes_down": 654321,
+    }
     assert clients["cam-0"]["last_seen"] == pytest.approx(NOW - 5, abs=0.01)
     assert clients["cam-1"]["state"] == "stopped" and clients["cam-1"]["round"] == 4
-    assert clients["cam-2"] == {**clients["cam-2"], "state": "dead", "task": None, "round": None,
-                                "bytes_up": None, "last_seen": None}
+    assert clients["cam-2"] == {
+        **clients["cam-2"],
+        "state": "dead",
+        "task": None,
+        "round": None,
+        "bytes_up": None,
+        "last_seen": None,
+    }
     assert clients["cam-3"]["state"] == "?" and clients["cam-3"]["problem"]
     assert any(p.startswith("cam-3:") for p in view["problems"])
     assert view["online"] == 1
     assert view["aggregator"]["state"] == "online"
-    assert view["round"] == {"kind": "round", "round": 7, "task": 1, "total_rounds": 10, "attempt": 2,
-                             "method": "fedavg", "sequence": 9}
+    assert view["round"] == {
+        "kind": "round",
+        "round": 7,
+        "task": 1,
+        "total_rounds": 10,
+        "attempt": 2,
+        "method": "fedavg",
+        "sequence": 9,
+    }
 
 
 def test_fcl_status_table_and_federation_filter(mosquitto, capsys):
@@ -113,6 +152,7 @@ def test_empty_broker(mosquitto, capsys):
 
 def test_unreachable_broker_and_bad_input(capsys):
     from support.mosquitto import free_port
+
     url = f"mqtt://127.0.0.1:{free_port()}"
     assert main(["status", "--broker", url, "--connect-timeout", "1"]) == ExitCode.BROKER_UNREACHABLE
     assert "could not connect" in capsys.readouterr().err
@@ -120,17 +160,23 @@ def test_unreachable_broker_and_bad_input(capsys):
     assert main(["status", "--broker", url, "--federation", "a/#"]) == ExitCode.BAD_INPUT
 
 
-@pytest.mark.parametrize("payload, state, problem", [
-    (b'{"state": "online", "time": 1.5, "task": "3", "round": -1, "bytes_up": true, "bytes_down": 1e400}',
-     "online", False),
-    (b'{"state": 7}', "?", True),
-    (b'{"state": "' + b"x" * 100 + b'"}', "?", True),
-    (b'{"state": "on\\nline"}', "?", True),
-    (b"[1, 2]", "?", True),
-    (b"", "?", True),
-    (b'{"a":' * 10_000, "?", True),  # deeply nested: json raises RecursionError, which must not escape
-    (b'{"state": "online"}' + b" " * 70_000, "?", True),
-])
+@pytest.mark.parametrize(
+    "payload, state, problem",
+    [
+        (
+            b'{"state": "online", "time": 1.5, "task": "3", "round": -1, "bytes_up": true, "bytes_down": 1e400}',
+            "online",
+            False,
+        ),
+        (b'{"state": 7}', "?", True),
+        (b'{"state": "' + b"x" * 100 + b'"}', "?", True),
+        (b'{"state": "on\\nline"}', "?", True),
+        (b"[1, 2]", "?", True),
+        (b"", "?", True),
+        (b'{"a":' * 10_000, "?", True),  # deeply nested: json raises RecursionError, which must not escape
+        (b'{"state": "online"}' + b" " * 70_000, "?", True),
+    ],
+)
 def test_read_status_never_raises(payload, state, problem):
     status = read_status("dev", payload)
     assert status.state == state and (status.problem is not None) == problem
@@ -151,19 +197,22 @@ def test_read_round_rejects_what_is_not_this_federations_announcement():
 
 
 def test_build_views_keeps_the_newest_round_and_skips_foreign_topics():
-    views = build_views([
-        (topics.round_topic(FED), announcement(rnd=3, sequence=5)),
-        (topics.round_topic(FED), announcement(rnd=2, sequence=4)),  # an older retained copy
-        ("fcl/a+b/status/x", b'{"state": "online"}'),
-        ("other/fleet/status/x", b'{"state": "online"}'),
-        (topics.status_topic(FED, "cam-0"), b""),  # a cleared retained message
-    ])
+    views = build_views(
+        [
+            (topics.round_topic(FED), announcement(rnd=3, sequence=5)),
+            (topics.round_topic(FED), announcement(rnd=2, sequence=4)),  # an older retained copy
+            ("fcl/a+b/status/x", b'{"state": "online"}'),
+            ("other/fleet/status/x", b'{"state": "online"}'),
+            (topics.status_topic(FED, "cam-0"), b""),  # a cleared retained message
+        ]
+    )
     assert list(views) == [FED]
     assert views[FED].round.round == 3 and views[FED].clients == {}
 
 
 def test_table_shows_question_marks_for_unknowns():
     from fcl_edge.status import print_table
+
     views = build_views([(topics.status_topic(FED, "dev"), b'{"state": "online"}')])
     out = io.StringIO()
     print_table(views, NOW, out)
@@ -176,11 +225,26 @@ def test_fcl_status_during_and_after_a_live_run(mosquitto, tmp_path, repo_root):
     """A real aggregator and three clients (fcl simulate) on the broker while fcl status looks."""
     import subprocess
     import sys
+
     with open(tmp_path / "simulate.log", "w") as log:
-        run = subprocess.Popen([sys.executable, "-m", "fcl_edge.cli", "simulate",
-                                str(repo_root / "configs/scenarios/quickstart.yaml"), "--out", str(tmp_path / "run"),
-                                "--broker", mosquitto.url, "--set", "federation.rounds_per_task=3"],
-                               stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fcl_edge.cli",
+                "simulate",
+                str(repo_root / "configs/scenarios/quickstart.yaml"),
+                "--out",
+                str(tmp_path / "run"),
+                "--broker",
+                mosquitto.url,
+                "--set",
+                "federation.rounds_per_task=3",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
     try:
         during = None
         deadline = time.monotonic() + 120

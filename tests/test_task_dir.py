@@ -4,6 +4,7 @@ Unit checks of the folder scanner, then a run with separate processes on Mosquit
 device has only task 0's folder, waits when the federation reaches task 1 (visible through
 ``fcl ctl status``), answers ``fcl ctl loglik`` with the model it serves, and joins the next
 round once task 1's folder is renamed into place."""
+
 from __future__ import annotations
 
 import json
@@ -39,10 +40,16 @@ def test_scan_order_holdout_and_hidden_folders(tmp_path) -> None:
     assert set(np.unique(tasks.train[0].x)) <= {0.0, 1.0}  # binarised at 0.5
 
 
-@pytest.mark.parametrize("bad,reason", [
-    (np.ones((4, D + 1)), "columns"), (np.full((4, D), 2.0), r"\[0, 1\]"), (np.full((4, D), np.nan), "finite"),
-    (np.ones(D), "2-D"), (np.array([[{"evil": 1}]], dtype=object), "readable"),
-])
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        (np.ones((4, D + 1)), "columns"),
+        (np.full((4, D), 2.0), r"\[0, 1\]"),
+        (np.full((4, D), np.nan), "finite"),
+        (np.ones(D), "2-D"),
+        (np.array([[{"evil": 1}]], dtype=object), "readable"),
+    ],
+)
 def test_a_bad_folder_stops_the_scan_and_is_reported(tmp_path, caplog, bad, reason) -> None:
     _write(tmp_path / "000-ok", np.ones((4, D)))
     (tmp_path / "001-bad").mkdir()
@@ -58,26 +65,48 @@ def test_a_bad_folder_stops_the_scan_and_is_reported(tmp_path, caplog, bad, reas
 
 
 def _ctl(sock: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fcl_edge.cli", "ctl", str(sock), *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "fcl_edge.cli", "ctl", str(sock), *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_device_waits_for_a_task_folder_and_answers_local_commands(mosquitto, tmp_path) -> None:
     train, _ = load_dataset("digits", None, 0)
     data = tmp_path / "data"
     _write(data / "000-low", train.x[train.y < 5][:300])
-    fed = {"name": "home", "method": "fedavg", "num_tasks": 2, "rounds_per_task": 2,
-           "model": {"hidden_sizes": [32]}, "rounds": {"deadline_s": 120, "resend_after_s": 60}}
-    agg = {"federation": fed, "expected_clients": ["dev-0"], "out_dir": str(tmp_path / "agg"),
-           "broker": {"url": mosquitto.url}, "input_dim": D}
-    client = {"client_id": "dev-0", "federation": "home", "data_dir": str(data), "out_dir": str(tmp_path / "dev"),
-              "broker": {"url": mosquitto.url}}
+    fed = {
+        "name": "home",
+        "method": "fedavg",
+        "num_tasks": 2,
+        "rounds_per_task": 2,
+        "model": {"hidden_sizes": [32]},
+        "rounds": {"deadline_s": 120, "resend_after_s": 60},
+    }
+    agg = {
+        "federation": fed,
+        "expected_clients": ["dev-0"],
+        "out_dir": str(tmp_path / "agg"),
+        "broker": {"url": mosquitto.url},
+        "input_dim": D,
+    }
+    client = {
+        "client_id": "dev-0",
+        "federation": "home",
+        "data_dir": str(data),
+        "out_dir": str(tmp_path / "dev"),
+        "broker": {"url": mosquitto.url},
+    }
     for name, cfg in (("agg", agg), ("dev", client)):
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("agg", "dev")}
-    procs = {n: subprocess.Popen([sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(tmp_path / f"{n}.yaml")],
-                                 stdout=logs[n], stderr=subprocess.STDOUT)
-             for n, kind in (("agg", "aggregator"), ("dev", "client"))}
+    procs = {
+        n: subprocess.Popen(
+            [sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(tmp_path / f"{n}.yaml")],
+            stdout=logs[n],
+            stderr=subprocess.STDOUT,
+        )
+        for n, kind in (("agg", "aggregator"), ("dev", "client"))
+    }
     sock = tmp_path / "dev" / "state" / "control.sock"
     try:
         deadline = time.monotonic() + 120

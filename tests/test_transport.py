@@ -13,15 +13,18 @@ from fclcore.schema import BrokerSpec
 from fclcore.transport import MqttLink, TransportError, parse_status, publish_packet_bytes
 
 
-@pytest.mark.parametrize("topic,payload,qos,expected", [
-    ("a/b", 10, 1, 1 + 1 + (2 + 3 + 2 + 10)),
-    ("a/b", 0, 0, 1 + 1 + (2 + 3)),
-    ("a/b", 120, 1, 1 + 1 + 127),          # remaining length 127: one length byte
-    ("a/b", 121, 1, 1 + 2 + 128),          # 128: two length bytes
-    ("t", 16_378, 1, 1 + 2 + 16_383),      # 16383: still two
-    ("t", 16_379, 1, 1 + 3 + 16_384),      # 16384: three
-    ("é", 5, 1, 1 + 1 + (2 + 2 + 2 + 5)),  # topic length counts UTF-8 bytes
-])
+@pytest.mark.parametrize(
+    "topic,payload,qos,expected",
+    [
+        ("a/b", 10, 1, 1 + 1 + (2 + 3 + 2 + 10)),
+        ("a/b", 0, 0, 1 + 1 + (2 + 3)),
+        ("a/b", 120, 1, 1 + 1 + 127),  # remaining length 127: one length byte
+        ("a/b", 121, 1, 1 + 2 + 128),  # 128: two length bytes
+        ("t", 16_378, 1, 1 + 2 + 16_383),  # 16383: still two
+        ("t", 16_379, 1, 1 + 3 + 16_384),  # 16384: three
+        ("é", 5, 1, 1 + 1 + (2 + 2 + 2 + 5)),  # topic length counts UTF-8 bytes
+    ],
+)
 def test_publish_packet_bytes(topic, payload, qos, expected):
     assert publish_packet_bytes(topic, payload, qos) == expected
 
@@ -30,6 +33,7 @@ def _sink(received: list, event: threading.Event):
     def on_message(topic: str, payload: bytes, size: int) -> None:
         received.append((topic, len(payload), size))
         event.set()
+
     return on_message
 
 
@@ -101,6 +105,7 @@ def test_resubscribes_after_broker_restart(mosquitto):
 
 def test_unreachable_broker_raises_transport_error():
     from support.mosquitto import free_port
+
     spec = BrokerSpec(url=f"mqtt://127.0.0.1:{free_port()}")
     link = MqttLink(spec, "x", status_topic="x/status", subscriptions=[], on_message=lambda *a: None)
     with pytest.raises(TransportError, match="could not connect"):

@@ -89,8 +89,9 @@ def test_execstart_is_a_real_fcl_subcommand(name):
     assert argv[1:] == [UNITS[name], "--config", f"/etc/fcl-edge/{UNITS[name]}.yaml"]
     args = _parser().parse_args(argv[1:])  # the real parser: a renamed option fails here
     assert args.command == UNITS[name] and args.config == argv[3]
-    help_out = subprocess.run([sys.executable, "-m", "fcl_edge.cli", UNITS[name], "--help"],
-                              capture_output=True, text=True, timeout=120)
+    help_out = subprocess.run(
+        [sys.executable, "-m", "fcl_edge.cli", UNITS[name], "--help"], capture_output=True, text=True, timeout=120
+    )
     assert help_out.returncode == 0, help_out.stderr
     assert "--config" in help_out.stdout
 
@@ -116,7 +117,7 @@ def _installed_units(tmp_path: Path) -> list[Path]:
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     fcl = bin_dir / "fcl"
-    fcl.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m fcl_edge.cli \"$@\"\n")
+    fcl.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m fcl_edge.cli "$@"\n')
     fcl.chmod(0o755)
     out = []
     for name in sorted(UNITS):
@@ -136,8 +137,9 @@ def test_systemd_analyze_verify(tmp_path):
         argv = shlex.split(one(parse_unit(path.read_text()), "Service", "ExecStart"))
         ran = subprocess.run([argv[0], argv[1], "--help"], capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stderr
-        result = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True,
-                                cwd=tmp_path, timeout=60)
+        result = subprocess.run(
+            [analyze, "verify", str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=60
+        )
         ours = [line for line in (result.stdout + result.stderr).splitlines() if path.name in line]
         assert result.returncode == 0 and not ours, result.stdout + result.stderr
 
@@ -147,8 +149,9 @@ def test_systemd_security_exposure(tmp_path):
     if analyze is None:
         pytest.skip("systemd-analyze not installed")
     for path in _installed_units(tmp_path):
-        result = subprocess.run([analyze, "security", "--offline=yes", str(path)], capture_output=True,
-                                text=True, cwd=tmp_path, timeout=60)
+        result = subprocess.run(
+            [analyze, "security", "--offline=yes", str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=60
+        )
         if "--offline" in result.stderr:
             pytest.skip(f"systemd-analyze too old for --offline: {result.stderr.strip()}")
         match = re.search(r"Overall exposure level for \S+: ([\d.]+)", result.stdout)

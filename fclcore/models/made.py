@@ -4,6 +4,7 @@ Masks are never computed here: they come from ``fclcore.made_spec.made_masks``,
 the same torch-free function the aggregator uses, so both sides agree on the
 connectivity for every ``(MadeConfig, order_index)`` by construction.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -8,6 +8,7 @@ class whose prototype has the highest cosine similarity.  It costs one frozen fo
 input (the same embedding also serves the sample memory), needs no training, and every
 device routes identically because the prototypes are global.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -24,8 +25,7 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
 def class_sums(embeddings: np.ndarray, labels: np.ndarray) -> dict[int, tuple[np.ndarray, int]]:
     """Per class: (sum of normalised embeddings (D,), count) -- what a client uploads."""
     unit = normalize_rows(embeddings.astype(np.float64))
-    return {int(c): (unit[labels == c].sum(0).astype(np.float32), int((labels == c).sum()))
-            for c in np.unique(labels)}
+    return {int(c): (unit[labels == c].sum(0).astype(np.float32), int((labels == c).sum())) for c in np.unique(labels)}
 
 
 class PrototypeSelector:

@@ -26,25 +26,52 @@ _DECOMPOSED = "methods.confedmade.decomposed_learner:"
 
 
 def _spec(name: str, strategy: str, learner: str, summary: str) -> MethodSpec:
-    return MethodSpec(name=name, package="confedmade", options=ConFedMADEOptions, strategy=_STRATEGY + strategy,
-                      learner=learner, metric="nll", served_format="made", summary=summary,
-                      example_scenario="configs/scenarios/digits_continual.yaml",
-                      smoke_overrides=("federation.model.hidden_sizes=[32]", "tasks.shared=[[0, 1], [2, 3]]",
-                                       "federation.options.order_per=round"))
+    return MethodSpec(
+        name=name,
+        package="confedmade",
+        options=ConFedMADEOptions,
+        strategy=_STRATEGY + strategy,
+        learner=learner,
+        metric="nll",
+        served_format="made",
+        summary=summary,
+        example_scenario="configs/scenarios/digits_continual.yaml",
+        smoke_overrides=(
+            "federation.model.hidden_sizes=[32]",
+            "tasks.shared=[[0, 1], [2, 3]]",
+            "federation.options.order_per=round",
+        ),
+    )
 
 
 register(
-    _spec("confedmade", "ConFedMADEStrategy", _DECOMPOSED + "ConFedMADELearner",
-          "ConFedMADE: decomposed MADE, uploads inside the round's MADE mask, knowledge base"),
-    _spec("fedweit-made-star", "DecomposedStrategy", _DECOMPOSED + "DecomposedLearner",
-          "FedWeIT on MADE with synchronised masks, unmasked L1 and uploads"),
-    _spec("fedweit-made", "DecomposedStrategy", _DECOMPOSED + "FedWeITMadeLearner",
-          "FedWeIT on MADE, every client with its own MADE masks"),
+    _spec(
+        "confedmade",
+        "ConFedMADEStrategy",
+        _DECOMPOSED + "ConFedMADELearner",
+        "ConFedMADE: decomposed MADE, uploads inside the round's MADE mask, knowledge base",
+    ),
+    _spec(
+        "fedweit-made-star",
+        "DecomposedStrategy",
+        _DECOMPOSED + "DecomposedLearner",
+        "FedWeIT on MADE with synchronised masks, unmasked L1 and uploads",
+    ),
+    _spec(
+        "fedweit-made",
+        "DecomposedStrategy",
+        _DECOMPOSED + "FedWeITMadeLearner",
+        "FedWeIT on MADE, every client with its own MADE masks",
+    ),
     _spec("fedavg", "FedAvgStrategy", _FEDAVG + "FedAvgLearner", "FedAvg of a plain MADE"),
     _spec("fedcl-finetune", "FedAvgStrategy", _FEDAVG + "FedAvgLearner", "FedAvg fine-tuned task after task"),
     _spec("fedprox", "FedAvgStrategy", _FEDAVG + "FedProxLearner", "FedProx (proximal term to the global model)"),
     _spec("fedcurv", "FedAvgStrategy", _FEDAVG + "FedCurvLearner", "federated EWC (diagonal Fisher per task)"),
-    _spec("fedcl-cumulative-replay", "FedAvgStrategy", _FEDAVG + "ReplayLearner",
-          "FedAvg on every task seen so far (upper bound)"),
+    _spec(
+        "fedcl-cumulative-replay",
+        "FedAvgStrategy",
+        _FEDAVG + "ReplayLearner",
+        "FedAvg on every task seen so far (upper bound)",
+    ),
     _spec("offline", "FedAvgStrategy", _FEDAVG + "OfflineLearner", "joint training on all tasks (reference)"),
 )

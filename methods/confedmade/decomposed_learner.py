@@ -135,10 +135,10 @@ class DecomposedLearner(MadeLearner):
             d_base = layer.weight - base0  # (out, in)
             for i in range(t):
                 drift = d_base * torch.sigmoid(layer.unit_logits[i])[:, None] + (layer.adaptive[i] - adaptive0[i])
-                total = total + self.opts.lambda2 * (drift ** 2).sum()
+                total = total + self.opts.lambda2 * (drift**2).sum()
                 if layer.bias is not None:  # the task's bias b + c_i is held the same way
                     bias_drift = (layer.bias - bias0) + (layer.bias_offsets[i] - offsets0[i])
-                    total = total + self.opts.lambda2 * (bias_drift ** 2).sum()
+                    total = total + self.opts.lambda2 * (bias_drift**2).sum()
         return total
 
     # -- upload --------------------------------------------------------------------------
@@ -197,12 +197,18 @@ class DecomposedLearner(MadeLearner):
             for prefix in self.model.layers:
                 if f"anchor/{prefix}/base" not in arrays:
                     continue
+
                 def stack(kind: str, prefix: str = prefix) -> list[torch.Tensor]:
                     n = sum(1 for k in arrays if k.startswith(f"anchor/{prefix}/{kind}/"))
                     return [torch.from_numpy(arrays[f"anchor/{prefix}/{kind}/{i}"].copy()) for i in range(n)]
+
                 bias = arrays.get(f"anchor/{prefix}/bias")
-                self.anchor[prefix] = (torch.from_numpy(arrays[f"anchor/{prefix}/base"].copy()), stack("adaptive"),
-                                       None if bias is None else torch.from_numpy(bias.copy()), stack("offset"))
+                self.anchor[prefix] = (
+                    torch.from_numpy(arrays[f"anchor/{prefix}/base"].copy()),
+                    stack("adaptive"),
+                    None if bias is None else torch.from_numpy(bias.copy()),
+                    stack("offset"),
+                )
         except KeyError as exc:
             raise ValueError(f"checkpoint lacks {exc}") from None
 
@@ -219,8 +225,14 @@ class DecomposedLearner(MadeLearner):
     def served_model(self, task: int, binarize: str = "") -> ServedModel | None:
         if self.task < 0:
             return None
-        return ServedModel(made=self.made, params=self.model.composed_params(self.task), order_index=0,
-                           method=self.fed.method, task=task, binarize=binarize)
+        return ServedModel(
+            made=self.made,
+            params=self.model.composed_params(self.task),
+            order_index=0,
+            method=self.fed.method,
+            task=task,
+            binarize=binarize,
+        )
 
 
 class FedWeITMadeLearner(DecomposedLearner):
@@ -239,8 +251,12 @@ class ConFedMADELearner(DecomposedLearner):
 def _snapshot(layer) -> tuple:
     """B, A_i, b and c_i at a task start: the anchor of the drift penalty."""
     bias = layer.bias.detach().clone() if layer.bias is not None else None
-    return (layer.weight.detach().clone(), [a.detach().clone() for a in layer.adaptive], bias,
-            [c.detach().clone() for c in layer.bias_offsets])
+    return (
+        layer.weight.detach().clone(),
+        [a.detach().clone() for a in layer.adaptive],
+        bias,
+        [c.detach().clone() for c in layer.bias_offsets],
+    )
 
 
 def _top_units(gate: np.ndarray, share: float) -> np.ndarray:
@@ -253,4 +269,3 @@ def _top_units(gate: np.ndarray, share: float) -> np.ndarray:
 
 def _dense(t: Tensor) -> np.ndarray:
     return t.to_dense() if isinstance(t, SparseTensor) else np.asarray(t, dtype=np.float32)
-

@@ -78,8 +78,14 @@ class FedAvgLearner(MadeLearner):
         return [mean_nll(self.model.nll, d) for d in tests]
 
     def served_model(self, task: int, binarize: str = "") -> ServedModel:
-        return ServedModel(made=self.made, params=self.model.get_params(), order_index=0,
-                           method=self.fed.method, task=task, binarize=binarize)
+        return ServedModel(
+            made=self.made,
+            params=self.model.get_params(),
+            order_index=0,
+            method=self.fed.method,
+            task=task,
+            binarize=binarize,
+        )
 
 
 class FedProxLearner(FedAvgLearner):
@@ -132,9 +138,13 @@ class FedCurvLearner(FedAvgLearner):
         super().load_state(meta, arrays)
         n_params = len(list(self.model.parameters()))
         try:
-            self.fisher = [([torch.from_numpy(arrays[f"fisher/{t}/{i}"].copy()) for i in range(n_params)],
-                            [torch.from_numpy(arrays[f"anchor/{t}/{i}"].copy()) for i in range(n_params)])
-                           for t in range(int(meta.get("fisher_tasks", 0)))]
+            self.fisher = [
+                (
+                    [torch.from_numpy(arrays[f"fisher/{t}/{i}"].copy()) for i in range(n_params)],
+                    [torch.from_numpy(arrays[f"anchor/{t}/{i}"].copy()) for i in range(n_params)],
+                )
+                for t in range(int(meta.get("fisher_tasks", 0)))
+            ]
         except KeyError as exc:
             raise ValueError(f"checkpoint lacks {exc}") from None
 
@@ -144,7 +154,7 @@ class FedCurvLearner(FedAvgLearner):
         fisher = [torch.zeros_like(p) for p in self.model.parameters()]
         for i in range(0, len(x), 32):
             self.model.zero_grad(set_to_none=True)
-            self.model.nll(x[i:i + 32]).mean().backward()
+            self.model.nll(x[i : i + 32]).mean().backward()
             for f, p in zip(fisher, self.model.parameters()):
-                f += p.grad.detach() ** 2 * len(x[i:i + 32]) / len(x)
+                f += p.grad.detach() ** 2 * len(x[i : i + 32]) / len(x)
         return fisher, [p.detach().clone() for p in self.model.parameters()]

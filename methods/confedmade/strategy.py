@@ -98,14 +98,15 @@ class DecomposedStrategy(FedAvgStrategy):
         return out
 
     def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        base = [({k: v for k, v in u.tensors.items() if not k.startswith(KB_PREFIX)}, float(u.n_samples))
-                for u in updates]
+        base = [
+            ({k: v for k, v in u.tensors.items() if not k.startswith(KB_PREFIX)}, float(u.n_samples)) for u in updates
+        ]
         merged = weighted_average(base, current)
         rnd = updates[0].frame.header.round
         if self.is_task_end(rnd):
             task = self.schedule.task_of(rnd)
             for u in sorted(updates, key=lambda u: u.client):
-                kb = {k[len(KB_PREFIX):]: v for k, v in u.tensors.items() if k.startswith(KB_PREFIX)}
+                kb = {k[len(KB_PREFIX) :]: v for k, v in u.tensors.items() if k.startswith(KB_PREFIX)}
                 self.knowledge.append(KnowledgeEntry(u.client, task, kb))
         return merged
 
@@ -143,10 +144,12 @@ class DecomposedStrategy(FedAvgStrategy):
             tensors = {}
             for name, shape in entry["shapes"].items():
                 if tuple(shape) != tuple(self.shapes.get(name, ())):
-                    raise ValueError(f"knowledge entry {i}: {name} has shape {shape}, "
-                                     f"the model {self.shapes.get(name)}")
-                tensors[name] = SparseTensor(tuple(shape), arrays[f"kb/{i}/{name}/indices"],
-                                             arrays[f"kb/{i}/{name}/values"])
+                    raise ValueError(
+                        f"knowledge entry {i}: {name} has shape {shape}, the model {self.shapes.get(name)}"
+                    )
+                tensors[name] = SparseTensor(
+                    tuple(shape), arrays[f"kb/{i}/{name}/indices"], arrays[f"kb/{i}/{name}/values"]
+                )
             knowledge.append(KnowledgeEntry(str(entry["client"]), int(entry["task"]), tensors))
         self.knowledge = knowledge
 
@@ -155,7 +158,7 @@ class DecomposedStrategy(FedAvgStrategy):
         pool = [e for e in self.knowledge if e.client != client and e.task < task]
         opts = self.options
         if opts.kb_policy == "recent":
-            pool = sorted(pool, key=lambda e: (e.task, e.client))[-opts.kb_k:]
+            pool = sorted(pool, key=lambda e: (e.task, e.client))[-opts.kb_k :]
         elif opts.kb_policy == "random" and len(pool) > opts.kb_k:
             rng = np.random.default_rng((self.fed.seed, task, index))
             pool = [pool[i] for i in sorted(rng.choice(len(pool), opts.kb_k, replace=False))]

@@ -27,8 +27,13 @@ class MadeLearner(Learner):
         self.made: MadeConfig = fed.model.made_config(input_dim)
         self.optimizer: torch.optim.Optimizer | None = None  # set by the method
 
-    def local_epochs(self, model: torch.nn.Module, x: torch.Tensor, rnd: int,
-                     loss: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def local_epochs(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        rnd: int,
+        loss: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> float:
         """The shared local loop: shuffling seeded by (seed, client, round), the MADE order of
         each step from the synchronised schedule, one optimiser step per mini-batch.
 
@@ -59,7 +64,7 @@ class MadeLearner(Learner):
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         if meta.get("task") != self.task:
             raise ValueError(f"checkpoint is for task {meta.get('task')}, learner rebuilt to task {self.task}")
-        model = {k[len("model/"):]: torch.from_numpy(v.copy()) for k, v in arrays.items() if k.startswith("model/")}
+        model = {k[len("model/") :]: torch.from_numpy(v.copy()) for k, v in arrays.items() if k.startswith("model/")}
         try:
             self.model.load_state_dict(model, strict=True)
         except RuntimeError as exc:
@@ -68,7 +73,7 @@ class MadeLearner(Learner):
             state: dict[int, dict[str, torch.Tensor]] = {}
             for name, value in arrays.items():
                 if name.startswith("optim/"):
-                    index, key = name[len("optim/"):].split("/", 1)
+                    index, key = name[len("optim/") :].split("/", 1)
                     state.setdefault(int(index), {})[key] = torch.from_numpy(value.copy())
             full = self.optimizer.state_dict()
             if not set(state) <= {i for g in full["param_groups"] for i in g["params"]}:
@@ -82,5 +87,5 @@ def mean_nll(nll, data: Dataset | None) -> float | None:
     if data is None:
         return None
     x = torch.from_numpy(data.x)
-    total = sum(nll(x[i:i + EVAL_BATCH]).sum().item() for i in range(0, len(x), EVAL_BATCH))
+    total = sum(nll(x[i : i + EVAL_BATCH]).sum().item() for i in range(0, len(x), EVAL_BATCH))
     return round(total / len(x), 4)

@@ -31,7 +31,10 @@ def knowledge_meta(task: int, entries: list[tuple[str, str, int]]) -> dict:
 def parse_knowledge_meta(meta: object) -> list[str]:
     """The entry ids of a knowledge frame's metadata; ValueError if it is malformed."""
     entries = meta.get("entries") if isinstance(meta, dict) else None
-    if not isinstance(entries, list) or len(entries) > MAX_ENTRIES or not all(
-            isinstance(e, dict) and isinstance(e.get("id"), str) for e in entries):
+    if (
+        not isinstance(entries, list)
+        or len(entries) > MAX_ENTRIES
+        or not all(isinstance(e, dict) and isinstance(e.get("id"), str) for e in entries)
+    ):
         raise ValueError("knowledge: expected meta.entries, a list of entries with string ids")
     return [e["id"] for e in entries]

@@ -15,25 +15,49 @@ every class (``tasks.sizes=[5]``); FedET with one group is ``fedet`` with ``num_
 from fclcore.method import MethodSpec, register
 from methods.fedet.config import FedETOptions
 
-_SMOKE = ("tasks.sizes=[2, 2]", "data.per_class=4", "data.test_per_class=3", "federation.options.max_length=24",
-          "federation.options.server_epochs=1", "federation.options.aux_per_round=6",
-          "federation.options.bottleneck=16")
+_SMOKE = (
+    "tasks.sizes=[2, 2]",
+    "data.per_class=4",
+    "data.test_per_class=3",
+    "federation.options.max_length=24",
+    "federation.options.server_epochs=1",
+    "federation.options.aux_per_round=6",
+    "federation.options.bottleneck=16",
+)
 
 
 def _baseline(name: str, learner: str, summary: str) -> MethodSpec:
     """A FedAvg baseline of the FedET benchmark: one Enhancer group, no server distillation."""
-    return MethodSpec(name=name, package="fedet", options=FedETOptions,
-                      strategy="methods.fedet.strategy:GroupFedAvgStrategy", learner=f"methods.fedet.learner:{learner}",
-                      metric="accuracy", served_format="text-groups", server_torch=True, summary=summary,
-                      example_scenario="configs/scenarios/bbc_fedet.yaml", smoke_overrides=_SMOKE)
+    return MethodSpec(
+        name=name,
+        package="fedet",
+        options=FedETOptions,
+        strategy="methods.fedet.strategy:GroupFedAvgStrategy",
+        learner=f"methods.fedet.learner:{learner}",
+        metric="accuracy",
+        served_format="text-groups",
+        server_torch=True,
+        summary=summary,
+        example_scenario="configs/scenarios/bbc_fedet.yaml",
+        smoke_overrides=_SMOKE,
+    )
 
 
-register(MethodSpec(
-    name="fedet", package="fedet", options=FedETOptions, strategy="methods.fedet.strategy:FedETStrategy",
-    learner="methods.fedet.learner:FedETLearner", metric="accuracy", served_format="text-groups",
-    server_torch=True, needs_aux_data=True,
-    summary="FedET: Enhancer groups on a frozen MiniLM, entropy-aware server distillation",
-    example_scenario="configs/scenarios/bbc_fedet.yaml", smoke_overrides=_SMOKE),
+register(
+    MethodSpec(
+        name="fedet",
+        package="fedet",
+        options=FedETOptions,
+        strategy="methods.fedet.strategy:FedETStrategy",
+        learner="methods.fedet.learner:FedETLearner",
+        metric="accuracy",
+        served_format="text-groups",
+        server_torch=True,
+        needs_aux_data=True,
+        summary="FedET: Enhancer groups on a frozen MiniLM, entropy-aware server distillation",
+        example_scenario="configs/scenarios/bbc_fedet.yaml",
+        smoke_overrides=_SMOKE,
+    ),
     _baseline("fedet-finetune", "GroupFedAvgLearner", "finetune-FL: FedAvg of one Enhancer group, classes so far"),
     _baseline("fedet-replay", "ReplayGroupLearner", "replay-FL: finetune-FL plus the sample memory"),
 )

@@ -8,6 +8,7 @@
 
 The server side is plain sample-weighted FedAvg of the group's tensors.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -52,8 +53,16 @@ class GroupFedAvgClient:
         gen = torch.Generator().manual_seed(seeded(self.cfg.seed, self.client_index, rnd))
         rows = torch.from_numpy(np.array(self.group.rows(data.labels)))
         opt = torch.optim.AdamW(trainable_parameters(self.group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        train_epochs(self.backbone, self.group, data, self.cfg.local_epochs, self.cfg.batch_size, opt, gen,
-                     lambda logits, b: F.cross_entropy(logits, rows[b]))
+        train_epochs(
+            self.backbone,
+            self.group,
+            data,
+            self.cfg.local_epochs,
+            self.cfg.batch_size,
+            opt,
+            gen,
+            lambda logits, b: F.cross_entropy(logits, rows[b]),
+        )
         return group_to_tensors(self.group), len(data)
 
     def predict(self, docs: EncodedDocs, classes: tuple[int, ...] | None = None) -> np.ndarray:

@@ -16,6 +16,7 @@ Per task, for every group j that receives new classes:
    few texts, and L_j is the data this device has anyway, so U includes it;
 5. the group is uploaded with its label histogram and entropy H(M^t) (server eq. 6).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -74,26 +75,38 @@ class GroupUpload:
     n_samples: int
 
     def meta(self) -> dict:
-        return {"group": self.group, "classes": list(self.classes), "entropy": self.entropy,
-                "label_counts": [[c, n] for c, n in sorted(self.label_counts.items())],
-                "n_samples": self.n_samples}
+        return {
+            "group": self.group,
+            "classes": list(self.classes),
+            "entropy": self.entropy,
+            "label_counts": [[c, n] for c, n in sorted(self.label_counts.items())],
+            "n_samples": self.n_samples,
+        }
 
 
 def seeded(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 
-def train_epochs(backbone: FrozenBackbone, group: EnhancerGroup, docs: EncodedDocs, epochs: int,
-                 batch_size: int, optimizer: torch.optim.Optimizer, generator: torch.Generator,
-                 loss_fn) -> float:
+def train_epochs(
+    backbone: FrozenBackbone,
+    group: EnhancerGroup,
+    docs: EncodedDocs,
+    epochs: int,
+    batch_size: int,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    loss_fn,
+) -> float:
     """Shuffled mini-batches; ``loss_fn(logits, batch_rows)`` -> scalar.  Returns the mean loss."""
     group.train()
     losses = []
     for _ in range(epochs):
         for rows in torch.randperm(len(docs), generator=generator).split(batch_size):
             idx = rows.numpy()
-            logits = enhanced_logits(backbone, group, torch.from_numpy(docs.ids[idx]),
-                                     torch.from_numpy(docs.mask[idx]))  # (b, C)
+            logits = enhanced_logits(
+                backbone, group, torch.from_numpy(docs.ids[idx]), torch.from_numpy(docs.mask[idx])
+            )  # (b, C)
             loss = loss_fn(logits, rows)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -130,8 +143,14 @@ class FedETClient:
         """Per new class: (sum of unit embeddings, count) -- the selector's upload at a task start."""
         return class_sums(pooled, docs.labels)
 
-    def start_task(self, task: int, docs: EncodedDocs, pooled: np.ndarray, group_of: dict[int, int],
-                   prototypes: dict[int, np.ndarray]) -> None:
+    def start_task(
+        self,
+        task: int,
+        docs: EncodedDocs,
+        pooled: np.ndarray,
+        group_of: dict[int, int],
+        prototypes: dict[int, np.ndarray],
+    ) -> None:
         """Install the global selector, extend the selected groups, set up Algorithm 1 per group."""
         self.task, self.active = task, {}
         self.selector.update(prototypes, group_of)
@@ -156,8 +175,9 @@ class FedETClient:
             else:
                 temp = EnhancerGroup(self.cfg.enhancer, local_new, seed=seed)
             data = docs.subset(mine)
-            replay = (None if old_rows is None
-                      else old_rows.subset(np.flatnonzero(np.isin(old_rows.labels, old.classes))))
+            replay = (
+                None if old_rows is None else old_rows.subset(np.flatnonzero(np.isin(old_rows.labels, old.classes)))
+            )
             distill = data if replay is None or len(replay) == 0 else EncodedDocs.concat([data, replay])
             self.active[j] = _TaskGroup(old, temp, self._optimizer(temp), data, distill)
 
@@ -172,22 +192,45 @@ class FedETClient:
         bs = self.cfg.batch_size
         rows = torch.from_numpy(np.array(s.temp.rows(s.data.labels)))
         if len(s.temp.classes) > 1:  # a one-class head has nothing to learn (its CE is always 0)
-            train_epochs(self.backbone, s.temp, s.data, self.cfg.local_epochs, bs, s.temp_opt, gen,
-                         lambda logits, b: F.cross_entropy(logits, rows[b]))
+            train_epochs(
+                self.backbone,
+                s.temp,
+                s.data,
+                self.cfg.local_epochs,
+                bs,
+                s.temp_opt,
+                gen,
+                lambda logits, b: F.cross_entropy(logits, rows[b]),
+            )
         if s.old_logits is None:
             s.old_logits = predict_logits(self.backbone, s.old, s.distill_set.ids, s.distill_set.mask)
         temp_logits = predict_logits(self.backbone, s.temp, s.distill_set.ids, s.distill_set.mask)
         targets, have = self._targets(j, s, torch.from_numpy(s.old_logits), torch.from_numpy(temp_logits))
         student = self.groups[j]
         if have.any():  # else: one new class and no old ones, nothing to distil; the group goes up as it is
-            train_epochs(self.backbone, student, s.distill_set, self.cfg.distill_epochs, bs,
-                         self._optimizer(student), gen, lambda logits, b: distillation_loss(logits, targets[b], have))
+            train_epochs(
+                self.backbone,
+                student,
+                s.distill_set,
+                self.cfg.distill_epochs,
+                bs,
+                self._optimizer(student),
+                gen,
+                lambda logits, b: distillation_loss(logits, targets[b], have),
+            )
         counts = {int(c): int((s.data.labels == c).sum()) for c in s.temp.classes}
-        return GroupUpload(j, student.classes, group_to_tensors(student, sparse=True), counts,
-                           label_entropy(list(counts.values())), len(s.distill_set))
+        return GroupUpload(
+            j,
+            student.classes,
+            group_to_tensors(student, sparse=True),
+            counts,
+            label_entropy(list(counts.values())),
+            len(s.distill_set),
+        )
 
-    def _targets(self, j: int, s: _TaskGroup, old: torch.Tensor,
-                 temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _targets(
+        self, j: int, s: _TaskGroup, old: torch.Tensor, temp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 5 targets placed on the student's head rows; rows without a teacher are masked.
         A one-class temporary group is no teacher: its centred logit is always 0, and pulling
         the student's row towards it would erase that class's initialisation."""

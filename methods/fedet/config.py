@@ -20,10 +20,16 @@ class FedETOptions:
     proto_init: float = 0.0  # > 0: new head rows start as a nearest-prototype classifier (logit scale)
 
     def __post_init__(self) -> None:
-        if min(self.num_groups, self.bottleneck, self.distill_epochs, self.aux_per_round) < 1 \
-                or self.server_epochs < 0 or self.max_length < 2:
-            raise ValueError("fedet: expected num_groups, bottleneck, distill_epochs, aux_per_round >= 1, "
-                             "server_epochs >= 0, max_length >= 2")
+        if (
+            min(self.num_groups, self.bottleneck, self.distill_epochs, self.aux_per_round) < 1
+            or self.server_epochs < 0
+            or self.max_length < 2
+        ):
+            raise ValueError(
+                "fedet: expected num_groups, bottleneck, distill_epochs, aux_per_round >= 1, "
+                "server_epochs >= 0, max_length >= 2"
+            )
         if not 0 < self.gamma <= 1 or self.weight_decay < 0 or self.proto_init < 0:
-            raise ValueError(f"fedet: expected gamma in (0, 1] and weight_decay >= 0, got {self.gamma}, "
-                             f"{self.weight_decay}")
+            raise ValueError(
+                f"fedet: expected gamma in (0, 1] and weight_decay >= 0, got {self.gamma}, {self.weight_decay}"
+            )

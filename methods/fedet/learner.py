@@ -51,6 +51,7 @@ from methods.fedet.wire import META_KEY, parse_downlink
 
 log = logging.getLogger(__name__)
 
+
 def encoded(data: Dataset) -> EncodedDocs:
     """Token ids with padding id 0 -> the docs the backbone takes."""
     return EncodedDocs(data.x.astype(np.int64), (data.x != 0).astype(np.int64), data.y.astype(np.int64))
@@ -64,11 +65,22 @@ class FedETLearner(Learner):
         spec = options
         torch.manual_seed(fed.seed)
         self.backbone = FrozenBackbone(load_minilm())
-        self.enhancer = EnhancerConfig(hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck,
-                                       blocks=self.backbone.cfg.layers)
-        self.cfg = FedETConfig(self.enhancer, self.groups_of(spec), spec.gamma, None, fed.train.lr, spec.weight_decay,
-                               fed.train.batch_size, fed.train.local_epochs, spec.distill_epochs, fed.seed,
-                               spec.proto_init)
+        self.enhancer = EnhancerConfig(
+            hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck, blocks=self.backbone.cfg.layers
+        )
+        self.cfg = FedETConfig(
+            self.enhancer,
+            self.groups_of(spec),
+            spec.gamma,
+            None,
+            fed.train.lr,
+            spec.weight_decay,
+            fed.train.batch_size,
+            fed.train.local_epochs,
+            spec.distill_epochs,
+            fed.seed,
+            spec.proto_init,
+        )
         self.client = FedETClient(self.cfg, self.backbone, client_index)
         self.phase = "sums"
         self.group_of: dict[int, int] = {}
@@ -113,8 +125,11 @@ class FedETLearner(Learner):
         if self.started < self.task:
             missing = sorted(set(int(c) for c in np.unique(data.y)) - set(self.group_of))
             if missing:  # e.g. this device's class sums missed the task's first round
-                log.warning("task %d: classes %s have no group from the aggregator; their texts are not used",
-                            self.task, missing)
+                log.warning(
+                    "task %d: classes %s have no group from the aggregator; their texts are not used",
+                    self.task,
+                    missing,
+                )
         uploads = self.train_groups(data, pooled, rnd)
         tensors: dict[str, Tensor] = {}
         for u in uploads:
@@ -156,17 +171,30 @@ class FedETLearner(Learner):
             return None  # nothing learned yet
         prototypes = {int(c): selector.prototypes[i] for i, c in enumerate(selector.classes)}
         groups = [copy.deepcopy(g).eval() for g in self.client.groups]  # training goes on while it exports
-        return TextGroupsServed(self.backbone, groups, prototypes, dict(selector.group_of),
-                                task=task, max_length=self.options.max_length, method=self.fed.method)
+        return TextGroupsServed(
+            self.backbone,
+            groups,
+            prototypes,
+            dict(selector.group_of),
+            task=task,
+            max_length=self.options.max_length,
+            method=self.fed.method,
+        )
 
     # -- checkpoints ---------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """Groups, selector, sample memory and the task's Algorithm-1 groups (the temporary
         group's optimiser moments are not kept: after a restart it continues with fresh ones)."""
         arrays: dict[str, np.ndarray] = {}
-        meta = {"task": self.task, "phase": self.phase, "started": self.started,
-                "group_of": sorted(self.group_of.items()), "groups": [], "active": [],
-                "memory": {"observed": self.client.memory.observed, "classes": list(self.client.memory.classes)}}
+        meta = {
+            "task": self.task,
+            "phase": self.phase,
+            "started": self.started,
+            "group_of": sorted(self.group_of.items()),
+            "groups": [],
+            "active": [],
+            "memory": {"observed": self.client.memory.observed, "classes": list(self.client.memory.classes)},
+        }
         for j, group in enumerate(self.client.groups):
             meta["groups"].append(list(group.classes))
             _put(arrays, f"group/{j}", group)
@@ -192,8 +220,10 @@ class FedETLearner(Learner):
             self.prototypes = {int(k.split("/")[1]): v for k, v in arrays.items() if k.startswith("proto/")}
             if self.prototypes:
                 self.client.selector.update(self.prototypes, self.group_of)
-            self.client.groups = [_get(arrays, f"group/{j}", self.enhancer, classes, seeded(self.cfg.seed, j))
-                                  for j, classes in enumerate(meta["groups"])]
+            self.client.groups = [
+                _get(arrays, f"group/{j}", self.enhancer, classes, seeded(self.cfg.seed, j))
+                for j, classes in enumerate(meta["groups"])
+            ]
             memory = self.client.memory
             memory.observed = int(meta["memory"]["observed"])
             memory._by_class = {}
@@ -204,10 +234,17 @@ class FedETLearner(Learner):
             for a in meta["active"]:
                 j = int(a["group"])
                 temp = _get(arrays, f"active/{j}/temp", self.enhancer, a["temp"])
-                docs = {n: _docs(arrays[f"active/{j}/{n}/ids"], arrays[f"active/{j}/{n}/labels"])
-                        for n in ("data", "distill")}
-                self.client.active[j] = _TaskGroup(_get(arrays, f"active/{j}/old", self.enhancer, a["old"]).eval(),
-                                                   temp, self.client._optimizer(temp), docs["data"], docs["distill"])
+                docs = {
+                    n: _docs(arrays[f"active/{j}/{n}/ids"], arrays[f"active/{j}/{n}/labels"])
+                    for n in ("data", "distill")
+                }
+                self.client.active[j] = _TaskGroup(
+                    _get(arrays, f"active/{j}/old", self.enhancer, a["old"]).eval(),
+                    temp,
+                    self.client._optimizer(temp),
+                    docs["data"],
+                    docs["distill"],
+                )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"fedet checkpoint does not fit: {exc!r}") from None
 
@@ -221,12 +258,16 @@ def _put(arrays: dict[str, np.ndarray], prefix: str, group: EnhancerGroup) -> No
         arrays.update({f"{prefix}/{k}": v for k, v in group_to_tensors(group).items()})
 
 
-def _get(arrays: dict[str, np.ndarray], prefix: str, cfg: EnhancerConfig, classes: list[int],
-         seed: int = 0) -> EnhancerGroup:
+def _get(
+    arrays: dict[str, np.ndarray], prefix: str, cfg: EnhancerConfig, classes: list[int], seed: int = 0
+) -> EnhancerGroup:
     if not classes:  # never trained: the seeded initial group every device and the aggregator share
         return EnhancerGroup(cfg, seed=seed)
-    return tensors_to_group({k[len(prefix) + 1:]: v for k, v in arrays.items() if k.startswith(prefix + "/")},
-                            cfg, [int(c) for c in classes])
+    return tensors_to_group(
+        {k[len(prefix) + 1 :]: v for k, v in arrays.items() if k.startswith(prefix + "/")},
+        cfg,
+        [int(c) for c in classes],
+    )
 
 
 class GroupFedAvgLearner(FedETLearner):
@@ -255,11 +296,22 @@ class GroupFedAvgLearner(FedETLearner):
         rows = torch.from_numpy(np.array(group.rows(docs.labels)))
         generator = torch.Generator().manual_seed(seeded(self.cfg.seed, self.client_index, rnd))
         optimizer = torch.optim.AdamW(trainable_parameters(group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        train_epochs(self.backbone, group, docs, self.cfg.local_epochs, self.cfg.batch_size, optimizer, generator,
-                     lambda logits, batch: F.cross_entropy(logits, rows[batch]))
+        train_epochs(
+            self.backbone,
+            group,
+            docs,
+            self.cfg.local_epochs,
+            self.cfg.batch_size,
+            optimizer,
+            generator,
+            lambda logits, batch: F.cross_entropy(logits, rows[batch]),
+        )
         counts = {int(c): int(n) for c, n in zip(*np.unique(docs.labels, return_counts=True))}
-        return [GroupUpload(0, tuple(group.classes), group_to_tensors(group), counts,
-                            entropy_nats(list(counts.values())), len(docs))]
+        return [
+            GroupUpload(
+                0, tuple(group.classes), group_to_tensors(group), counts, entropy_nats(list(counts.values())), len(docs)
+            )
+        ]
 
     def _training_docs(self, data: Dataset, known: tuple[int, ...]) -> EncodedDocs | None:
         """This task's texts of classes the group covers, plus (replay) the memory of other classes."""

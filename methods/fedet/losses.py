@@ -11,6 +11,7 @@ centred on its own block, because two separately trained heads have unrelated of
 Blocks of one class centre to 0 (a one-class head carries no information); a client that saw
 a single new class therefore also reports entropy 0 and gets no weight on the server (eq. 6).
 """
+
 from __future__ import annotations
 
 import torch

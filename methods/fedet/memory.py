@@ -6,6 +6,7 @@ equally among the classes seen so far (|S| / |M^A| each; the remainder goes to t
 with the lowest ids).  "Typical" = closest in cosine to the class mean of the frozen
 embeddings, so the kept exemplars are the ones nearest the selector's prototype.
 """
+
 from __future__ import annotations
 
 import math

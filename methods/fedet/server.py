@@ -20,6 +20,7 @@ Per group j and round, the uploads that arrive inside the waiting window are mer
   mean new-class share.
 * the student starts from the sample-weighted FedAvg of the uploads and is trained on L_emd.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,20 +45,32 @@ from fclcore.models.enhancer import (
 )
 from fclcore.text import EncodedDocs, entropy_nats
 
-__all__ = ["merge_class_sums", "assign_groups", "emd_weights", "emd_targets", "aux_quotas", "WaitingWindow",
-           "AuxiliaryPool", "ReceivedGroup", "FedETServerConfig", "FedETAggregator"]
+__all__ = [
+    "merge_class_sums",
+    "assign_groups",
+    "emd_weights",
+    "emd_targets",
+    "aux_quotas",
+    "WaitingWindow",
+    "AuxiliaryPool",
+    "ReceivedGroup",
+    "FedETServerConfig",
+    "FedETAggregator",
+]
 
 ClassSums = Mapping[int, tuple[np.ndarray, int]]
 
 
 # ------------------------------------------------------------------ pure functions
 
+
 def _seeded(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 
-def merge_class_sums(uploads: Sequence[ClassSums], into: dict[int, tuple[np.ndarray, int]] | None = None
-                     ) -> dict[int, tuple[np.ndarray, int]]:
+def merge_class_sums(
+    uploads: Sequence[ClassSums], into: dict[int, tuple[np.ndarray, int]] | None = None
+) -> dict[int, tuple[np.ndarray, int]]:
     out = dict(into or {})
     for sums in uploads:
         for c, (s, n) in sums.items():
@@ -70,16 +83,19 @@ def _unit(v: np.ndarray) -> np.ndarray:
     return v / max(float(np.linalg.norm(v)), 1e-12)
 
 
-def assign_groups(new_classes: Sequence[int], prototypes: Mapping[int, np.ndarray],
-                  group_classes: Sequence[Sequence[int]]) -> int:
+def assign_groups(
+    new_classes: Sequence[int], prototypes: Mapping[int, np.ndarray], group_classes: Sequence[Sequence[int]]
+) -> int:
     """The group that takes a task's new classes: the first empty group while one is left,
     else the group whose classes are most similar (mean over new classes of the best cosine
     to a class of the group)."""
     for j, classes in enumerate(group_classes):
         if not classes:
             return j
-    scores = [np.mean([max(float(_unit(prototypes[c]) @ _unit(prototypes[k])) for k in classes)
-                       for c in new_classes]) for classes in group_classes]
+    scores = [
+        np.mean([max(float(_unit(prototypes[c]) @ _unit(prototypes[k])) for k in classes) for c in new_classes])
+        for classes in group_classes
+    ]
     return int(np.argmax(scores))
 
 
@@ -91,8 +107,13 @@ def emd_weights(entropies: Sequence[float]) -> np.ndarray:
     return h / h.sum() if h.sum() > 0 else np.full(h.size, 1.0 / h.size)
 
 
-def emd_targets(old_logits: np.ndarray, upload_logits: Sequence[np.ndarray], upload_classes: Sequence[Sequence[int]],
-                entropies: Sequence[float], new_classes: Sequence[int]) -> np.ndarray:
+def emd_targets(
+    old_logits: np.ndarray,
+    upload_logits: Sequence[np.ndarray],
+    upload_classes: Sequence[Sequence[int]],
+    entropies: Sequence[float],
+    new_classes: Sequence[int],
+) -> np.ndarray:
     """Eq. 6-8: (B, m) f_old logits + per upload (B, n_k) logits over ``upload_classes[k]`` ->
     (B, m + n) targets in [old..., new_classes...] order.  Every new class needs an upload."""
     b = old_logits.shape[0]
@@ -117,12 +138,13 @@ def aux_quotas(old_classes: Sequence[int], new_counts: Mapping[int, int], total:
     mass.update({int(c): share for c in old_classes})
     raw = {c: total * m / sum(mass.values()) for c, m in mass.items()}
     out = {c: int(math.floor(v)) for c, v in raw.items()}
-    for c in sorted(raw, key=lambda c: (out[c] - raw[c], c))[:total - sum(out.values())]:
+    for c in sorted(raw, key=lambda c: (out[c] - raw[c], c))[: total - sum(out.values())]:
         out[c] += 1
     return out
 
 
 # ------------------------------------------------------------------ waiting window
+
 
 class WaitingWindow:
     """Uploads for one (round, group), accepted until ``window_s`` after the first one arrived
@@ -135,7 +157,7 @@ class WaitingWindow:
         self.refused: dict[str, int] = {}
 
     def offer(self, upload: "ReceivedGroup", now: float) -> bool:
-        reason = ("late" if self.closed(now) else "duplicate" if upload.client in self.uploads else None)
+        reason = "late" if self.closed(now) else "duplicate" if upload.client in self.uploads else None
         if reason:
             self.refused[reason] = self.refused.get(reason, 0) + 1
             return False
@@ -150,6 +172,7 @@ class WaitingWindow:
 
 
 # ------------------------------------------------------------------ uploads and aux data
+
 
 @dataclass
 class ReceivedGroup:
@@ -176,11 +199,15 @@ class ReceivedGroup:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"fedet upload from {client!r}: bad meta ({exc!r})") from None
         if any(n < 0 for n in counts.values()) or not set(counts) <= set(classes) or up.n_samples < 1:
-            raise ValueError(f"fedet upload from {up.client!r}: label_counts {counts} must be >= 0 and "
-                             f"within classes {classes}, n_samples {up.n_samples} >= 1")
+            raise ValueError(
+                f"fedet upload from {up.client!r}: label_counts {counts} must be >= 0 and "
+                f"within classes {classes}, n_samples {up.n_samples} >= 1"
+            )
         if not abs(up.entropy - entropy_nats(list(counts.values()))) < 1e-6:
-            raise ValueError(f"fedet upload from {up.client!r}: entropy {up.entropy} does not match "
-                             f"its label counts ({entropy_nats(list(counts.values()))})")
+            raise ValueError(
+                f"fedet upload from {up.client!r}: entropy {up.entropy} does not match "
+                f"its label counts ({entropy_nats(list(counts.values()))})"
+            )
         return up
 
 
@@ -191,8 +218,9 @@ class AuxiliaryPool:
     docs: EncodedDocs
     pooled: np.ndarray
 
-    def select(self, quotas: Mapping[int, int], prototypes: Mapping[int, np.ndarray],
-               rng: np.random.Generator) -> EncodedDocs:
+    def select(
+        self, quotas: Mapping[int, int], prototypes: Mapping[int, np.ndarray], rng: np.random.Generator
+    ) -> EncodedDocs:
         classes = np.array(sorted(prototypes))
         protos = np.stack([_unit(np.asarray(prototypes[c], np.float64)) for c in classes])
         unit = self.pooled / np.maximum(np.linalg.norm(self.pooled, axis=1, keepdims=True), 1e-12)
@@ -205,6 +233,7 @@ class AuxiliaryPool:
 
 
 # ------------------------------------------------------------------ the server
+
 
 @dataclass(frozen=True)
 class FedETServerConfig:
@@ -260,29 +289,36 @@ class FedETAggregator:
         aux = self.aux.select(aux_quotas(old.classes, counts, self.cfg.aux_per_round), self.prototypes, rng)
         covered = [c for c in new_classes if any(c in t for t in trained)]  # others keep their rows
         old_logits = predict_logits(self.backbone, old, aux.ids, aux.mask)
-        up_logits = [predict_logits(self.backbone, g, aux.ids, aux.mask)[:, g.rows(cl)]
-                     for g, cl in zip(received, trained)]
+        up_logits = [
+            predict_logits(self.backbone, g, aux.ids, aux.mask)[:, g.rows(cl)] for g, cl in zip(received, trained)
+        ]
         targets = emd_targets(old_logits, up_logits, trained, [u.entropy for u in uploads], covered)
         cols = group.rows(list(old.classes) + covered)
         full = np.zeros((len(aux), len(group.classes)), np.float32)
         full[:, cols] = targets
-        student = tensors_to_group(weighted_average([(group_to_tensors(g), float(u.n_samples))
-                                                     for g, u in zip(received, uploads)], group_to_tensors(group)),
-                                   self.cfg.enhancer, group.classes)
+        student = tensors_to_group(
+            weighted_average(
+                [(group_to_tensors(g), float(u.n_samples)) for g, u in zip(received, uploads)], group_to_tensors(group)
+            ),
+            self.cfg.enhancer,
+            group.classes,
+        )
         self._distill(student, aux, torch.from_numpy(full), torch.tensor(cols), rnd, j)
         self.groups[j] = student
         return student
 
-    def _distill(self, student: EnhancerGroup, aux: EncodedDocs, targets: torch.Tensor, cols: torch.Tensor,
-                 rnd: int, j: int) -> None:
+    def _distill(
+        self, student: EnhancerGroup, aux: EncodedDocs, targets: torch.Tensor, cols: torch.Tensor, rnd: int, j: int
+    ) -> None:
         opt = torch.optim.AdamW(trainable_parameters(student), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         gen = torch.Generator().manual_seed(_seeded(self.cfg.seed, rnd, j))
         student.train()
         for _ in range(self.cfg.distill_epochs):
             for rows in torch.randperm(len(aux), generator=gen).split(self.cfg.batch_size):
                 idx = rows.numpy()
-                logits = enhanced_logits(self.backbone, student, torch.from_numpy(aux.ids[idx]),
-                                         torch.from_numpy(aux.mask[idx]))  # (b, c)
+                logits = enhanced_logits(
+                    self.backbone, student, torch.from_numpy(aux.ids[idx]), torch.from_numpy(aux.mask[idx])
+                )  # (b, c)
                 loss = ((logits[:, cols] - targets[rows][:, cols]) ** 2).mean()  # eq. 7
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

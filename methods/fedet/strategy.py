@@ -67,12 +67,24 @@ class FedETStrategy(Strategy):
         super().__init__(fed, options, input_dim, aux_dir)
         spec = options
         self.backbone = FrozenBackbone(load_minilm())
-        self.enhancer = EnhancerConfig(hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck,
-                                       blocks=self.backbone.cfg.layers)
+        self.enhancer = EnhancerConfig(
+            hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck, blocks=self.backbone.cfg.layers
+        )
         self.server = FedETAggregator(
-            FedETServerConfig(self.enhancer, self.groups_of(spec), spec.aux_per_round, spec.server_epochs, fed.train.lr,
-                              spec.weight_decay, fed.train.batch_size, fed.seed, spec.proto_init),
-            self.backbone, load_aux_pool(aux_dir, self.backbone, spec.max_length) if self.distils else None)
+            FedETServerConfig(
+                self.enhancer,
+                self.groups_of(spec),
+                spec.aux_per_round,
+                spec.server_epochs,
+                fed.train.lr,
+                spec.weight_decay,
+                fed.train.batch_size,
+                fed.seed,
+                spec.proto_init,
+            ),
+            self.backbone,
+            load_aux_pool(aux_dir, self.backbone, spec.max_length) if self.distils else None,
+        )
         self.changed: list[int] = []  # groups in the current downlink
 
     # -- the reference for upload ratios: the whole fine-tuned model in float32 -------------
@@ -92,8 +104,9 @@ class FedETStrategy(Strategy):
         return True  # the downlink changes shape as classes arrive; ``restore`` checks the groups
 
     def announce_meta(self, rnd: int) -> dict:
-        return downlink_meta(self.phase(rnd), self.server.group_of,
-                             [(j, list(self.server.groups[j].classes)) for j in self.changed])
+        return downlink_meta(
+            self.phase(rnd), self.server.group_of, [(j, list(self.server.groups[j].classes)) for j in self.changed]
+        )
 
     # -- uploads -------------------------------------------------------------------------
     def normalize(self, frame: Frame) -> Checked:
@@ -107,10 +120,14 @@ class FedETStrategy(Strategy):
 
     def _sums(self, frame: Frame, m: dict) -> dict[int, tuple[np.ndarray, int]]:
         classes, counts = m.get("classes"), m.get("counts")
-        ok = (isinstance(classes, list) and isinstance(counts, list) and len(classes) == len(counts)
-              and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < MAX_CLASS_ID for c in classes)
-              and len(set(classes)) == len(classes)
-              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts))
+        ok = (
+            isinstance(classes, list)
+            and isinstance(counts, list)
+            and len(classes) == len(counts)
+            and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < MAX_CLASS_ID for c in classes)
+            and len(set(classes)) == len(classes)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts)
+        )
         if not ok:
             raise ValueError("meta.fedet: expected distinct class ids and counts >= 1 of equal length")
         if not classes:
@@ -132,13 +149,18 @@ class FedETStrategy(Strategy):
             raise ValueError("meta.fedet.groups: expected a list of at most one upload per group")
         out, used = [], set()
         for g in groups:
-            if not isinstance(g, dict) or not isinstance(g.get("group"), int) or g["group"] in used \
-                    or not 0 <= g["group"] < self.server.cfg.num_groups:
+            if (
+                not isinstance(g, dict)
+                or not isinstance(g.get("group"), int)
+                or g["group"] in used
+                or not 0 <= g["group"] < self.server.cfg.num_groups
+            ):
                 raise ValueError("meta.fedet.groups: bad or repeated group index")
             j = used.add(g["group"]) or g["group"]
             prefix = group_prefix(j)
-            up = ReceivedGroup.from_meta(frame.header.client, g, {k[len(prefix):]: v for k, v in frame.tensors.items()
-                                                                  if k.startswith(prefix)})
+            up = ReceivedGroup.from_meta(
+                frame.header.client, g, {k[len(prefix) :]: v for k, v in frame.tensors.items() if k.startswith(prefix)}
+            )
             if up.classes != self.server.groups[j].classes:
                 raise ValueError(f"group {j}: expected classes {self.server.groups[j].classes}, got {up.classes}")
             tensors_to_group(up.tensors, self.enhancer, up.classes)  # names, shapes, finite values
@@ -177,8 +199,13 @@ class FedETStrategy(Strategy):
     def average(self, j: int, uploads: list[ReceivedGroup]) -> None:
         """Sample-weighted FedAvg of group ``j``'s uploads."""
         current = self.server.groups[j]
-        average = weighted_average([(group_to_tensors(tensors_to_group(u.tensors, self.enhancer, u.classes)),
-                                     float(u.n_samples)) for u in uploads], group_to_tensors(current))
+        average = weighted_average(
+            [
+                (group_to_tensors(tensors_to_group(u.tensors, self.enhancer, u.classes)), float(u.n_samples))
+                for u in uploads
+            ],
+            group_to_tensors(current),
+        )
         self.server.groups[j] = tensors_to_group(average, self.enhancer, current.classes)
 
     def downlink(self) -> dict[str, np.ndarray]:
@@ -194,10 +221,13 @@ class FedETStrategy(Strategy):
     # -- checkpoints ---------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         s = self.server
-        meta = {"changed": self.changed, "group_of": sorted(s.group_of.items()),
-                "groups": [list(g.classes) for g in s.groups],
-                "old": {str(j): list(g.classes) for j, g in s.old.items()},
-                "counts": {str(c): n for c, (_, n) in s.sums.items()}}
+        meta = {
+            "changed": self.changed,
+            "group_of": sorted(s.group_of.items()),
+            "groups": [list(g.classes) for g in s.groups],
+            "old": {str(j): list(g.classes) for j, g in s.old.items()},
+            "counts": {str(c): n for c, (_, n) in s.sums.items()},
+        }
         arrays = {f"sums/{c}": v for c, (v, _) in s.sums.items()}
         for j, g in enumerate(s.groups):
             if g.classes:
@@ -213,8 +243,11 @@ class FedETStrategy(Strategy):
         def group(prefix: str, classes: list[int], fallback):
             if not classes:
                 return fallback
-            return tensors_to_group({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)},
-                                    self.enhancer, [int(c) for c in classes]).eval()
+            return tensors_to_group(
+                {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)},
+                self.enhancer,
+                [int(c) for c in classes],
+            ).eval()
 
         s.group_of = {int(c): int(j) for c, j in meta["group_of"]}
         s.sums = {int(c): (arrays[f"sums/{c}"], int(n)) for c, n in meta["counts"].items()}

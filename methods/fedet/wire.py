@@ -32,13 +32,19 @@ def phase_of(task_start: bool) -> str:
 
 def downlink_meta(phase: str, group_of: dict[int, int], changed: list[tuple[int, list[int]]]) -> dict:
     """The announcement's ``meta.fedet`` (``changed``: (group, its classes) sent down this round)."""
-    return {META_KEY: {"phase": phase, "classes": sorted(group_of),
-                       "group_of": [[c, group_of[c]] for c in sorted(group_of)],
-                       "groups": [{"group": j, "classes": list(classes)} for j, classes in changed]}}
+    return {
+        META_KEY: {
+            "phase": phase,
+            "classes": sorted(group_of),
+            "group_of": [[c, group_of[c]] for c in sorted(group_of)],
+            "groups": [{"group": j, "classes": list(classes)} for j, classes in changed],
+        }
+    }
 
 
-def parse_downlink(meta: dict | None, tensors: dict[str, Tensor], cfg: EnhancerConfig,
-                   num_groups: int) -> tuple[str, dict[int, int], dict[int, np.ndarray], dict[int, EnhancerGroup]]:
+def parse_downlink(
+    meta: dict | None, tensors: dict[str, Tensor], cfg: EnhancerConfig, num_groups: int
+) -> tuple[str, dict[int, int], dict[int, np.ndarray], dict[int, EnhancerGroup]]:
     """Validate a round's FedET content: (phase, class -> group, prototypes, changed groups)."""
     m = (meta or {}).get(META_KEY)
     if not isinstance(m, dict) or m.get("phase") not in PHASES:
@@ -63,8 +69,9 @@ def parse_downlink(meta: dict | None, tensors: dict[str, Tensor], cfg: EnhancerC
         if not 0 <= j < num_groups or j in groups:
             raise ValueError(f"meta.fedet.groups: bad or repeated group {j}")
         prefix = group_prefix(j)
-        groups[j] = tensors_to_group({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
-                                     cfg, group_classes)
+        groups[j] = tensors_to_group(
+            {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, cfg, group_classes
+        )
     known = {"prototypes"} | {k for k in tensors for j in groups if k.startswith(group_prefix(j))}
     if set(tensors) - known:
         raise ValueError(f"tensors: unexpected {sorted(set(tensors) - known)[:5]}")

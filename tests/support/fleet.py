@@ -21,8 +21,11 @@ from fcl_edge.simulate import plan, write_configs
 # A short run used by the crash, outage and service tests (8 rounds, 3 devices); a re-send
 # request every 2 s so a lost update is asked for quickly.
 QUICK_SCENARIO = "configs/scenarios/quickstart.yaml"
-QUICK_OVERRIDES = ["federation.rounds_per_task=4", "federation.rounds.resend_after_s=2",
-                   "federation.rounds.deadline_s=90"]
+QUICK_OVERRIDES = [
+    "federation.rounds_per_task=4",
+    "federation.rounds.resend_after_s=2",
+    "federation.rounds.deadline_s=90",
+]
 
 
 def matrices(summary: dict) -> dict:
@@ -40,8 +43,9 @@ def assert_each_round_once(fleet: "Fleet", rounds: int, clients: int) -> None:
 
 
 class Fleet:
-    def __init__(self, scenario: Path, out: Path, broker_url: str, overrides: Sequence[str] = (),
-                 aggregator: dict | None = None) -> None:
+    def __init__(
+        self, scenario: Path, out: Path, broker_url: str, overrides: Sequence[str] = (), aggregator: dict | None = None
+    ) -> None:
         """``aggregator``: extra keys for the aggregator's config (e.g. metrics_port)."""
         self.out = out
         (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -61,9 +65,13 @@ class Fleet:
         kind, path = self.configs[name]
         self.starts[name] = self.starts.get(name, 0) + 1
         log = open(self.out / "logs" / f"{name}.{self.starts[name]}.log", "w")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(path)],
-                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, **(env or {})})
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
         return self.procs[name]
 
     def start_all(self) -> None:

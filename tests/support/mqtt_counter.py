@@ -94,8 +94,8 @@ class MqttCounter:
 def _connect_client_id(body: bytes) -> str:
     name_len = int.from_bytes(body[0:2], "big")
     pos = 2 + name_len + 1 + 1 + 2  # protocol name, level, flags, keep-alive
-    id_len = int.from_bytes(body[pos:pos + 2], "big")
-    return body[pos + 2:pos + 2 + id_len].decode("utf-8")
+    id_len = int.from_bytes(body[pos : pos + 2], "big")
+    return body[pos + 2 : pos + 2 + id_len].decode("utf-8")
 
 
 def _close(sock: socket.socket) -> None:
