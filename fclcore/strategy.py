@@ -2,7 +2,8 @@
 
 The service runs the rounds; a ``Strategy`` says what a round carries and what it does:
 
-* ``configure``: the round's announcement metadata and per-client downlink frames;
+* ``announce_meta`` and ``client_downlinks``: configure a round (the announcement's metadata,
+  and frames for single clients, published before the announcement);
 * ``normalize``: validate one update once (names, shapes, the method's metadata) and return
   its full-shape tensors, or a ``Checked`` that also keeps the method's parsed view;
 * ``aggregate``: accepted updates -> the next global model;
