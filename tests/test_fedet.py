@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.models.enhancer import (
     BertEncoder,
     EnhancedTransformer,
+    Enhancer,
     EnhancerConfig,
     EnhancerGroup,
     FrozenBackbone,
@@ -425,3 +428,23 @@ def test_one_class_temporary_group_is_no_teacher(backbone):
     up_one, up_two = one.train_round(0)[0], two.train_round(0)[0]
     assert all(np.array_equal(before[k], up_one.tensors[k].to_dense()) for k in before)
     assert any(not np.array_equal(before[k], up_two.tensors[k].to_dense()) for k in before)
+
+
+def test_seeded_group_leaves_the_global_rng_alone_and_matches_the_seeded_construction() -> None:
+    """Devices and the aggregator build the same fresh group from a seed, and doing so draws
+    nothing from torch's process-wide generator (daemons may share a process)."""
+    cfg = EnhancerConfig(hidden=16, bottleneck=4, blocks=2)
+    torch.manual_seed(7)  # what the group's values have always been: construction after this seed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        reference = nn.ModuleList([*[Enhancer(cfg) for _ in range(cfg.blocks)], nn.Linear(16, 3)])
+    state = torch.get_rng_state()
+    group = EnhancerGroup(cfg, (1, 2, 3), seed=7)
+    group.extend_classes([4])
+    assert torch.equal(state, torch.get_rng_state())
+    for mine, theirs in zip([*group.enhancers, group.head], reference):
+        for a, b in zip(mine.parameters(), theirs.parameters()):
+            if a.shape == b.shape:
+                assert torch.equal(a, b)
+            else:  # the extended head: the old rows kept, the new one zero
+                assert torch.equal(a[: b.shape[0]], b) and not a[b.shape[0] :].any()

@@ -249,25 +249,44 @@ _ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 class Enhancer(nn.Module):
     """h -> h + W_up f(W_down h); W_up = 0 at construction, so a fresh Enhancer is the identity."""
 
-    def __init__(self, cfg: EnhancerConfig) -> None:
+    def __init__(self, cfg: EnhancerConfig, device: str | None = None) -> None:
         super().__init__()
-        self.down = nn.Linear(cfg.hidden, cfg.bottleneck)
+        self.down = nn.Linear(cfg.hidden, cfg.bottleneck, device=device)
         self.act = _ACTIVATIONS[cfg.activation]()
-        self.up = nn.Linear(cfg.bottleneck, cfg.hidden)
-        nn.init.zeros_(self.up.weight)
-        nn.init.zeros_(self.up.bias)
+        self.up = nn.Linear(cfg.bottleneck, cfg.hidden, device=device)
+        if device != "meta":
+            nn.init.zeros_(self.up.weight)
+            nn.init.zeros_(self.up.bias)
 
     def forward(self, h: Tensor) -> Tensor:
         return h + self.up(self.act(self.down(h)))  # (B, L, n) -> (B, L, m) -> (B, L, n)
 
 
-def _linear(n_in: int, n_out: int) -> nn.Linear:
+def _linear(n_in: int, n_out: int, device: str | None = None) -> nn.Linear:
     """nn.Linear that also allows 0 outputs (a group before its first task) without a warning."""
     if n_out:
-        return nn.Linear(n_in, n_out)
+        return nn.Linear(n_in, n_out, device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return nn.Linear(n_in, 0)
+        return nn.Linear(n_in, 0, device=device)
+
+
+def _seeded_reset(module: nn.Module, generator: torch.Generator) -> None:
+    """``nn.Linear``'s default initialisation, drawn from ``generator`` in construction order,
+    then the Enhancers' zero up-projections: the values ``torch.manual_seed(seed)`` followed by
+    construction gives, without the process-wide RNG (threads may share it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # zero-element heads
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear):
+                nn.init.kaiming_uniform_(sub.weight, a=math.sqrt(5), generator=generator)
+                bound = 1 / math.sqrt(sub.in_features) if sub.in_features > 0 else 0
+                nn.init.uniform_(sub.bias, -bound, bound, generator=generator)
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, Enhancer):
+                sub.up.weight.zero_()
+                sub.up.bias.zero_()
 
 
 class EnhancerGroup(nn.Module):
@@ -281,11 +300,12 @@ class EnhancerGroup(nn.Module):
         self.classes: tuple[int, ...] = tuple(int(c) for c in classes)
         if len(set(self.classes)) != len(self.classes):
             raise ValueError(f"EnhancerGroup classes must be distinct, got {self.classes}")
-        with torch.random.fork_rng(enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            self.enhancers = nn.ModuleList(Enhancer(cfg) for _ in range(cfg.blocks))
-            self.head = _linear(cfg.hidden, len(self.classes))
+        device = None if seed is None else "meta"  # seeded: no draw from the global RNG at all
+        self.enhancers = nn.ModuleList(Enhancer(cfg, device) for _ in range(cfg.blocks))
+        self.head = _linear(cfg.hidden, len(self.classes), device)
+        if seed is not None:
+            self.to_empty(device="cpu")
+            _seeded_reset(self, torch.Generator().manual_seed(seed))
 
     def extend_classes(self, new: Sequence[int], rows: Mapping[int, np.ndarray] | None = None) -> None:
         """Append head rows for ``new`` classes, keeping the old rows.
@@ -295,7 +315,7 @@ class EnhancerGroup(nn.Module):
         new = [int(c) for c in new if int(c) not in self.classes]
         if not new:
             return
-        head = _linear(self.cfg.hidden, len(self.classes) + len(new))
+        head = _linear(self.cfg.hidden, len(self.classes) + len(new), "meta").to_empty(device="cpu")
         with torch.no_grad():
             head.weight.zero_()
             head.bias.zero_()
