@@ -164,9 +164,15 @@ class AggregatorService:
         self.watchdog.start()
         self.notifier.ready(f"connected to {self.cfg.broker.url}")
         started = time.monotonic()
+        finished_before = self.next_round > self.fed.total_rounds
         try:
+            if finished_before:  # the end was committed: announce it again, for devices that missed it
+                log.info("%s finished before this start; announcing its end again", self.fed.name)
+                self._announce(Kind.FINISH, self.fed.total_rounds, self.schedule.task_of(self.fed.total_rounds))
+                return ExitCode.OK
             carried = self._replay_journal(self.next_round)
-            self._wait_for_clients(carried)
+            if self.next_round < self.fed.total_rounds:  # else every round is committed: only the end is left
+                self._wait_for_clients(carried)
             for rnd in range(self.next_round, self.fed.total_rounds):
                 if self.stop.is_set():
                     return ExitCode.INTERRUPTED
@@ -174,6 +180,7 @@ class AggregatorService:
             if self.stop.is_set():
                 return ExitCode.INTERRUPTED
             self._finish()
+            self._commit(self.fed.total_rounds)  # the federation's end: a restart does not run it again
         except NotEnoughClients as exc:
             log.error("%s", exc)
             return exc.exit_code
@@ -183,7 +190,8 @@ class AggregatorService:
         finally:
             self.notifier.stopping("shutting down")
             self.link.close("stopped")
-            self._write_summary(time.monotonic() - started)
+            if not finished_before:  # the summary of a finished run stays as it was written
+                self._write_summary(time.monotonic() - started)
             self.runlog.close()
             self.watchdog.stop()
             self.metrics.close()

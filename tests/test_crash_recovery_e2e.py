@@ -17,8 +17,7 @@ def test_aggregator_and_client_killed_mid_round_resume(mosquitto, tmp_path, repo
     fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES)
     try:
         fleet.start_all()
-        fleet.wait_for_round(1)
-        time.sleep(0.3)  # into round 2: some updates in, some not
+        fleet.wait_for_round(1)  # round 2 is open: some updates in, some not (rounds take ~0.1 s)
         fleet.kill("aggregator")
         time.sleep(1.0)  # clients keep publishing into the void meanwhile
         fleet.start("aggregator")
@@ -50,5 +49,22 @@ def test_broker_restarted_mid_round(how, mosquitto, tmp_path, repo_root, quickst
         assert set(codes.values()) == {0}, (codes, fleet.logs())
         assert_each_round_once(fleet, rounds=8, clients=3)
         assert matrices(fleet.summary()) == quickstart_reference
+    finally:
+        fleet.stop()
+
+
+def test_a_restart_after_the_end_announces_it_again_and_exits(mosquitto, tmp_path, repo_root) -> None:
+    """An aggregator started again on a finished federation's state re-announces FINISH and
+    exits 0 at once (it used to wait for devices that had gone, then exit 4), leaving the
+    run's summary as it was."""
+    fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES)
+    try:
+        fleet.start_all()
+        assert set(fleet.wait().values()) == {0}
+        summary = (tmp_path / "run/summary.json").read_text()
+        fleet.start("aggregator")
+        assert fleet.procs["aggregator"].wait(30) == 0
+        assert "finished before this start" in (tmp_path / "run/logs/aggregator.2.log").read_text()
+        assert (tmp_path / "run/summary.json").read_text() == summary
     finally:
         fleet.stop()
