@@ -313,6 +313,7 @@ class ClientDaemon:
                             frame.header.round - 1, _places(frame)[1], task_ended=frame.header.task != self.task
                         )
                     )
+                    self.serving.wait()  # nothing to train until the data comes: serve it before saying so
                 self.link.publish_status("online", waiting_for_task=frame.header.task)
             self.waiting = (frame, size)
             return False
