@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 BINARIZATION = {"digits": "value>7", "mnist": "pixel>127"}  # fclcore.data's defaults
 PARITY_ROWS = 64
+# torch.onnx.export keeps process-wide state: devices sharing a process (fcl simulate
+# --in-process) export one at a time.
+_EXPORT_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ class ServedModelWriter:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             if served.format == "made":
                 save_snapshot(served, self.out_dir / "served.npz")
-            report = export_served(served, self.model_path, parity_inputs=job.parity_inputs, int8=self.int8)
+            with _EXPORT_LOCK:
+                report = export_served(served, self.model_path, parity_inputs=job.parity_inputs, int8=self.int8)
         except (ExportError, SnapshotError, ValueError, OSError) as exc:
             log.error("export after task %d failed, previous model stays in service: %s", served.task, exc)
             return None
