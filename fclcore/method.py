@@ -18,7 +18,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from fclcore.config import from_dict, to_dict
+from fclcore.config import from_dict
 from fclcore.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,11 +77,6 @@ def lookup(name: object, source: str = "federation") -> MethodSpec:
             f"{source}: federation.method: unknown method {name!r} (expected one of: {', '.join(sorted(REGISTRY))})"
         )
     return REGISTRY[name]
-
-
-def normalized_options(spec: MethodSpec, raw: Any, source: str = "federation") -> dict:
-    """``federation.options`` with the method's defaults filled in (what is sent and hashed)."""
-    return to_dict(spec.parse_options(raw, source))
 
 
 def _load(target: str) -> Any:

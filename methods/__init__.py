@@ -9,12 +9,14 @@ file and its tests (docs/adding-a-method.md).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import methods.confedmade
 import methods.fedet  # noqa: F401  (registers FedET)
+from fclcore.config import to_dict
 from fclcore.errors import ConfigError
-from fclcore.method import REGISTRY, MethodSpec, lookup, normalized_options
+from fclcore.method import REGISTRY, MethodSpec, lookup
 from fclcore.schema import FederationSpec
 
 __all__ = ["REGISTRY", "MethodSpec", "learner_for", "lookup", "names", "resolve", "strategy_for"]
@@ -27,15 +29,13 @@ def names() -> list[str]:
 def resolve(fed: FederationSpec, source: str = "federation") -> tuple[MethodSpec, Any, FederationSpec]:
     """(spec, parsed options, the federation with its options' defaults filled in);
     ConfigError naming ``source`` and the key for an unknown method or option."""
-    import dataclasses
-
     spec = lookup(fed.method, source)
     options = spec.parse_options(fed.options, source)
     try:
         fed.check_schedule()
     except ValueError as exc:
         raise ConfigError(f"{source}: federation.{exc}") from None
-    return spec, options, dataclasses.replace(fed, options=normalized_options(spec, fed.options, source))
+    return spec, options, dataclasses.replace(fed, options=to_dict(options))  # defaults filled: sent and hashed
 
 
 def strategy_for(fed: FederationSpec, input_dim: int, aux_dir: str | None = None, source: str = "federation"):
