@@ -91,8 +91,8 @@ class Inbox:
         if kind is Kind.UPDATE:
             try:
                 checked = self.normalize(frame)
-            except ValueError as exc:
-                return Rejection("content", str(exc), client)
+            except ValueError as exc:  # a strategy may name the reason (``fclcore.strategy.Rejected``)
+                return Rejection(getattr(exc, "reason", "content"), str(exc), client)
             tensors, parsed = (checked.tensors, checked.parsed) if isinstance(checked, Checked) else (checked, None)
             if self.max_update_norm is not None and current is not None:
                 norm = update_distance(tensors, current)

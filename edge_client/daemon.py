@@ -34,7 +34,7 @@ from fclcore import topics
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import ConfigError, from_dict, to_dict
-from fclcore.data import ClientTasks, client_task_split, load_dataset
+from fclcore.data import ClientTasks, client_task_split, load_dataset, pool_task_split
 from fclcore.exitcodes import ExitCode
 from fclcore.learner import Learner
 from fclcore.schedule import RoundPlace
@@ -77,7 +77,8 @@ class ClientDaemon:
         self.knowledge: dict[int, Frame] = {}  # task -> knowledge frame from the aggregator
         self.knowledge_raw: dict[int, bytes] = {}
         self.knowledge_bytes: dict[int, int] = {}
-        self.pending: tuple[Frame, int] | None = None  # a round waiting for its task's knowledge
+        self.mid_frames: dict[int, tuple[Frame, int]] = {}  # round -> (own frame, size) inside a started task
+        self.pending: tuple[Frame, int] | None = None  # a round waiting for its own frame
         self.unacked: bytes | None = None  # the update for done_round, until a later round is announced
         self.sent_at = 0.0  # when it was published (monotonic)
         self.arrival = 0.0  # when the message being handled arrived
@@ -249,12 +250,14 @@ class ClientDaemon:
         return self._handle_round(frame, size)
 
     def _needs_knowledge(self, frame: Frame) -> bool:
-        """The round says the strategy sent this device its own frame for it, and it is not here yet."""
-        return (
-            frame.meta.get("client_frames") is True
-            and frame.header.task != self.task
-            and frame.header.task not in self.knowledge
-        )
+        """The round says the strategy sent this device its own frame for it, and it is not here
+        yet: a task's first frame (kept for restarts), or a frame for a later round of the task
+        this device is in."""
+        if frame.meta.get("client_frames") is not True:
+            return False
+        if frame.header.task != self.task:
+            return frame.header.task not in self.knowledge
+        return frame.header.round > self.done_round and frame.header.round not in self.mid_frames
 
     def _resend(self, rnd: int, why: str) -> None:
         """Publish the unacknowledged update again, unless the message asking for it arrived
@@ -271,9 +274,15 @@ class ClientDaemon:
             raise RejectedFrame(f"topic: knowledge frame on {topic}")
         if frame.meta.get("for_task", frame.header.task) != frame.header.task:
             raise RejectedFrame("knowledge: meta.for_task differs from the header's task")
-        self.knowledge[frame.header.task] = frame
-        self.knowledge_raw[frame.header.task] = payload
-        self.knowledge_bytes[frame.header.task] = size
+        if frame.header.task == self.task:  # for a later round of the task in hand
+            if frame.header.round <= self.done_round:
+                return False  # a retained frame of a round already done
+            self.mid_frames = {r: f for r, f in self.mid_frames.items() if r > self.done_round}
+            self.mid_frames[frame.header.round] = (frame, size)
+        else:
+            self.knowledge[frame.header.task] = frame
+            self.knowledge_raw[frame.header.task] = payload
+            self.knowledge_bytes[frame.header.task] = size
         if self.pending is not None and not self._needs_knowledge(self.pending[0]):
             pending, self.pending = self.pending, None
             return self._handle_round(*pending)
@@ -318,8 +327,9 @@ class ClientDaemon:
             self.waiting = (frame, size)
             return False
         new_task = frame.header.task != self.task  # the task's knowledge frame counts for its first round
-        self.round_bytes_down[frame.header.round] = size + (
-            self.knowledge_bytes.get(frame.header.task, 0) if new_task else 0
+        own = self.mid_frames.get(frame.header.round, (None, 0))[1] if not new_task else 0
+        self.round_bytes_down[frame.header.round] = (
+            size + own + (self.knowledge_bytes.get(frame.header.task, 0) if new_task else 0)
         )
         self._round(frame)
         return False
@@ -390,6 +400,11 @@ class ClientDaemon:
             except ValueError as exc:
                 raise RejectedFrame(f"knowledge: {exc}") from None
             self.task = task
+        elif rnd in self.mid_frames:
+            try:
+                self.learner.receive_frame(self.mid_frames.pop(rnd)[0], rnd)
+            except ValueError as exc:
+                raise RejectedFrame(f"knowledge: {exc}") from None
         seen = self.data.train if self.learner.sees_all_tasks else self.data.train[: task + 1]
         n_samples, train_nll = self.learner.train_round(seen, rnd, place)
         tensors = self.learner.upload(rnd, place)
@@ -503,14 +518,18 @@ def _places(frame: Frame) -> tuple[RoundPlace, RoundPlace | None]:
 
 
 def load_client_data(cfg: ClientConfig) -> ClientTasks:
+    """This device's shard, derived from the shared plan alone (the same split ``fcl simulate`` checked)."""
     spec = cfg.data
-    train, test = load_dataset(spec.dataset, spec.path, spec.seed, spec.max_length)
+    seed = spec.data_seed
+    train, test = load_dataset(spec.dataset, spec.path, seed, spec.max_length)
+    if spec.pool_ids is not None:
+        return pool_task_split(train, test, spec.pool_tasks, spec.pool_ids, seed, spec.per_class, spec.test_per_class)
     return client_task_split(
         train,
         test,
         spec.client_tasks,
         spec.client_index,
-        spec.seed,
+        seed,
         spec.test_tasks,
         spec.per_class,
         spec.test_per_class,

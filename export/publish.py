@@ -6,9 +6,11 @@ integrity hashes the runtimes check), writes it with :func:`write_synced` to a
 :func:`publish` es every temporary file over its target (``os.replace`` + a directory fsync).
 Whatever is left is cleaned up with :func:`remove_temps`.  int8 copies live at
 :func:`int8_path_for`; :func:`quiet_quantizer` keeps onnxruntime's ``quantize_dynamic`` from
-configuring the root logger or printing its pre-processing hint.
+configuring the root logger or printing its pre-processing hint, and :func:`quantize_int8` runs
+it that way for the text exporters.
 
-Only the standard library is imported here (onnx lazily, inside :func:`seal`).
+Only the standard library is imported here (onnx lazily, inside :func:`seal`; onnxruntime's
+quantiser inside :func:`quantize_int8`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from export import _meta
 from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
@@ -38,6 +40,7 @@ __all__ = [
     "file_sha256",
     "int8_path_for",
     "quiet_quantizer",
+    "quantize_int8",
     "publish",
     "remove_temps",
 ]
@@ -131,6 +134,22 @@ def quiet_quantizer() -> Iterator[None]:
     finally:
         root.removeFilter(hint)
         root.removeHandler(quiet)
+
+
+def quantize_int8(
+    src: str | os.PathLike, dst: str | os.PathLike, exclude: Sequence[str] = (), per_channel: bool = True
+) -> None:
+    """onnxruntime's ``quantize_dynamic`` (int8 weights) of ``src`` into ``dst``, quietly; the
+    nodes named in ``exclude`` stay fp32.  Raises :class:`ExportError`."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    try:
+        with quiet_quantizer():
+            quantize_dynamic(
+                src, dst, weight_type=QuantType.QInt8, per_channel=per_channel, nodes_to_exclude=list(exclude)
+            )
+    except Exception as exc:
+        raise ExportError(f"int8 quantisation failed: {exc}") from exc
 
 
 def publish(pairs: list[tuple[Path, Path]], directory: Path) -> None:

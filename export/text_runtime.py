@@ -1,7 +1,9 @@
 """Torch-free runtime for exported text classifiers, the ``text-groups`` served format (numpy +
 onnxruntime + tokenizers only; FedET is the method that produces this format).
 
-It never imports torch, onnx or yaml.  A model file (format ``fcl-fedet/1``, written by
+It never imports torch, onnx or yaml.  :class:`TokenizedRuntime` (the validated file, its
+tokenizer, token-id checks, batching) is shared with the text-tasks runtime
+(``export.text_tasks_runtime``).  A model file (format ``fcl-fedet/1``, written by
 ``export.onnx_text_groups``) is validated completely before onnxruntime sees it -- protobuf
 structure, the ``fcl.*`` metadata below, the weights hash and the whole-file integrity hash
 (the same ``export._proto`` hashes as the MADE exports) -- so a truncated, corrupted, foreign
@@ -55,7 +57,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -75,6 +77,10 @@ from fclcore.errors import BadInput
 __all__ = [
     "FORMAT",
     "TextClassifierRuntime",
+    "TokenizedRuntime",
+    "check_text_entries",
+    "check_token_inputs",
+    "load_tokenizer",
     "TokenizerError",
     "parse_metadata",
     "default_tokenizer_path",
@@ -97,42 +103,14 @@ class TokenizerError(BadInput):
 # ------------------------------------------------------------------ metadata
 
 
-def _nested_int_lists(raw: str, key: str) -> list[list[int]]:
-    v = _meta._json(raw, key)
-    if (
-        not isinstance(v, list)
-        or not v
-        or any(
-            not isinstance(row, list) or not row or any(isinstance(e, bool) or not isinstance(e, int) for e in row)
-            for row in v
-        )
-    ):
-        raise _meta.MetadataError(f"{key} must be a non-empty JSON list of non-empty int lists")
-    return v
-
-
-def _str_list(raw: str, key: str) -> list[str]:
-    v = _meta._json(raw, key)
-    if not isinstance(v, list) or any(not isinstance(e, str) for e in v):
-        raise _meta.MetadataError(f"{key} must be a JSON list of strings")
-    return v
-
-
-def _fraction(raw: str, key: str) -> float:
-    v = _meta._float(raw, key)
-    if not 0.0 <= v <= 1.0:
-        raise _meta.MetadataError(f"{key} must be in [0, 1], got {v}")
-    return v
-
-
 REQUIRED: dict[str, Callable[[str, str], Any]] = {
     "format": _meta._text(True),
     "method": _meta._text(True),
     "task": _meta._int(0),
     "classes": _meta._int_list,
     "groups": _meta._int_list,
-    "group_classes": _nested_int_lists,
-    "group_of": _nested_int_lists,
+    "group_classes": _meta._nested_int_lists,
+    "group_of": _meta._nested_int_lists,
     "max_length": _meta._int(2),
     "vocab_size": _meta._int(1),
     "hidden": _meta._int(1),
@@ -144,12 +122,12 @@ REQUIRED: dict[str, Callable[[str, str], Any]] = {
     "integrity_sha256": _meta._hex,
 }
 OPTIONAL: dict[str, Callable[[str, str], Any]] = {
-    "class_names": _str_list,
+    "class_names": _meta._str_list,
     "tokenizer_sha256": _meta._hex,
     "tokenizer_json": _meta._text(True),
-    "int8_label_agreement": _fraction,
-    "int8_group_agreement": _fraction,
-    "int8_min_agreement": _fraction,
+    "int8_label_agreement": _meta._fraction,
+    "int8_group_agreement": _meta._fraction,
+    "int8_min_agreement": _meta._fraction,
     "int8_eval": _meta._text(False),
 }
 
@@ -163,14 +141,7 @@ def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
     if fmt != FORMAT:
         hint = " (a MADE model: use fcl infer --op loglik|conditionals|sample)" if fmt == _meta.FORMAT else ""
         raise _meta.MetadataError(f"fcl.format is {fmt[:40]!r}, this text runtime reads {FORMAT!r}{hint}")
-    out: dict[str, Any] = {}
-    for name, fn in REQUIRED.items():
-        if p + name not in raw:
-            raise _meta.MetadataError(f"missing metadata {p + name}")
-        out[name] = fn(raw[p + name], p + name)
-    for name, fn in OPTIONAL.items():
-        if p + name in raw:
-            out[name] = fn(raw[p + name], p + name)
+    out = _meta.read_entries(raw, REQUIRED, OPTIONAL)
     classes, groups, group_classes = out["classes"], out["groups"], out["group_classes"]
     if classes != sorted(set(classes)) or min(classes) < 0:
         raise _meta.MetadataError("fcl.classes must be sorted, distinct and >= 0")
@@ -187,6 +158,12 @@ def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
         raise _meta.MetadataError("fcl.group_of must map distinct classes to the exported group that owns them")
     if "class_names" in out and len(out["class_names"]) != len(classes):
         raise _meta.MetadataError(f"fcl.class_names has {len(out['class_names'])} names for {len(classes)} classes")
+    check_text_entries(out)
+    return out
+
+
+def check_text_entries(out: dict[str, Any]) -> None:
+    """The checks every text format shares: quantisation, int8 agreement, embedded tokenizer."""
     if out["quantization"] not in ("none", "int8-dynamic"):
         raise _meta.MetadataError(
             f"fcl.quantization must be 'none' or 'int8-dynamic', got {out['quantization'][:40]!r}"
@@ -197,21 +174,20 @@ def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
         digest = sha256(out["tokenizer_json"].encode("utf-8")).hexdigest()
         if out.get("tokenizer_sha256", digest) != digest:
             raise _meta.MetadataError("fcl.tokenizer_json does not match fcl.tokenizer_sha256")
-    return out
 
 
-def _validate(data: bytes, path: str) -> dict[str, Any]:
-    """The MADE runtime's file checks with this format's metadata schema."""
-    return validate_model_bytes(data, path, parse_metadata)
-
-
-def _check_io(session: ort.InferenceSession, meta: dict[str, Any], path: str) -> None:
+def check_token_inputs(session: ort.InferenceSession, path: str) -> None:
+    """The graph reads int64 ``input_ids``, ``attention_mask`` [batch, seq] (every text format)."""
     ins = [(i.name, i.type, len(i.shape)) for i in session.get_inputs()]
     if ins != [(n, "tensor(int64)", 2) for n in _INPUTS]:
         raise ModelFileError(
             f"{path}: expected int64 inputs input_ids, attention_mask [batch, seq], got "
             + ", ".join(f"{i.name}:{i.type}{i.shape}" for i in session.get_inputs())
         )
+
+
+def _check_io(session: ort.InferenceSession, meta: dict[str, Any], path: str) -> None:
+    check_token_inputs(session, path)
     outs = {o.name: o for o in session.get_outputs()}
     if set(outs) != set(_OUTPUTS) or any(outs[n].type != t for n, t in _OUTPUTS.items()):
         raise ModelFileError(
@@ -223,13 +199,6 @@ def _check_io(session: ort.InferenceSession, meta: dict[str, Any], path: str) ->
         raise ModelFileError(
             f"{path}: output logits has shape {outs['logits'].shape}, metadata lists {len(meta['classes'])} classes"
         )
-
-
-def _read_and_load(path: str, options: ort.SessionOptions) -> tuple[ort.InferenceSession, dict[str, Any]]:
-    """Open once, validate the bytes, let onnxruntime read the same open file (see MadeRuntime.load)."""
-    session, meta, _ = open_validated(path, options, _validate)
-    _check_io(session, meta, path)
-    return session, meta
 
 
 def model_format(path: str | os.PathLike) -> str | None:
@@ -256,7 +225,7 @@ def default_tokenizer_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def _load_tokenizer(meta: dict[str, Any], explicit: str | os.PathLike | None, model_path: str) -> tuple[Any, str]:
+def load_tokenizer(meta: dict[str, Any], explicit: str | os.PathLike | None, model_path: str) -> tuple[Any, str]:
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:
@@ -307,8 +276,12 @@ def _softmax_at(logits: np.ndarray, col: np.ndarray) -> np.ndarray:
     return e[np.arange(len(col)), col] / e.sum(axis=1)
 
 
-class TextClassifierRuntime:
-    """A validated text classifier (text-groups format): ``classify(texts)`` -> one dict per text."""
+class TokenizedRuntime:
+    """What the text runtimes share: the validated model file, its tokenizer, token-id checks,
+    tokenization and the batching of rows.  A subclass names its metadata schema
+    (``parse_metadata``) and checks its graph's outputs (``_check_io``)."""
+
+    parse_metadata: Callable[[dict[str, str]], dict[str, Any]]
 
     def __init__(
         self,
@@ -321,15 +294,20 @@ class TextClassifierRuntime:
         """Load and validate ``model_path`` (:class:`ModelFileError`) and its tokenizer
         (:class:`TokenizerError`; ``tokenizer=False`` skips it: token-id inputs only)."""
         self.path = os.fspath(model_path)
-        self._session, self.metadata = _read_and_load(self.path, session_options(intra_op_threads))
+        parse = type(self).parse_metadata
+        self._session, self.metadata, _ = open_validated(
+            self.path, session_options(intra_op_threads), lambda data, path: validate_model_bytes(data, path, parse)
+        )
+        self._check_io(self._session, self.metadata, self.path)
         m = self.metadata
         self.quantized = m["quantization"] != "none"
         self.max_length: int = m["max_length"]
-        self.classes = np.asarray(m["classes"], dtype=np.int64)
-        self.class_names: list[str] | None = m.get("class_names")
-        self._tok, self.tokenizer_source = _load_tokenizer(m, tokenizer_json, self.path) if tokenizer else (None, None)
+        self._tok, self.tokenizer_source = load_tokenizer(m, tokenizer_json, self.path) if tokenizer else (None, None)
         pad = self._tok.token_to_id("[PAD]") if self._tok is not None else None
         self.pad_id = 0 if pad is None else int(pad)
+
+    def _check_io(self, session: ort.InferenceSession, meta: dict[str, Any], path: str) -> None:
+        raise NotImplementedError
 
     # ----------------------------------------------------------- token ids
     def _check_ids(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -349,30 +327,19 @@ class TextClassifierRuntime:
             raise InputError("attention_mask must contain only 0 and 1")
         return np.ascontiguousarray(a, dtype=np.int64), np.ascontiguousarray(m, dtype=np.int64)
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        out = self._session.run(["label", "group", "logits"], {"input_ids": ids, "attention_mask": mask})
-        return out[0].astype(np.int64), out[1].astype(np.int64), out[2].astype(np.float32)
-
-    def predict_ids(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(labels (N,), groups (N,), logits (N, n_classes)) for token ids and masks (N, L).
+    def _id_batches(self, a: np.ndarray, m: np.ndarray) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
+        """(rows, ids, mask) per onnxruntime call for checked ids (:meth:`_check_ids`).
 
         fp32: chunks of rows as given; int8: one row at a time with its padding (mask 0 at the
         end) removed, so a row's answer never depends on its batch or padding."""
-        a, m = self._check_ids(ids, mask)
-        n = a.shape[0]
-        labels, groups = np.empty(n, np.int64), np.empty(n, np.int64)
-        logits = np.empty((n, len(self.classes)), np.float32)
         if self.quantized:
-            for i in range(n):
+            for i in range(a.shape[0]):
                 keep = _unpadded_length(m[i])
-                labels[i : i + 1], groups[i : i + 1], logits[i : i + 1] = self._run(
-                    a[i : i + 1, :keep], m[i : i + 1, :keep]
-                )
+                yield slice(i, i + 1), a[i : i + 1, :keep], m[i : i + 1, :keep]
         else:
-            for s in range(0, n, CHUNK_TEXTS):
-                sl = slice(s, min(s + CHUNK_TEXTS, n))
-                labels[sl], groups[sl], logits[sl] = self._run(a[sl], m[sl])
-        return labels, groups, logits
+            for s in range(0, a.shape[0], CHUNK_TEXTS):
+                sl = slice(s, min(s + CHUNK_TEXTS, a.shape[0]))
+                yield sl, a[sl], m[sl]
 
     # ----------------------------------------------------------- texts
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
@@ -391,18 +358,58 @@ class TextClassifierRuntime:
             ids[i, : len(r)], mask[i, : len(r)] = r, 1
         return ids, mask
 
+    def _text_batches(self, rows: list[list[int]]) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
+        """(rows, ids, mask) per onnxruntime call for encoded texts (:meth:`encode`): chunks padded
+        to their longest text (fp32) or one unpadded text at a time (int8)."""
+        step = 1 if self.quantized else CHUNK_TEXTS
+        for s in range(0, len(rows), step):
+            sl = slice(s, min(s + step, len(rows)))
+            yield (sl, *self._pad(rows[sl]))
+
+
+class TextClassifierRuntime(TokenizedRuntime):
+    """A validated text classifier (text-groups format): ``classify(texts)`` -> one dict per text."""
+
+    parse_metadata = staticmethod(parse_metadata)
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        tokenizer_json: str | os.PathLike | None = None,
+        *,
+        intra_op_threads: int | None = 1,
+        tokenizer: bool = True,
+    ) -> None:
+        super().__init__(model_path, tokenizer_json, intra_op_threads=intra_op_threads, tokenizer=tokenizer)
+        self.classes = np.asarray(self.metadata["classes"], dtype=np.int64)
+        self.class_names: list[str] | None = self.metadata.get("class_names")
+
+    def _check_io(self, session: ort.InferenceSession, meta: dict[str, Any], path: str) -> None:
+        _check_io(session, meta, path)
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        out = self._session.run(["label", "group", "logits"], {"input_ids": ids, "attention_mask": mask})
+        return out[0].astype(np.int64), out[1].astype(np.int64), out[2].astype(np.float32)
+
+    def _collect(self, n: int, batches: Iterator[tuple[slice, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
+        labels, groups = np.empty(n, np.int64), np.empty(n, np.int64)
+        logits = np.empty((n, len(self.classes)), np.float32)
+        for sl, ids, mask in batches:
+            labels[sl], groups[sl], logits[sl] = self._run(ids, mask)
+        return labels, groups, logits
+
+    def predict_ids(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(labels (N,), groups (N,), logits (N, n_classes)) for token ids and masks (N, L).
+
+        fp32: chunks of rows as given; int8: one row at a time with its padding (mask 0 at the
+        end) removed, so a row's answer never depends on its batch or padding."""
+        a, m = self._check_ids(ids, mask)
+        return self._collect(len(a), self._id_batches(a, m))
+
     def predict_texts(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(labels, groups, logits) for raw texts."""
         rows = self.encode(texts)
-        n = len(rows)
-        labels, groups = np.empty(n, np.int64), np.empty(n, np.int64)
-        logits = np.empty((n, len(self.classes)), np.float32)
-        step = 1 if self.quantized else CHUNK_TEXTS
-        for s in range(0, n, step):
-            sl = slice(s, min(s + step, n))
-            ids, mask = self._pad(rows[sl])
-            labels[sl], groups[sl], logits[sl] = self._run(ids, mask)
-        return labels, groups, logits
+        return self._collect(len(rows), self._text_batches(rows))
 
     def classify(self, texts: Sequence[str]) -> list[dict[str, Any]]:
         """Per text: ``{"label", "group", "probability"[, "class_name"]}`` (``probability``: softmax

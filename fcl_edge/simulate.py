@@ -24,7 +24,7 @@ from tqdm import tqdm
 import methods
 from fcl_edge.broker import free_port, wait_for_port
 from fclcore.config import ConfigError, load_config, to_dict
-from fclcore.data import DataError, client_task_split, load_dataset, random_client_tasks
+from fclcore.data import DataError, Dataset, client_task_split, load_dataset, pool_task_split, random_client_tasks
 from fclcore.exitcodes import ExitCode
 from fclcore.schema import AggregatorConfig, BrokerSpec, ClientConfig, ClientDataSpec, Scenario, parse_broker_url
 from fclcore.signing import write_key
@@ -39,10 +39,16 @@ class Plan:
     client_tasks: list[list[list[int]]]
     input_dim: int
     test_tasks: list[list[list[int]]] | None = None  # per client, with label skew: the federation's tasks
+    pool_ids: list[list[int]] | None = None  # per client, with tasks.pool: its pool task ids in task order
 
     @property
     def client_ids(self) -> list[str]:
         return [f"client-{i}" for i in range(self.scenario.clients)]
+
+    @property
+    def split_seed(self) -> int:
+        """The seed of the dataset split and of the document parts: data.split_seed or the federation's."""
+        return _split_seed(self.scenario)
 
 
 def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
@@ -54,10 +60,14 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
         )
     spec, options, fed = methods.resolve(sc.federation, scenario_path)
     sc = dataclasses.replace(sc, federation=fed)
+    pool_ids = None
     try:
-        train, test = load_dataset(sc.data.dataset, sc.data.path, fed.seed, _text_length(spec, options))
+        train, test = load_dataset(sc.data.dataset, sc.data.path, _split_seed(sc), _text_length(spec, options))
         classes = sorted(int(c) for c in np.unique(train.y))
-        if sc.tasks.random is not None:
+        if sc.tasks.pool is not None:
+            pool_ids = _pool_allocation(sc, scenario_path)
+            client_tasks = [[list(sc.tasks.pool.tasks[i]) for i in ids] for ids in pool_ids]
+        elif sc.tasks.random is not None:
             r = sc.tasks.random
             client_tasks = random_client_tasks(sc.clients, fed.num_tasks, r.classes, r.classes_per_task, fed.seed)
         elif sc.tasks.sizes is not None:
@@ -83,20 +93,53 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
             ]
             test_tasks = [[list(t) for t in c] for c in client_tasks]
             client_tasks = [[[c for c in t if c in held[i]] for t in tasks] for i, tasks in enumerate(client_tasks)]
-        for index in range(sc.clients):
-            client_task_split(
-                train,
-                test,
-                client_tasks,
-                index,
-                fed.seed,
-                test_tasks[index] if test_tasks else None,
-                sc.data.per_class,
-                sc.data.test_per_class,
-            )
+        _check_splits(sc, train, test, client_tasks, test_tasks, pool_ids)
     except DataError as exc:
         raise ConfigError(f"{scenario_path}: data: {exc}") from None
-    return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]), test_tasks)
+    return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]), test_tasks, pool_ids)
+
+
+def _split_seed(sc: Scenario) -> int:
+    return sc.federation.seed if sc.data.split_seed is None else sc.data.split_seed
+
+
+def _pool_allocation(sc: Scenario, scenario_path: str) -> list[list[int]]:
+    """FedSeIT's allocation: client c takes ids ``perm[c*k:(c+1)*k]`` of a permutation of the
+    pool drawn with the federation seed (the split has its own, ``data.split_seed``)."""
+    pool, clients = sc.tasks.pool, sc.clients
+    k, size = pool.per_client, len(pool.tasks)
+    if clients * k > size:
+        raise ConfigError(
+            f"{scenario_path}: tasks.pool: {clients} clients x per_client {k} = {clients * k} "
+            f"distinct tasks needed, the pool has {size}"
+        )
+    if sc.data.class_fraction < 1:
+        raise ConfigError(
+            f"{scenario_path}: data.class_fraction: expected 1 with tasks.pool "
+            f"(the pool gives each client its labels), got {sc.data.class_fraction}"
+        )
+    perm = np.random.default_rng(sc.federation.seed).permutation(size)
+    return [[int(i) for i in perm[c * k : (c + 1) * k]] for c in range(clients)]
+
+
+def _check_splits(
+    sc: Scenario,
+    train: Dataset,
+    test: Dataset,
+    client_tasks: list[list[list[int]]],
+    test_tasks: list[list[list[int]]] | None,
+    pool_ids: list[list[int]] | None,
+) -> None:
+    """Every client's shard, computed as its device will: a bad plan fails here, not on a device."""
+    data, seed = sc.data, _split_seed(sc)
+    for index in range(sc.clients):
+        if pool_ids is not None:
+            pool_task_split(
+                train, test, sc.tasks.pool.tasks, pool_ids[index], seed, data.per_class, data.test_per_class
+            )
+        else:
+            own_test = test_tasks[index] if test_tasks else None
+            client_task_split(train, test, client_tasks, index, seed, own_test, data.per_class, data.test_per_class)
 
 
 def _text_length(spec: methods.MethodSpec, options: object) -> int:
@@ -208,6 +251,9 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
             per_class=spec.per_class,
             test_per_class=spec.test_per_class,
             max_length=_text_length(method, options),
+            split_seed=spec.split_seed,
+            pool_tasks=p.scenario.tasks.pool.tasks if p.pool_ids is not None else None,
+            pool_ids=p.pool_ids[index] if p.pool_ids is not None else None,
         )
         configs[cid] = ClientConfig(
             client_id=cid,
@@ -230,7 +276,7 @@ def _write_aux_texts(p: Plan, aux_dir: Path) -> str:
     unlabelled .txt files (the aggregator reads a folder of texts, as on a real deployment)."""
     if p.scenario.data.dataset != "bbc":
         raise ConfigError(f"{p.scenario.federation.method}: needs a text dataset (data.dataset: bbc)")
-    corpus, _, _, aux = bbc_split(p.scenario.data.path, p.scenario.federation.seed)
+    corpus, _, _, aux = bbc_split(p.scenario.data.path, p.split_seed)
     shutil.rmtree(aux_dir, ignore_errors=True)
     aux_dir.mkdir(parents=True)
     for n, row in enumerate(aux):

@@ -31,6 +31,7 @@ __all__ = [
     "stratified_split",
     "load_dataset",
     "client_task_split",
+    "pool_task_split",
     "random_client_tasks",
 ]
 
@@ -201,14 +202,7 @@ def client_task_split(
         part[c] = np.array_split(idx, len(users[c]))[users[c].index(client_index)][:per_class]
     if test_tasks is not None and len(test_tasks) != len(client_tasks[client_index]):
         raise DataError(f"test_tasks: expected {len(client_tasks[client_index])} tasks, got {len(test_tasks)}")
-    keep_test = np.sort(
-        np.concatenate(
-            [
-                np.random.default_rng((seed, 11, int(c))).permutation(np.flatnonzero(test.y == c))[:test_per_class]
-                for c in np.unique(test.y)
-            ]
-        )
-    )
+    keep_test = _kept_test_rows(test, seed, test_per_class)
     tr_sets, te_sets = [], []
     for t, task in enumerate(client_tasks[client_index]):
         tr = np.sort(np.concatenate([part[int(c)] for c in task] or [np.zeros(0, np.int64)])).astype(np.int64)
@@ -216,6 +210,84 @@ def client_task_split(
         tr_sets.append(Dataset(train.x[tr], train.y[tr]))
         te_sets.append(Dataset(test.x[te], test.y[te]))
     return ClientTasks(tuple(tr_sets), tuple(te_sets))
+
+
+def _kept_test_rows(test: Dataset, seed: int, test_per_class: int | None) -> np.ndarray:
+    """Sorted test rows kept: per class, a seeded choice of at most ``test_per_class`` rows."""
+    return np.sort(
+        np.concatenate(
+            [
+                np.random.default_rng((seed, 11, int(c))).permutation(np.flatnonzero(test.y == c))[:test_per_class]
+                for c in np.unique(test.y)
+            ]
+        )
+    )
+
+
+def pool_task_split(
+    train: Dataset,
+    test: Dataset,
+    pool_tasks: Sequence[Sequence[int]],
+    pool_ids: Sequence[int],
+    seed: int,
+    per_class: int | None = None,
+    test_per_class: int | None = None,
+) -> ClientTasks:
+    """This client's data under FedSeIT's protocol: its task t is pool task ``pool_ids[t]``.
+
+    For each label, its train rows are shuffled with ``default_rng((seed, label))`` and cut by
+    ``np.array_split`` into one part per pool task holding the label; part j goes to the j-th
+    such task by pool id.  Documents are thus disjoint across the whole pool (repeated label
+    sets included) and across clients, which hold distinct pool tasks; every device derives its
+    share from the pool alone.  A task's test set holds every test row of its labels.
+    ``per_class`` keeps at most that many rows of each (task, label) part, ``test_per_class``
+    that many test rows per label (the same seeded choice as ``client_task_split``).
+    """
+    pool = _check_pool(pool_tasks, train, test)
+    ids = [int(i) for i in pool_ids]
+    if not ids or any(not 0 <= i < len(pool) for i in ids):
+        raise DataError(f"pool_ids: expected ids in [0, {len(pool)}) (the pool's tasks), got {ids}")
+    if len(set(ids)) != len(ids):
+        raise DataError(f"pool_ids: expected distinct pool tasks, got {ids}")
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise DataError(f"seed must be a non-negative int, got {seed!r}")
+    holders: dict[int, list[int]] = {}
+    for pid, task in enumerate(pool):
+        for label in task:
+            holders.setdefault(label, []).append(pid)  # ascending pool ids
+    keep_test = _kept_test_rows(test, seed, test_per_class)
+    tr_sets, te_sets = [], []
+    for pid in ids:
+        parts = []
+        for label in pool[pid]:
+            idx = np.random.default_rng((seed, label)).permutation(np.flatnonzero(train.y == label))
+            parts.append(np.array_split(idx, len(holders[label]))[holders[label].index(pid)][:per_class])
+        tr = np.sort(np.concatenate(parts)).astype(np.int64)
+        te = keep_test[np.isin(test.y[keep_test], pool[pid])]
+        tr_sets.append(Dataset(train.x[tr], train.y[tr]))
+        te_sets.append(Dataset(test.x[te], test.y[te]))
+    return ClientTasks(tuple(tr_sets), tuple(te_sets))
+
+
+def _check_pool(pool_tasks: Sequence[Sequence[int]], train: Dataset, test: Dataset) -> list[list[int]]:
+    """The pool as lists of ints; DataError for an empty pool or task, a repeated label within
+    a task, a label absent from the data or with fewer train rows than pool tasks holding it."""
+    pool = [[int(c) for c in task] for task in pool_tasks]
+    if not pool:
+        raise DataError("pool_tasks: expected at least one pool task")
+    train_counts = dict(zip(*(v.tolist() for v in np.unique(train.y, return_counts=True))))
+    test_classes = set(np.unique(test.y).tolist())
+    for pid, task in enumerate(pool):
+        if not task or len(set(task)) != len(task):
+            raise DataError(f"pool task {pid} must list distinct labels, got {task}")
+        for c in task:
+            if c not in train_counts or c not in test_classes:
+                raise DataError(f"label {c} (pool task {pid}) is absent from the train or test data")
+    for c in {c for task in pool for c in task}:
+        holders = sum(c in task for task in pool)
+        if train_counts[c] < holders:
+            raise DataError(f"label {c} has {train_counts[c]} train rows for {holders} pool tasks holding it")
+    return pool
 
 
 def random_client_tasks(

@@ -47,6 +47,11 @@ class Learner:
         frame for that round, if the strategy sent one)."""
         self.task = task
 
+    def receive_frame(self, frame: Frame, rnd: int) -> None:
+        """A frame the strategy sent this device alone for round ``rnd`` of the task in hand
+        (not its first round); called before ``train_round``.  ValueError if it does not fit."""
+        raise ValueError(f"{type(self).__name__} takes no frame of its own in the middle of a task")
+
     def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float | None]:
         """Local training for round ``rnd``; ``train[i]`` is task i's data for i <= current task
         (for every task if ``sees_all_tasks``).  Returns (samples used, mean train NLL, or None

@@ -245,12 +245,15 @@ class DataSpec:
     class_fraction: float = 1.0  # share of the classes each device holds (0.6: FedET's non-iid setting)
     per_class: Optional[int] = None  # at most this many training rows per (device, class)
     test_per_class: Optional[int] = None  # at most this many test rows per class
+    split_seed: Optional[int] = None  # seed of the train/test split and of the document parts (None: federation.seed)
 
     def __post_init__(self) -> None:
         if not 0 < self.class_fraction <= 1:
             raise ValueError(f"class_fraction: expected a share in (0, 1], got {self.class_fraction}")
         if any(v is not None and v < 1 for v in (self.per_class, self.test_per_class)):
             raise ValueError("per_class, test_per_class: expected >= 1 or null")
+        if self.split_seed is not None and self.split_seed < 0:
+            raise ValueError(f"split_seed: expected a non-negative int or null, got {self.split_seed}")
 
 
 @dataclass
@@ -260,19 +263,41 @@ class RandomTasks:
 
 
 @dataclass
+class PoolTasks:
+    """FedSeIT's protocol: a pool of label sets (a set may repeat, its documents do not: each
+    label's training rows are split among the pool tasks that hold it), from which every client
+    takes ``per_client`` distinct tasks by the federation seed."""
+
+    tasks: list[list[int]]
+    per_client: int
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ValueError("pool.tasks: expected at least one task (a list of labels)")
+        for i, task in enumerate(self.tasks):
+            if not task or len(set(task)) != len(task):
+                raise ValueError(f"pool.tasks[{i}]: expected distinct labels, got {task}")
+        if self.per_client < 1:
+            raise ValueError(f"pool.per_client: expected >= 1, got {self.per_client}")
+
+
+@dataclass
 class TasksSpec:
     """Exactly one of: the same task sequence for every client, an explicit sequence per
-    client, or sequences drawn per client with the scenario seed."""
+    client, sequences drawn per client with the scenario seed, a class-incremental split, or
+    a pool of tasks that clients draw from (``pool``)."""
 
     shared: Optional[list[list[int]]] = None
     per_client: Optional[list[list[list[int]]]] = None
     random: Optional[RandomTasks] = None
     sizes: Optional[list[int]] = None  # class-incremental: a seeded class order cut into tasks of these sizes
+    pool: Optional[PoolTasks] = None  # FedSeIT: each client takes pool.per_client tasks of a shared pool
 
     def __post_init__(self) -> None:
-        given = [k for k in ("shared", "per_client", "random", "sizes") if getattr(self, k) is not None]
+        kinds = ("shared", "per_client", "random", "sizes", "pool")
+        given = [k for k in kinds if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"tasks: expected exactly one of shared, per_client, random, sizes; got {given or 'none'}")
+            raise ValueError(f"tasks: expected exactly one of {', '.join(kinds)}; got {given or 'none'}")
 
 
 @dataclass
@@ -288,6 +313,18 @@ class ClientDataSpec:
     per_class: Optional[int] = None
     test_per_class: Optional[int] = None
     max_length: int = 64  # text: tokens per text
+    split_seed: Optional[int] = None  # seed of the dataset split and the document parts (None: seed)
+    pool_tasks: Optional[list[list[int]]] = None  # tasks.pool: the federation's whole pool ...
+    pool_ids: Optional[list[int]] = None  # ... and this device's pool task ids, in task order
+
+    def __post_init__(self) -> None:
+        if (self.pool_tasks is None) != (self.pool_ids is None):
+            raise ValueError("pool_tasks, pool_ids: expected both (a device of a pool plan) or neither")
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the dataset split and of this device's document parts."""
+        return self.seed if self.split_seed is None else self.split_seed
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from fclcore.codec import Frame, Tensor
+from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.schedule import TaskSchedule
 from fclcore.schema import FederationSpec
 
@@ -44,6 +44,15 @@ class Checked:
 
     tensors: Mapping[str, Tensor]
     parsed: Any = None
+
+
+class Rejected(ValueError):
+    """What ``normalize`` raises to reject an update under a reason of its own (counted by
+    that reason, e.g. ``"centres"``); a plain ValueError counts as ``"content"``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 Downlinks = dict[str, tuple[dict, dict[str, Tensor]]]  # client -> (meta, tensors) of its own frame
@@ -83,6 +92,11 @@ class Strategy:
         """What the run log records about a per-client frame with metadata ``meta``."""
         return {}
 
+    def bytes_by_kind(self, tensors: Mapping[str, Tensor]) -> dict[str, int]:
+        """Decoded bytes of an accepted update's tensors as received by the method's kinds (e.g. base,
+        adaptive, centres), for ``metrics.jsonl``; one kind, "model", unless a method says more."""
+        return {"model": sum(_nbytes(t) for t in tensors.values())}
+
     def normalize(self, frame: Frame) -> dict[str, Tensor] | Checked:
         raise NotImplementedError
 
@@ -95,3 +109,7 @@ class Strategy:
 
     def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         """Inverse of ``state``; ValueError if the checkpoint does not fit this strategy."""
+
+
+def _nbytes(t: Tensor) -> int:
+    return int(t.values.nbytes + t.indices.nbytes) if isinstance(t, SparseTensor) else int(np.asarray(t).nbytes)

