@@ -299,8 +299,11 @@ class FedSeITLearner(Learner):
         self.model.eval()
         out: list[float | None] = []
         for i, d in enumerate(tests):
-            if d is None or i > self.task or i >= len(self.labels) or len(d) == 0:
+            if d is None or len(d) == 0:
                 out.append(None)
+                continue
+            if i >= len(self.labels):  # no head yet (before its first round): it classifies nothing
+                out.append(0.0)
                 continue
             cache = self._slot_cache(i, d.x) if self.segregated else None
             ids = torch.from_numpy(d.x.astype(np.int64))

@@ -162,8 +162,8 @@ class TextCNN(nn.Module):
         for j, k in enumerate(self.kernel_sizes):
             fa = self.foreign[task][j]
             out = F.conv1d(e, fa.reshape(self.slots * self.filters, -1, k))  # (B, S*F, L')
-            maxes.append(out.amax(-1).reshape(len(ids), self.slots, self.filters))
-            mins.append(out.amin(-1).reshape(len(ids), self.slots, self.filters))
+            maxes.append(out.amax(-1).reshape(-1, self.slots, self.filters))  # -1: batch stays dynamic in ONNX
+            mins.append(out.amin(-1).reshape(-1, self.slots, self.filters))
         return torch.stack(maxes, 2), torch.stack(mins, 2)
 
     def logits(self, ids: Tensor, task: int, slot_cache: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -207,12 +207,13 @@ class ServedTextCNN(nn.Module):
         self.widths = list(widths)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        input_ids = input_ids * attention_mask  # masked positions read the zero [PAD] row
         width = max(self.widths)
         out = []
         for t in range(self.tasks):
             logits = self.model.logits(input_ids, t)
             if self.widths[t] < width:
-                pad = torch.full((logits.shape[0], width - self.widths[t]), float("-inf"))
+                pad = torch.full_like(logits[:, :1], float("-inf")).expand(-1, width - self.widths[t])
                 logits = torch.cat([logits, pad], 1)
             out.append(logits)
         return torch.stack(out, 1)
