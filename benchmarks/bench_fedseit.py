@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": {str(s): r for s, r in per_seed.items()},
         }
     res = {
-        "command": "python benchmarks/bench_fedseit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": shlex.join(["python", "benchmarks/bench_fedseit.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "difficulty_rung": args.rung,
         "seeds": args.seeds,
