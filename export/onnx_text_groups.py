@@ -33,9 +33,7 @@ computation, and only then moved over the destination with ``os.replace``.
 
 from __future__ import annotations
 
-import io
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -45,7 +43,6 @@ import torch
 from torch import Tensor, nn
 
 from export.publish import (
-    OPSET,
     ExportError,
     file_sha256,
     int8_path_for,
@@ -57,7 +54,7 @@ from export.publish import (
     write_synced,
 )
 from export.runtime import ModelFileError
-from export.text_export import parity_token_rows, tokenizer_metadata
+from export.text_export import parity_token_rows, tokenizer_metadata, trace_token_model
 from export.text_runtime import FORMAT, TextClassifierRuntime
 from fclcore.models.enhancer import (
     EnhancerGroup,
@@ -279,37 +276,11 @@ def build_text_classifier_onnx(
     was = [g.training for g in groups]
     for g in groups:
         g.eval()
-    length = min(8, max_length)
-    ids = torch.zeros((2, length), dtype=torch.int64)
-    mask = torch.ones((2, length), dtype=torch.int64)
-    mask[1, length // 2 :] = 0
-    buf = io.BytesIO()
     try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
-            torch.onnx.export(
-                module,
-                (ids, mask),
-                buf,
-                dynamo=False,
-                opset_version=OPSET,
-                input_names=["input_ids", "attention_mask"],
-                output_names=["label", "group", "logits"],
-                dynamic_axes={
-                    "input_ids": {0: "batch", 1: "seq"},
-                    "attention_mask": {0: "batch", 1: "seq"},
-                    "label": {0: "batch"},
-                    "group": {0: "batch"},
-                    "logits": {0: "batch"},
-                },
-                do_constant_folding=True,
-            )
-    except Exception as exc:
-        raise ExportError(f"torch.onnx.export failed: {exc}") from exc
+        proto = trace_token_model(module, max_length, ["label", "group", "logits"])
     finally:
         for g, w in zip(groups, was):
             g.train(w)
-    proto = onnx.load_from_string(buf.getvalue())
     _inline_initializer_aliases(proto)
     proto.producer_name = "fcl-edge"
     proto.graph.name = "fcl_text_groups"

@@ -22,9 +22,7 @@ parity-checked against torch, and only then moved over the destination with ``os
 
 from __future__ import annotations
 
-import io
 import os
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -35,7 +33,6 @@ import torch
 from torch import nn
 
 from export.publish import (
-    OPSET,
     ExportError,
     file_sha256,
     int8_path_for,
@@ -47,7 +44,7 @@ from export.publish import (
     write_synced,
 )
 from export.runtime import ModelFileError
-from export.text_export import parity_token_rows, tokenizer_metadata
+from export.text_export import parity_token_rows, tokenizer_metadata, trace_token_model
 from export.text_tasks_runtime import FORMAT, TextTasksRuntime
 from fclcore.served import TextTasksServed
 
@@ -172,38 +169,16 @@ def task_labels(logits: np.ndarray, labels: Sequence[Sequence[int]]) -> tuple[np
 
 def build_text_tasks_onnx(module: nn.Module, n_tasks: int, max_length: int) -> onnx.ModelProto:
     """Trace ``module`` (in eval mode) to an unsealed, checked ONNX graph."""
-    length = min(8, max_length)
-    ids = torch.zeros((2, length), dtype=torch.int64)
-    mask = torch.ones((2, length), dtype=torch.int64)
-    mask[1, length // 2 :] = 0
-    buf = io.BytesIO()
+    proto = trace_token_model(module, max_length, ["logits"])
+    proto.producer_name = "fcl-edge"
+    proto.graph.name = "fcl_text_tasks"
+    proto.graph.doc_string = (
+        f"text-tasks classifier, {n_tasks} task heads: input_ids, attention_mask -> logits [batch, tasks, labels]"
+    )
     try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
-            torch.onnx.export(
-                module,
-                (ids, mask),
-                buf,
-                dynamo=False,
-                opset_version=OPSET,
-                input_names=["input_ids", "attention_mask"],
-                output_names=["logits"],
-                dynamic_axes={
-                    "input_ids": {0: "batch", 1: "seq"},
-                    "attention_mask": {0: "batch", 1: "seq"},
-                    "logits": {0: "batch"},
-                },
-                do_constant_folding=True,
-            )
-        proto = onnx.load_from_string(buf.getvalue())
-        proto.producer_name = "fcl-edge"
-        proto.graph.name = "fcl_text_tasks"
-        proto.graph.doc_string = (
-            f"text-tasks classifier, {n_tasks} task heads: input_ids, attention_mask -> logits [batch, tasks, labels]"
-        )
         onnx.checker.check_model(proto)
-    except Exception as exc:  # the tracer and the checker raise many types
-        raise ExportError(f"torch.onnx.export failed: {exc}") from exc
+    except Exception as exc:  # the checker raises many types
+        raise ExportError(f"torch.onnx.export gave an invalid model: {exc}") from exc
     return proto
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from export._proto import sha256
-from export.publish import ExportError
+from export.publish import OPSET, ExportError
 
 __all__ = ["PARITY_RANDOM_ROWS", "tokenizer_metadata", "random_token_rows", "parity_token_rows"]
 
@@ -72,3 +72,38 @@ def parity_token_rows(vocab: int, max_length: int, ids: Any, mask: Any) -> tuple
     if a.shape[1] > max_length or a.min() < 0 or a.max() >= vocab or not np.isin(m, (0, 1)).all():
         raise ExportError(f"parity rows must have L <= max_length {max_length}, ids in [0, {vocab}) and a 0/1 mask")
     return np.ascontiguousarray(a, np.int64), np.ascontiguousarray(m, np.int64), f"parity_ids:{a.shape[0]}"
+
+
+def trace_token_model(module: Any, max_length: int, outputs: list[str]) -> Any:
+    """Trace ``module(input_ids, attention_mask)`` (int64 [batch, seq]) to an ONNX proto with
+    dynamic batch and seq axes and a dynamic batch on every output; ExportError if tracing fails.
+    torch and onnx are imported here, so the torch-free runtimes can import this module."""
+    import io
+    import warnings
+
+    import onnx
+    import torch
+
+    length = min(8, max_length)
+    ids = torch.zeros((2, length), dtype=torch.int64)
+    mask = torch.ones((2, length), dtype=torch.int64)
+    mask[1, length // 2 :] = 0
+    buf = io.BytesIO()
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
+            torch.onnx.export(
+                module,
+                (ids, mask),
+                buf,
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=["input_ids", "attention_mask"],
+                output_names=outputs,
+                dynamic_axes={**axes, **{name: {0: "batch"} for name in outputs}},
+                do_constant_folding=True,
+            )
+    except Exception as exc:  # the tracer raises many types
+        raise ExportError(f"torch.onnx.export failed: {exc}") from exc
+    return onnx.load_from_string(buf.getvalue())

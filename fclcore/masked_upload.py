@@ -18,6 +18,20 @@ import numpy as np
 from fclcore.codec import SparseTensor, Tensor
 
 UNITS = "#units"
+MIN_GATE = 0.05  # bound on 1/sigmoid(m) when merging G / sigmoid(m), so a nearly closed unit cannot blow up B
+
+
+def top_units(gate: np.ndarray, share: float) -> np.ndarray:
+    """The ``share`` of units with the largest gate sigmoid(m) (ranked by the gate, not raw m)."""
+    keep = max(1, int(round(share * gate.size)))
+    units = np.zeros(gate.size, dtype=bool)
+    units[np.argsort(-gate, kind="stable")[:keep]] = True
+    return units
+
+
+def dense(t: Tensor) -> np.ndarray:
+    """A received tensor as a dense float32 array."""
+    return t.to_dense() if isinstance(t, SparseTensor) else np.asarray(t, dtype=np.float32)
 
 
 def selection(made_mask: np.ndarray | None, units: np.ndarray) -> np.ndarray:

@@ -95,7 +95,7 @@ class Strategy:
     def bytes_by_kind(self, tensors: Mapping[str, Tensor]) -> dict[str, int]:
         """Decoded bytes of an accepted update's tensors as received by the method's kinds (e.g. base,
         adaptive, centres), for ``metrics.jsonl``; one kind, "model", unless a method says more."""
-        return {"model": sum(_nbytes(t) for t in tensors.values())}
+        return {"model": sum(tensor_nbytes(t) for t in tensors.values())}
 
     def normalize(self, frame: Frame) -> dict[str, Tensor] | Checked:
         raise NotImplementedError
@@ -111,5 +111,6 @@ class Strategy:
         """Inverse of ``state``; ValueError if the checkpoint does not fit this strategy."""
 
 
-def _nbytes(t: Tensor) -> int:
+def tensor_nbytes(t: Tensor) -> int:
+    """Bytes of a tensor's values (and indices, if sparse) as decoded."""
     return int(t.values.nbytes + t.indices.nbytes) if isinstance(t, SparseTensor) else int(np.asarray(t).nbytes)

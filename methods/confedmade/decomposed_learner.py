@@ -29,7 +29,7 @@ import torch
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import made_masks, mask_for_param
-from fclcore.masked_upload import pack, selection
+from fclcore.masked_upload import MIN_GATE, dense, pack, selection, top_units
 from fclcore.models.decomposed_made import DecomposedMADE
 from fclcore.orders import upload_order
 from fclcore.schedule import RoundPlace
@@ -37,8 +37,6 @@ from fclcore.schema import FederationSpec
 from fclcore.served import ServedModel
 from methods.confedmade.training import MadeLearner, mean_nll
 from methods.confedmade.wire import KB_PREFIX, knowledge_key, parse_knowledge_meta
-
-MIN_GATE = 0.05  # bound on 1/sigmoid(m) when merging, so a nearly closed unit cannot blow up B
 
 
 class DecomposedLearner(MadeLearner):
@@ -76,9 +74,9 @@ class DecomposedLearner(MadeLearner):
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
         for prefix, layer in layers.items():
-            g = torch.from_numpy(_dense(tensors[f"{prefix}.weight"]))
+            g = torch.from_numpy(dense(tensors[f"{prefix}.weight"]))
             if layer.bias is not None:
-                layer.bias.copy_(torch.from_numpy(_dense(tensors[f"{prefix}.bias"])))
+                layer.bias.copy_(torch.from_numpy(dense(tensors[f"{prefix}.bias"])))
             if self.task < 0:
                 layer.weight.copy_(g)  # first contact: the global model is the base
                 continue
@@ -109,7 +107,7 @@ class DecomposedLearner(MadeLearner):
                 t = frame.tensors.get(knowledge_key(entry, f"{prefix}.weight"))
                 if t is None or tuple(t.shape) != tuple(layer.weight.shape):
                     raise ValueError(f"knowledge entry {entry}: missing or misshaped {prefix}.weight")
-                stack.append(torch.from_numpy(_dense(t)))
+                stack.append(torch.from_numpy(dense(t)))
             out[prefix] = torch.stack(stack) if stack else torch.zeros((0, *layer.weight.shape))
         return out, ids
 
@@ -149,7 +147,7 @@ class DecomposedLearner(MadeLearner):
         self.values_sent = 0
         for prefix, layer in self.model.layers.items():
             gate = torch.sigmoid(layer.unit_logits[self.task])  # (out,)
-            units = _top_units(gate.numpy(), self.opts.keep_units)
+            units = top_units(gate.numpy(), self.opts.keep_units)
             made_mask = mask_for_param(masks, f"{prefix}.weight") if masks else None
             effective = (layer.weight * gate[:, None]).numpy()
             out.update(pack(f"{prefix}.weight", effective, made_mask, units))
@@ -257,15 +255,3 @@ def _snapshot(layer) -> tuple:
         bias,
         [c.detach().clone() for c in layer.bias_offsets],
     )
-
-
-def _top_units(gate: np.ndarray, share: float) -> np.ndarray:
-    """The ``share`` of units with the largest sigmoid(m) (ranked by the gate, not raw m)."""
-    keep = max(1, int(round(share * gate.size)))
-    units = np.zeros(gate.size, dtype=bool)
-    units[np.argsort(-gate, kind="stable")[:keep]] = True
-    return units
-
-
-def _dense(t: Tensor) -> np.ndarray:
-    return t.to_dense() if isinstance(t, SparseTensor) else np.asarray(t, dtype=np.float32)

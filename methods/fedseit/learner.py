@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.learner import Learner, round_seed
-from fclcore.masked_upload import pack
+from fclcore.masked_upload import MIN_GATE, dense, pack, top_units
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import TextTasksServed
@@ -37,7 +37,6 @@ from methods.fedseit.config import FedSeITOptions
 from methods.fedseit.model import SPECIAL_IDS, ServedTextCNN, TextCNN, load_embedding
 from methods.fedseit.wire import CENTRES, KB_PREFIX, META_KEY, WC_NAME, conv_name, knowledge_key, parse_entries, wf_name
 
-MIN_GATE = 0.05  # bound on 1/sigmoid(m) when merging, so a nearly closed unit cannot blow up B
 EVAL_BATCH = 128
 
 
@@ -66,6 +65,7 @@ class FedSeITLearner(Learner):
         self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # end of the previous task
         self._cache: dict[tuple[int, int], tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.values_sent = 0
+        self.centres: np.ndarray | None = None  # SIT's key of the task in hand, sent with its first update
 
     # -- names -----------------------------------------------------------------------------
     def bases(self) -> dict[str, object]:
@@ -86,7 +86,7 @@ class FedSeITLearner(Learner):
             flat = (d.shape[0], int(np.prod(d.shape[1:])))
             if t is None or tuple(t.shape) != flat:
                 raise ValueError(f"{name}: expected a tensor of shape {flat} in the global model")
-            values[name] = torch.from_numpy(_dense(t).reshape(d.shape))
+            values[name] = torch.from_numpy(dense(t).reshape(d.shape))
             if not torch.isfinite(values[name]).all():
                 raise ValueError(f"{name}: NaN or infinite values in the global model")
         for name, d in bases.items():
@@ -141,7 +141,7 @@ class FedSeITLearner(Learner):
                 flat = (conv.shape[0], int(np.prod(conv.shape[1:])))
                 if t is None or tuple(t.shape) != flat:
                     raise ValueError(f"knowledge entry {e.id}: missing or misshaped {conv_name(k)}")
-                a = _dense(t)
+                a = dense(t)
                 if not np.isfinite(a).all():
                     raise ValueError(f"knowledge entry {e.id}: NaN or infinite values")
                 per_conv.append(torch.from_numpy(a.reshape(conv.shape)))
@@ -274,7 +274,7 @@ class FedSeITLearner(Learner):
         self.values_sent = 0
         for name, d in self.bases().items():
             gate = torch.sigmoid(d.masks[self.task])
-            units = _top_units(gate.numpy(), self.opts.keep_units)
+            units = top_units(gate.numpy(), self.opts.keep_units)
             effective = (d.base * d.gate(self.task)).reshape(d.shape[0], -1).numpy()
             out.update(pack(name, effective, None, units))
             self.sent[name] = np.broadcast_to(units[:, None], effective.shape).copy()
@@ -398,14 +398,3 @@ class FedWeITCNNLearner(FedSeITLearner):
     """FedWeIT on the text CNN: the foreign A's summed into the filters with attention alpha."""
 
     segregated = False
-
-
-def _top_units(gate: np.ndarray, share: float) -> np.ndarray:
-    keep = max(1, int(round(share * gate.size)))
-    units = np.zeros(gate.size, dtype=bool)
-    units[np.argsort(-gate, kind="stable")[:keep]] = True
-    return units
-
-
-def _dense(t: Tensor) -> np.ndarray:
-    return t.to_dense() if isinstance(t, SparseTensor) else np.asarray(t, dtype=np.float32)

@@ -22,7 +22,7 @@ from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.masked_upload import UNITS, unpack
 from fclcore.schema import FederationSpec
-from fclcore.strategy import Checked, Downlinks, Rejected, Strategy, Update
+from fclcore.strategy import Checked, Downlinks, Rejected, Strategy, Update, tensor_nbytes
 from methods.fedseit import sit
 from methods.fedseit.config import FedSeITOptions
 from methods.fedseit.wire import (
@@ -148,7 +148,7 @@ class FedSeITStrategy(Strategy):
         out = {"base": 0, "adaptive": 0, "centres": 0}
         for name, t in tensors.items():
             kind = "adaptive" if name.startswith(KB_PREFIX) else "centres" if name == CENTRES else "base"
-            out[kind] += int(t.values.nbytes + t.indices.nbytes) if isinstance(t, SparseTensor) else int(t.nbytes)
+            out[kind] += tensor_nbytes(t)
         return out
 
     def _centres(self, t: Tensor | None) -> np.ndarray:
