@@ -9,7 +9,14 @@ Event kinds written to metrics.jsonl (field ``event``):
 * ``round_summary`` — mean over clients of the current task's NLL after ``round``;
 * ``rejected`` — a dropped message with its reason (also counted in summary.json);
 * ``resumed`` — the aggregator restarted from its committed state (lines after the last
-  committed round were dropped and that round runs again).
+  committed round were dropped and that round runs again);
+* ``membership`` — with a membership table: a client ``retired`` when a task started, or
+  ``enrolled`` (a late client's first round in a roster).
+
+``summary.json`` has ``final`` (the mean of per-client continual metrics, over clients with a
+report at every task end) and ``fleet``: the continual metrics of one matrix whose row t is,
+per test task, the mean over every client that reported after task t (so devices that
+enrolled late or retired count in the rows they reported; a row nobody reported is null).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -171,6 +179,7 @@ class RunLog:
             },
             "rejected": dict(self.rejections),
             "final": {**mean_metrics(per_client), "per_client": per_client},
+            "fleet": self._fleet(clients, task_ends),
             **extra,
         }
         tmp = self.dir / "summary.json.tmp"
@@ -188,6 +197,27 @@ class RunLog:
             metric = eval_metric(report)
             rows.append([np.nan if v is None else v for v in report[metric]])
         return metric, loss_matrix(rows)
+
+    def _fleet(self, clients: list[str], task_ends: list[int]) -> dict | None:
+        """The continual metrics of the fleet's matrix: row t, per test task, the mean over the
+        clients that reported an evaluation after ``task_ends[t]`` (None if nobody ever did)."""
+        rows, counts, metric = [], [], None
+        for t, last in enumerate(task_ends):
+            reports = [self.evals[c][last] for c in clients if last in self.evals.get(c, {})]
+            metric = metric or (eval_metric(reports[0]) if reports else None)
+            row = []
+            for i in range(t + 1):
+                seen = [r[metric][i] for r in reports if i < len(r[metric]) and r[metric][i] is not None]
+                row.append(float(np.mean(seen)) if seen else np.nan)
+            rows.append(row)
+            counts.append(len(reports))
+        if metric is None:
+            return None
+        matrix = loss_matrix(rows)
+        with warnings.catch_warnings():  # a row or column nobody reported: nan means of empty slices
+            warnings.simplefilter("ignore", RuntimeWarning)
+            scores = continual_metrics(matrix) if metric == "nll" else accuracy_metrics(matrix)
+        return {**scores, f"{metric}_matrix": _jsonable(matrix), "clients_per_task": counts}
 
     def close(self) -> None:
         with self._lock:

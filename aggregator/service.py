@@ -28,6 +28,7 @@ from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
+from fclcore.membership import Membership
 from fclcore.schema import AggregatorConfig
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import load_keys
@@ -61,12 +62,17 @@ class AggregatorService:
                 keys = load_keys(cfg.keys_dir, cfg.expected_clients)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"keys_dir: {exc}") from None
+        try:
+            self.membership = Membership.of(self.fed, cfg.expected_clients)
+        except ValueError as exc:
+            raise ConfigError(f"aggregator config: federation.{exc}") from None
         self.clients = ClientSet(
             cfg.expected_clients,
             open_enrollment=cfg.enrollment == "open",
             max_clients=cfg.max_clients,
             drop_after_missed=cfg.drop_after_missed,
             admit=self._admit,
+            membership=self.membership,
         )
         self.inbox = Inbox(
             self.fed.name,
@@ -200,7 +206,7 @@ class AggregatorService:
     def _wait_for_clients(self, carried: dict[str, Update]) -> None:
         """Wait for the clients' online status.  After a restart the round in progress is open
         already (its announcement is retained), so updates queued for it are taken here."""
-        expected = set(self.clients.roster())
+        expected = set(self.clients.roster(self.schedule.task_of(self.next_round)))  # active in the first task
         deadline = time.monotonic() + self.fed.rounds.start_timeout_s
         open_round = self.next_round if self.next_round > 0 else -1
         while not expected <= self.clients.online and time.monotonic() < deadline and not self.stop.is_set():
@@ -217,13 +223,16 @@ class AggregatorService:
     # -- one round -------------------------------------------------------------------
     def _run_round(self, rnd: int, received: dict[str, Update]) -> None:
         task = self.schedule.task_of(rnd)
-        roster = self.clients.open_round(rnd)  # who this round is run with (the quorum is a share of it)
+        roster = self.clients.open_round(rnd, task)  # who this round is run with (the quorum is a share of it)
+        for client, state in self.clients.changes:
+            self.runlog.write("membership", round=rnd, task=task, client=client, state=state)
         knowledge = self._send_downlinks(rnd, task, roster)
+        frames = sorted(knowledge) if self.membership is not None else None
         self.metrics.round_started(rnd, task)
         for attempt in range(1, self.fed.rounds.max_attempts + 1):
             started = time.monotonic()
             self.notifier.status(f"round {rnd + 1}/{self.fed.total_rounds}, task {task}, attempt {attempt}")
-            down, payload_down = self._announce(Kind.ROUND, rnd, task, attempt)
+            down, payload_down = self._announce(Kind.ROUND, rnd, task, attempt, frames)
             self._collect(rnd, roster, received)
             if self.stop.is_set():
                 return  # SIGTERM: the round stays open; its journal carries over to the restart
@@ -262,7 +271,11 @@ class AggregatorService:
             )
         return sizes
 
-    def _announce(self, kind: Kind, rnd: int, task: int, attempt: int = 1) -> tuple[int, int]:
+    def _announce(
+        self, kind: Kind, rnd: int, task: int, attempt: int = 1, frames: list[str] | None = None
+    ) -> tuple[int, int]:
+        """``frames``: the clients sent a frame of their own for this round; with a membership
+        table the announcement names them (``client_frames``), so only they wait for one."""
         meta = {
             "federation": to_dict(self.fed),
             "input_dim": self.cfg.input_dim,
@@ -271,6 +284,8 @@ class AggregatorService:
             "schedule": self._schedule_meta(rnd),
             **self.strategy.announce_meta(rnd),
         }
+        if frames is not None and meta.get("client_frames") is True:
+            meta["client_frames"] = frames
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
         payload = encode(Frame(header, meta, self.global_params), self.fed.wire.value_dtype, self.limits)
@@ -356,6 +371,11 @@ class AggregatorService:
             self._on_status(who, item.payload, open_round)
             return
         client = topics.parse_update_topic(self.fed.name, item.topic)
+        task = self.schedule.task_of(max(0, open_round))
+        if client is not None and client in self.clients and not self.clients.active(client, task):
+            why = Rejection("inactive", f"{client} is not active in task {task}", client)
+            self._reject(item.topic, why, open_round)
+            return
         result = self.inbox.check(
             client, item.payload, item.packet_bytes, open_round, set(received), kind, self.global_params
         )
@@ -389,7 +409,7 @@ class AggregatorService:
                 open_round,
             )
             return
-        self.clients.on_status(who, status["state"])
+        self.clients.on_status(who, status["state"])  # any state but "online" ("retired" too): offline
         if status["state"] != "online":
             log.info("client %s is %s", who, status["state"])
         self.metrics.clients_online(len(self.clients.online & set(self.clients.enrolled)))
@@ -459,7 +479,7 @@ class AggregatorService:
         """Send the final model; clients answer with an evaluation of it."""
         last = self.fed.total_rounds
         self._announce(Kind.FINISH, last, self.schedule.task_of(last))
-        roster = self.clients.roster()
+        roster = self.clients.roster(self.schedule.task_of(last))  # the last task's active clients
         received = self._collect(last, roster, kind=Kind.EVAL)
         self.runlog.round_summary(last - 1, self.schedule.task_of(last - 1))
         log.info("final evaluation from %d/%d clients", len(received), len(roster))

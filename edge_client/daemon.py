@@ -37,6 +37,7 @@ from fclcore.config import ConfigError, from_dict, to_dict
 from fclcore.data import ClientTasks, client_task_split, load_dataset, pool_task_split
 from fclcore.exitcodes import ExitCode
 from fclcore.learner import Learner
+from fclcore.membership import ACTIVE, NOT_ENROLLED, RETIRED, Membership
 from fclcore.schedule import RoundPlace
 from fclcore.schema import ClientConfig, FederationSpec
 from fclcore.sdnotify import Notifier, WatchdogThread
@@ -83,6 +84,8 @@ class ClientDaemon:
         self.sent_at = 0.0  # when it was published (monotonic)
         self.arrival = 0.0  # when the message being handled arrived
         self.limits = CodecLimits()
+        self.final_state = "stopped"  # the retained status run() leaves: "retired" once the membership retires it
+        self.told_not_enrolled = False
         try:
             self.key = read_key(cfg.key_file) if cfg.key_file else None
         except OSError as exc:
@@ -127,6 +130,7 @@ class ClientDaemon:
             self.knowledge = {t: decode(raw, self.limits) for t, raw in state.knowledge.items()}
             with _BUILD_LOCK:
                 self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
+            self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
             for t in range(state.task + 1):
                 self.learner.start_task(t, self.knowledge.get(t))
             self.learner.load_state(state.learner_meta, state.learner_arrays)
@@ -190,7 +194,7 @@ class ClientDaemon:
             self.notifier.stopping("shutting down")
             self.serving.close()
             self.control.stop()
-            self.link.close("stopped")
+            self.link.close(self.final_state)
             self._write_wire_log()
             self.watchdog.stop()
         return ExitCode.OK if finished else ExitCode.INTERRUPTED
@@ -232,6 +236,15 @@ class ClientDaemon:
             if self.cfg.client_id in frame.meta.get("missing", ()):
                 self._resend(frame.header.round, "the aggregator asked for it")
             return False
+        state = self._membership_state(fed, frame.header.task)
+        if state == RETIRED:
+            self._retire(frame, fed)
+            return True
+        if state == NOT_ENROLLED:
+            if not self.told_not_enrolled:
+                log.info("not enrolled yet in task %d (federation.membership): waiting", frame.header.task)
+                self.told_not_enrolled = True
+            return False
         if kind is Kind.FINISH and self.done_round < 0:
             log.info("ignoring the end of a run this device did not take part in")
             return False
@@ -252,12 +265,36 @@ class ClientDaemon:
     def _needs_knowledge(self, frame: Frame) -> bool:
         """The round says the strategy sent this device its own frame for it, and it is not here
         yet: a task's first frame (kept for restarts), or a frame for a later round of the task
-        this device is in."""
-        if frame.meta.get("client_frames") is not True:
+        this device is in.  ``client_frames`` is True (every device of the round gets one) or
+        the list of the devices that do."""
+        frames = frame.meta.get("client_frames")
+        if frames is not True and not (isinstance(frames, list) and self.cfg.client_id in frames):
             return False
         if frame.header.task != self.task:
             return frame.header.task not in self.knowledge
         return frame.header.round > self.done_round and frame.header.round not in self.mid_frames
+
+    def _membership_state(self, fed: FederationSpec, task: int) -> str:
+        """This device's state in ``task`` by the federation's membership table (checked in ``_check``)."""
+        try:
+            table = Membership.of(fed)
+            return ACTIVE if table is None else table.state(self.cfg.client_id, task)
+        except ValueError as exc:
+            raise RejectedFrame(f"federation: {exc}") from None
+
+    def _retire(self, frame: Frame, fed: FederationSpec) -> None:
+        """A round (or the end) of a task in which this device is retired: it serves the model of
+        its last round, if it has one, and leaves the run with the status "retired"."""
+        log.info("retired from task %d (federation.membership): leaving the federation", frame.header.task)
+        if self.learner is not None and frame.header.round - 1 == self.done_round:
+            try:  # the announcement carries the aggregate of this device's last round: serve it
+                self._load(frame, fed)
+                self.serving.submit(self._served(frame.header.round - 1, _places(frame)[1], task_ended=True))
+            except RejectedFrame as exc:
+                log.warning("not serving the last model: %s", exc)
+        self.unacked = None
+        self.serving.wait()
+        self.final_state = "retired"
 
     def _resend(self, rnd: int, why: str) -> None:
         """Publish the unacknowledged update again, unless the message asking for it arrived
@@ -350,7 +387,8 @@ class ClientDaemon:
         try:
             fed = from_dict(FederationSpec, frame.meta.get("federation"), "round message", "federation")
             methods.resolve(fed, "round message")
-        except ConfigError as exc:
+            Membership.of(fed)
+        except ValueError as exc:  # ConfigError, or a bad membership table
             raise RejectedFrame(f"federation: {exc}") from None
         dim = frame.meta.get("input_dim")
         if (
@@ -376,6 +414,7 @@ class ClientDaemon:
                     self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             except ValueError as exc:
                 raise RejectedFrame(f"federation: {exc}") from None
+            self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
             self.fed = fed
         try:
             self.learner.load_global(frame.tensors, frame.header.round, frame.meta)
@@ -391,15 +430,13 @@ class ClientDaemon:
         cpu_start = time.process_time()
         rnd, task = frame.header.round, frame.header.task
         place, previous = _places(frame)
+        task_ended = task != self.task and self.task >= 0
+        if self.task < 0:  # a fresh device (one enrolling at task t too) evaluates with its tasks started
+            self._start_tasks(task)
         report = self._evaluate(rnd - 1, previous)
-        served = self._served(after_round=rnd - 1, previous=previous, task_ended=task != self.task and self.task >= 0)
+        served = self._served(after_round=rnd - 1, previous=previous, task_ended=task_ended)
         if task != self.task:
-            try:  # a device that joined late (or was away for a whole task) starts the tasks it missed
-                for t in range(self.task + 1, task + 1):
-                    self.learner.start_task(t, self.knowledge.get(t) if t == task else None)
-            except ValueError as exc:
-                raise RejectedFrame(f"knowledge: {exc}") from None
-            self.task = task
+            self._start_tasks(task)
         elif rnd in self.mid_frames:
             try:
                 self.learner.receive_frame(self.mid_frames.pop(rnd)[0], rnd)
@@ -414,6 +451,7 @@ class ClientDaemon:
             "eval": report,
             "rejected": dict(self.rejected),
             **self.learner.report(place),
+            **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
         payload = self._frame(Kind.UPDATE, rnd, task, meta, tensors)
         self.done_round, self.unacked = rnd, payload
@@ -433,6 +471,16 @@ class ClientDaemon:
         )
         self.notifier.status(f"round {rnd}, task {task}")
         log.info("round %d task %d: %d samples, train NLL %s", rnd, task, n_samples, meta["train_nll"])
+
+    def _start_tasks(self, task: int) -> None:
+        """Start the tasks up to ``task`` (a device that joined late, or was away for a whole task,
+        starts those it missed; only ``task`` gets its own knowledge frame)."""
+        try:
+            for t in range(self.task + 1, task + 1):
+                self.learner.start_task(t, self.knowledge.get(t) if t == task else None)
+        except ValueError as exc:
+            raise RejectedFrame(f"knowledge: {exc}") from None
+        self.task = task
 
     def _finish(self, frame: Frame) -> None:
         _, previous = _places(frame)
@@ -519,9 +567,22 @@ def _places(frame: Frame) -> tuple[RoundPlace, RoundPlace | None]:
 
 def load_client_data(cfg: ClientConfig) -> ClientTasks:
     """This device's shard, derived from the shared plan alone (the same split ``fcl simulate`` checked)."""
+    from fclcore.data import domain_task_split
+
     spec = cfg.data
     seed = spec.data_seed
-    train, test = load_dataset(spec.dataset, spec.path, seed, spec.max_length)
+    train, test = load_dataset(spec.dataset, spec.path, seed, spec.max_length, gray=spec.domains is not None)
+    if spec.domains is not None:  # domain-incremental: rotated / permuted grayscale images, every class per task
+        return domain_task_split(
+            train,
+            test,
+            spec.domains,
+            spec.client_index,
+            len(spec.client_tasks),
+            seed,
+            spec.per_class,
+            spec.test_per_class,
+        )
     if spec.pool_ids is not None:
         return pool_task_split(train, test, spec.pool_tasks, spec.pool_ids, seed, spec.per_class, spec.test_per_class)
     return client_task_split(

@@ -1,11 +1,14 @@
 """ONNX export of served MADE models and the torch-free runtime that serves them on devices.
 
-* ``export.formats``: ``export_served`` (dispatches on ``served.format``: ``made``, ``text-groups``)
+* ``export.formats``: ``export_served`` (dispatches on ``served.format``: ``made``, ``text-groups``,
+  ``text-tasks``, ``image-classifier``)
 * ``export.publish``: the shared seal / write / verify / atomic-replace path (``ExportError``, ``seal``, ...)
 * ``export.onnx_made``: ``build_onnx``, ``export_served_model`` (onnx; torch lazily for parity)
 * ``export.onnx_text_groups``: the text-groups classifier (torch): ``export_text_groups``,
   ``export_text_classifier``
 * ``export.text_runtime``: ``TextClassifierRuntime`` (numpy + onnxruntime + tokenizers only)
+* ``export.onnx_image``: the image-classifier format (onnx only, no torch): ``export_image_classifier``
+* ``export.image_runtime``: ``ImageClassifierRuntime`` (numpy + onnxruntime only)
 * ``export.runtime``: ``MadeRuntime``, ``ModelWatcher``, ``load_inputs`` (numpy + onnxruntime only)
 * ``export.snapshot``: ``save_snapshot`` / ``load_snapshot`` of ``served.npz`` (numpy only)
 * ``export.cli``: the ``fcl export`` and ``fcl infer`` subcommands

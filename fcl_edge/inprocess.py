@@ -65,6 +65,12 @@ class Participant:
 
 def start_participants(configs: dict[str, tuple[str, Path]], broker: InProcessBroker) -> dict[str, Participant]:
     """One thread per written config (``fcl_edge.simulate.write_configs``), clients first."""
+    return {name: participant.start() for name, participant in build_participants(configs, broker).items()}
+
+
+def build_participants(configs: dict[str, tuple[str, Path]], broker: InProcessBroker) -> dict[str, Participant]:
+    """``start_participants`` without the start: each is started when its ``start()`` is called
+    (``fcl simulate`` starts a device that enrolls late when its task comes)."""
     from aggregator.service import AggregatorService
     from edge_client.daemon import ClientDaemon
 
@@ -77,8 +83,6 @@ def start_participants(configs: dict[str, tuple[str, Path]], broker: InProcessBr
         else:
             cfg = load_config(ClientConfig, path)
             out[name] = Participant(name, lambda stop, c=cfg: ClientDaemon(c, stop, link_factory=factory))
-    for participant in out.values():
-        participant.start()
     return out
 
 

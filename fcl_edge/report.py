@@ -9,7 +9,13 @@ writes PNGs and a markdown summary:
 * ``bytes_per_round.png``: bytes up and down per round, summed over clients;
 * ``attention_<run>.png``: the learned attention alpha of each (client, task) over the
   knowledge-base entries it received (the paper's Figure 4), for methods that have one;
-* ``report.md``: the final numbers in a table.
+* ``task_accuracy.png``: for runs whose ``summary.json`` has a ``fleet`` accuracy matrix
+  (row t: the accuracy on each test task i <= t after task t, over every device that
+  reported, so late-enrolled and retired devices count), one panel per run titled with its
+  final mean accuracy: x is "after task t" (1-based), one line per test task i starting at
+  x = i, tasks nobody reported on are gaps; only written when some run has such a matrix;
+* ``report.md``: the final numbers in a table, with a ``fleet acc`` column (the fleet
+  matrix's ``avg_accuracy``) when some run has one.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
     written = [_per_task(group, metric, out_dir) for metric, group in sorted(by_metric.items())]
     written.append(_bytes_per_round(runs, out_dir))
     written += [p for name, (_, events) in runs.items() if (p := _attention(name, events, out_dir))]
+    if fleets := {name: f for name, (s, _) in runs.items() if (f := _fleet_accuracy(s))}:
+        written.append(_task_accuracy(fleets, out_dir))
     written.append(_table(runs, out_dir))
     return written
 
@@ -67,7 +75,7 @@ KEYS = {
 
 def _metric(summary: dict) -> str:
     clients = summary.get("final", {}).get("per_client", {}).values()
-    return "accuracy" if any("accuracy_matrix" in c for c in clients) else "nll"
+    return "accuracy" if any("accuracy_matrix" in c for c in clients) or _fleet_accuracy(summary) else "nll"
 
 
 def _per_task(runs: dict, metric: str, out_dir: Path) -> Path:
@@ -75,7 +83,7 @@ def _per_task(runs: dict, metric: str, out_dir: Path) -> Path:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharex=True)
     for name, (summary, _) in runs.items():
-        final = _recomputed(summary)
+        final = _recomputed(summary) or summary.get("fleet") or {}  # no device reported at every task end
         for ax, key in zip(axes, KEYS[metric]):
             values = final.get(key) or []
             ax.plot(range(len(values)), values, marker="o", label=name)
@@ -136,17 +144,64 @@ def _attention(name: str, events: list[dict], out_dir: Path) -> Path | None:
     return _save(fig, out_dir / f"attention_{name}.png")
 
 
+def _fleet_accuracy(summary: dict) -> dict | None:
+    """The run's ``fleet`` block if it holds an accuracy matrix (None for older or NLL runs)."""
+    fleet = summary.get("fleet")
+    return fleet if isinstance(fleet, dict) and fleet.get("accuracy_matrix") else None
+
+
+def _task_accuracy(fleets: dict[str, dict], out_dir: Path) -> Path:
+    """One panel per run: accuracy on each test task i after each task t >= i (the fleet's matrix)."""
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(fleets))
+    rows = -(-len(fleets) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+    for ax, (name, fleet) in zip(axes.flat, fleets.items()):
+        raw = fleet["accuracy_matrix"]
+        size = max(len(raw), max(len(r or []) for r in raw))
+        matrix = np.full((len(raw), size), np.nan)
+        for t, row in enumerate(raw):
+            for i, v in enumerate(row or []):
+                matrix[t, i] = np.nan if v is None else v
+        tasks = len(raw)
+        colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(tasks, 1)))
+        for i in range(tasks):
+            x = np.arange(i + 1, tasks + 1)
+            ax.plot(x, matrix[i:, i], marker="o", markersize=3, color=colors[i], label=f"task {i + 1}")
+        final = fleet.get("avg_accuracy")
+        if final is None and not np.all(np.isnan(matrix[-1])):
+            final = float(np.nanmean(matrix[-1]))
+        ax.set_title(f"{name}: final mean acc " + ("n/a" if final is None else f"{final:.3f}"), fontsize=10)
+        ax.set_xlabel("after task")
+        ax.set_ylabel("test accuracy")
+        ax.set_xlim(0.5, tasks + 0.5)
+        ax.set_ylim(0.0, 1.02)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+        if tasks <= 10:
+            ax.legend(fontsize=7, title="test task", title_fontsize=7)
+    for ax in list(axes.flat)[len(fleets) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return _save(fig, out_dir / "task_accuracy.png")
+
+
 def _table(runs: dict, out_dir: Path) -> Path:
+    fleet_col = any((s.get("fleet") or {}).get("avg_accuracy") is not None for s, _ in runs.values())
     lines = [
-        "| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down | dense fp32 up |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down | dense fp32 up |"
+        + (" fleet acc |" if fleet_col else ""),
+        "|---|---|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else ""),
     ]
     for name, (s, _) in runs.items():
         b, f = s["bytes"], s.get("final", {})
         score = f.get("avg_nll") if "avg_nll" in f else f.get("avg_incremental_accuracy")
+        fleet_acc = (s.get("fleet") or {}).get("avg_accuracy")
         lines.append(
             f"| {name} | {s['method']} | {score} | {f.get('forgetting')} | {b['up_total']:,} | "
             f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} |"
+            + (f" {'' if fleet_acc is None else fleet_acc} |" if fleet_col else "")
         )
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import yaml
@@ -26,6 +26,8 @@ from fcl_edge.broker import free_port, wait_for_port
 from fclcore.config import ConfigError, load_config, to_dict
 from fclcore.data import DataError, Dataset, client_task_split, load_dataset, pool_task_split, random_client_tasks
 from fclcore.exitcodes import ExitCode
+from fclcore.membership import Membership, preset
+from fclcore.schedule import TaskSchedule
 from fclcore.schema import AggregatorConfig, BrokerSpec, ClientConfig, ClientDataSpec, Scenario, parse_broker_url
 from fclcore.signing import write_key
 from fclcore.text import bbc_split, class_incremental_tasks, client_class_subsets
@@ -43,7 +45,7 @@ class Plan:
 
     @property
     def client_ids(self) -> list[str]:
-        return [f"client-{i}" for i in range(self.scenario.clients)]
+        return _client_ids(self.scenario.clients)
 
     @property
     def split_seed(self) -> int:
@@ -61,8 +63,16 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     spec, options, fed = methods.resolve(sc.federation, scenario_path)
     sc = dataclasses.replace(sc, federation=fed)
     pool_ids = None
+    domains = sc.tasks.domains  # domain-incremental: grayscale images, rotated / permuted per task
+    if domains is not None and (sc.data.dataset not in ("mnist", "digits") or sc.data.class_fraction < 1):
+        raise ConfigError(
+            f"{scenario_path}: tasks.domains: expected data.dataset mnist or digits and data.class_fraction 1 "
+            f"(every task holds every class), got {sc.data.dataset!r} and {sc.data.class_fraction}"
+        )
     try:
-        train, test = load_dataset(sc.data.dataset, sc.data.path, _split_seed(sc), _text_length(spec, options))
+        train, test = load_dataset(
+            sc.data.dataset, sc.data.path, _split_seed(sc), _text_length(spec, options), gray=domains is not None
+        )
         classes = sorted(int(c) for c in np.unique(train.y))
         if sc.tasks.pool is not None:
             pool_ids = _pool_allocation(sc, scenario_path)
@@ -73,6 +83,8 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
         elif sc.tasks.sizes is not None:
             tasks = [[classes[i] for i in t] for t in class_incremental_tasks(len(classes), sc.tasks.sizes, fed.seed)]
             client_tasks = [tasks] * sc.clients
+        elif domains is not None:
+            client_tasks = [[list(domains.classes)] * domains.tasks] * sc.clients
         else:
             client_tasks = sc.tasks.per_client or [sc.tasks.shared] * sc.clients
         lengths = {len(t) for t in client_tasks}
@@ -96,7 +108,46 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
         _check_splits(sc, train, test, client_tasks, test_tasks, pool_ids)
     except DataError as exc:
         raise ConfigError(f"{scenario_path}: data: {exc}") from None
+    sc = _expand_membership(sc, scenario_path)
     return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]), test_tasks, pool_ids)
+
+
+def _client_ids(clients: int) -> list[str]:
+    return [f"client-{i}" for i in range(clients)]
+
+
+def _expand_membership(sc: Scenario, scenario_path: str) -> Scenario:
+    """``membership: <preset>`` becomes ``federation.membership`` for client-0..N-1; either form
+    is checked against those ids and the task count (the scenario keeps only the table)."""
+    fed, clients = sc.federation, _client_ids(sc.clients)
+    table = fed.membership
+    where = "federation.membership"
+    if sc.membership is not None:
+        if table is not None:
+            raise ConfigError(f"{scenario_path}: membership: expected a preset or federation.membership, not both")
+        where = f"membership: preset {sc.membership!r} for {sc.clients} clients and {fed.num_tasks} tasks"
+        try:
+            table = preset(sc.membership, clients, fed.num_tasks)
+        except ValueError as exc:
+            raise ConfigError(f"{scenario_path}: {exc}") from None
+    if table is None:
+        return sc
+    try:
+        Membership(table, fed.num_tasks, clients)
+    except ValueError as exc:
+        raise ConfigError(f"{scenario_path}: {where}: {str(exc).removeprefix('membership: ')}") from None
+    return dataclasses.replace(sc, membership=None, federation=dataclasses.replace(fed, membership=table))
+
+
+def _late_starts(p: Plan) -> dict[str, int]:
+    """Clients whose first active task t is after task 0 -> the last round of task t - 1: they
+    start when the run log shows that round closed."""
+    fed = p.scenario.federation
+    table = Membership.of(fed)
+    if table is None:
+        return {}
+    schedule = TaskSchedule.from_federation(fed)
+    return {c: schedule.last_round(table.first_task(c) - 1) for c in p.client_ids if table.first_task(c) > 0}
 
 
 def _split_seed(sc: Scenario) -> int:
@@ -131,9 +182,15 @@ def _check_splits(
     pool_ids: list[list[int]] | None,
 ) -> None:
     """Every client's shard, computed as its device will: a bad plan fails here, not on a device."""
+    from fclcore.data import domain_task_split
+
     data, seed = sc.data, _split_seed(sc)
     for index in range(sc.clients):
-        if pool_ids is not None:
+        if sc.tasks.domains is not None:
+            domain_task_split(
+                train, test, sc.tasks.domains, index, sc.clients, seed, data.per_class, data.test_per_class
+            )
+        elif pool_ids is not None:
             pool_task_split(
                 train, test, sc.tasks.pool.tasks, pool_ids[index], seed, data.per_class, data.test_per_class
             )
@@ -168,8 +225,13 @@ def simulate(
     procs = {}
     try:
         configs = write_configs(p, out_dir, url)
-        procs = {name: _spawn(name, kind, path, out_dir) for name, (kind, path) in configs.items()}
-        return _follow(p, out_dir, procs, timeout)
+        late = _late_starts(p)
+        procs = {name: _spawn(name, kind, path, out_dir) for name, (kind, path) in configs.items() if name not in late}
+        starts = {
+            name: (after, lambda n=name, k=configs[name][0], c=configs[name][1]: _spawn(n, k, c, out_dir))
+            for name, after in late.items()
+        }
+        return _follow(p, out_dir, procs, timeout, starts)
     finally:
         for proc in procs.values():
             _stop(proc)
@@ -179,15 +241,18 @@ def simulate(
 
 def _simulate_in_process(p: Plan, out_dir: Path, timeout: float) -> int:
     """The same services as threads over the in-process transport (``fcl_edge.inprocess``)."""
-    from fcl_edge.inprocess import log_to, start_participants
+    from fcl_edge.inprocess import build_participants, log_to
     from fclcore.inproc import InProcessBroker
 
     broker = InProcessBroker()
     handler = log_to(out_dir / "logs" / "in-process.log")
-    participants = {}
+    participants = {}  # the started ones: _follow adds the late clients as it starts them
     try:
-        participants = start_participants(write_configs(p, out_dir, "mqtt://in-process:1883"), broker)
-        return _follow(p, out_dir, participants, timeout)
+        built = build_participants(write_configs(p, out_dir, "mqtt://in-process:1883"), broker)
+        late = _late_starts(p)
+        participants = {name: part.start() for name, part in built.items() if name not in late}
+        starts = {name: (after, built[name].start) for name, after in late.items()}
+        return _follow(p, out_dir, participants, timeout, starts)
     finally:
         for participant in participants.values():
             _stop(participant)
@@ -254,6 +319,7 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
             split_seed=spec.split_seed,
             pool_tasks=p.scenario.tasks.pool.tasks if p.pool_ids is not None else None,
             pool_ids=p.pool_ids[index] if p.pool_ids is not None else None,
+            domains=p.scenario.tasks.domains,
         )
         configs[cid] = ClientConfig(
             client_id=cid,
@@ -262,6 +328,7 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
             broker=broker,
             out_dir=str(out_dir / "clients" / cid),
             key_file=str(keys_dir / f"{cid}.key") if keys_dir else None,
+            allow_embedding_upload=p.scenario.allow_embedding_upload,
         )
     written = {}
     for name, cfg in configs.items():
@@ -290,8 +357,16 @@ def _spawn(name: str, kind: str, config: Path | None, out_dir: Path, extra: Sequ
     return subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _follow(p: Plan, out_dir: Path, procs: dict[str, subprocess.Popen], timeout: float) -> int:
-    """Draw progress from metrics.jsonl until the aggregator exits."""
+def _follow(
+    p: Plan,
+    out_dir: Path,
+    procs: dict[str, subprocess.Popen],
+    timeout: float,
+    late: dict[str, tuple[int, Callable[[], Any]]] | None = None,
+) -> int:
+    """Draw progress from metrics.jsonl until the aggregator exits.  ``late``: name -> (round,
+    start): a participant started (and added to ``procs``) once that round has closed."""
+    late = dict(late or {})
     fed = p.scenario.federation
     tail = _Tail(out_dir / "metrics.jsonl")
     rounds: dict[int, dict] = {}
@@ -303,11 +378,23 @@ def _follow(p: Plan, out_dir: Path, procs: dict[str, subprocess.Popen], timeout:
             time.sleep(0.2)
             for event in tail.read():
                 _show(event, rounds, bar)
+                _start_late(event, late, procs)
             if any(proc.poll() not in (None, 0) for proc in procs.values()):
                 break
         for event in tail.read():
             _show(event, rounds, bar)
     return _outcome(out_dir, procs, deadline)
+
+
+def _start_late(event: dict, late: dict[str, tuple[int, Callable[[], Any]]], procs: dict) -> None:
+    """Start the participants waiting for the round this ``round`` event closed (or an earlier one)."""
+    if event.get("event") != "round":
+        return
+    for name, (after, start) in list(late.items()):
+        if event["round"] >= after:
+            log.info("starting %s: round %d closed, its first task is next", name, event["round"])
+            procs[name] = start()
+            del late[name]
 
 
 def _show(event: dict, rounds: dict[int, dict], bar: tqdm) -> None:
@@ -336,7 +423,9 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float)
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
         final, b = summary.get("final", {}), summary["bytes"]
-        score = (
+        fleet = "avg_accuracy" not in final and "avg_nll" not in final and summary.get("fleet")
+        final = fleet or final  # no device reported at every task end (membership): the fleet's matrix
+        score = ("fleet " if fleet else "") + (
             f"avg incremental accuracy {final.get('avg_incremental_accuracy')}"
             if "avg_accuracy" in final
             else f"avg NLL {final.get('avg_nll')}"

@@ -14,11 +14,14 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from fclcore.dataset import DataError, Dataset, stratified_split
+
+if TYPE_CHECKING:
+    from fclcore.schema import DomainTasks
 
 __all__ = [
     "DataError",
@@ -33,6 +36,9 @@ __all__ = [
     "client_task_split",
     "pool_task_split",
     "random_client_tasks",
+    "rotate_images",
+    "permute_images",
+    "domain_task_split",
 ]
 
 
@@ -106,8 +112,9 @@ def _idx_file(directory: Path, stem: str) -> Path:
     raise DataError(f"MNIST file {directory / stem}(.gz) not found")
 
 
-def load_mnist(path: str | os.PathLike | None = None, threshold: int = 127) -> tuple[Dataset, Dataset]:
-    """Official MNIST (train, test) split, images flattened to 784 and binarised at pixel > threshold."""
+def load_mnist(path: str | os.PathLike | None = None, threshold: int | None = 127) -> tuple[Dataset, Dataset]:
+    """Official MNIST (train, test) split, images flattened to 784 and binarised at pixel > threshold;
+    ``threshold=None`` keeps grayscale, ``pixel / 255`` in [0, 1] (float32 either way)."""
     d = Path(path) if path is not None else default_mnist_dir()
     if not d.is_dir():
         raise DataError(f"MNIST directory not found: {d}")
@@ -117,19 +124,22 @@ def load_mnist(path: str | os.PathLike | None = None, threshold: int = 127) -> t
         images, labels = read_idx(img_path), read_idx(lbl_path)
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise DataError(f"{img_path} {images.shape} and {lbl_path} {labels.shape} must be (N, rows, cols) and (N,)")
-        x = (images.reshape(len(images), -1) > threshold).astype(np.float32)
+        flat = images.reshape(len(images), -1)
+        x = (flat / np.float32(255) if threshold is None else flat > threshold).astype(np.float32)
         out.append(Dataset(x, labels.astype(np.int64)))
     return out[0], out[1]
 
 
-def load_digits(threshold: float = 7.0, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
-    """scikit-learn's bundled 8x8 digits (no download) binarised at value > threshold: a fast MNIST stand-in."""
+def load_digits(threshold: float | None = 7.0, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """scikit-learn's bundled 8x8 digits (no download) binarised at value > threshold: a fast MNIST
+    stand-in; ``threshold=None`` keeps grayscale, ``value / 16`` in [0, 1]."""
     try:
         from sklearn.datasets import load_digits as _sk_load_digits
     except ImportError as exc:
         raise DataError("the 'digits' dataset needs scikit-learn: pip install scikit-learn") from exc
     bunch = _sk_load_digits()
-    x = (np.asarray(bunch.data) > threshold).astype(np.float32)
+    data = np.asarray(bunch.data)
+    x = (data / 16.0 if threshold is None else data > threshold).astype(np.float32)
     y = np.asarray(bunch.target, dtype=np.int64)
     tr, te = stratified_split(y, test_fraction, seed)
     return Dataset(x[tr], y[tr]), Dataset(x[te], y[te])
@@ -138,12 +148,17 @@ def load_digits(threshold: float = 7.0, test_fraction: float = 0.2, seed: int = 
 DATASETS = ("digits", "mnist", "bbc")
 
 
-def load_dataset(name: str, path: str | None = None, seed: int = 0, max_length: int = 64) -> tuple[Dataset, Dataset]:
+def load_dataset(
+    name: str, path: str | None = None, seed: int = 0, max_length: int = 64, gray: bool = False
+) -> tuple[Dataset, Dataset]:
     """Load by name. ``seed`` drives the digits and BBC splits (MNIST uses its official split);
     ``path`` applies to MNIST and BBC and is rejected for digits rather than silently ignored;
-    ``max_length`` is the token count of a BBC text."""
+    ``max_length`` is the token count of a BBC text.  ``gray`` keeps image pixels grayscale in
+    [0, 1] instead of binarising them (domain-incremental plans; the MADE methods need binary)."""
+    if gray and name not in ("mnist", "digits"):
+        raise DataError(f"gray: only the image datasets mnist and digits have grayscale pixels, not {name!r}")
     if name == "mnist":
-        return load_mnist(path)
+        return load_mnist(path, threshold=None if gray else 127)
     if name == "bbc":
         from fclcore.text import load_bbc_datasets  # tokenizers: only for text
 
@@ -151,7 +166,7 @@ def load_dataset(name: str, path: str | None = None, seed: int = 0, max_length: 
     if name == "digits":
         if path is not None:
             raise DataError(f"dataset 'digits' is bundled with scikit-learn and takes no path (got {path!r})")
-        return load_digits(seed=seed)
+        return load_digits(threshold=None if gray else 7.0, seed=seed)
     raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
 
 
@@ -319,3 +334,136 @@ def random_client_tasks(
             [sorted(int(v) for v in order[t * classes_per_task : (t + 1) * classes_per_task]) for t in range(num_tasks)]
         )
     return plan
+
+
+def _image_side(x: np.ndarray) -> int:
+    """The side of the square images flattened in the rows of ``x``; DataError otherwise."""
+    if x.ndim != 2:
+        raise DataError(f"images: expected (N, side*side) flattened square images, got shape {x.shape}")
+    side = int(round(np.sqrt(x.shape[1])))
+    if side < 1 or side * side != x.shape[1]:
+        raise DataError(f"images: {x.shape[1]} pixels per row is not a square image")
+    return side
+
+
+def rotate_images(x: np.ndarray, degrees: float, chunk: int = 4096) -> np.ndarray:
+    """Rotate flattened square images about their centre by ``degrees``, counter-clockwise as
+    displayed (row 0 at the top), so that 90 degrees equals ``np.rot90`` on each image.
+
+    ``x`` is (N, side*side); the result has the same shape, float32.  Each output pixel samples
+    the input bilinearly at the inversely rotated position; points outside the image are 0
+    (zero fill).  Source coordinates are rounded to 1e-9 pixel, so multiples of 90 degrees move
+    pixels exactly (0 degrees is an equal copy).  Vectorised over images, ``chunk`` rows at a time.
+    """
+    x = np.asarray(x)
+    side = _image_side(x)
+    if not np.isfinite(degrees):
+        raise DataError(f"degrees: expected a finite angle, got {degrees}")
+    theta = np.deg2rad(float(degrees))
+    cos, sin = np.cos(theta), np.sin(theta)
+    centre = (side - 1) / 2.0
+    rows, cols = np.divmod(np.arange(side * side), side)
+    # output pixel -> centred coordinates with y up -> rotate by -theta -> source row/column
+    px, py = cols - centre, centre - rows
+    src_c = np.round(cos * px + sin * py + centre, 9)
+    src_r = np.round(centre - (-sin * px + cos * py), 9)
+    r0, c0 = np.floor(src_r).astype(np.int64), np.floor(src_c).astype(np.int64)
+    fr, fc = src_r - r0, src_c - c0
+    corners = []
+    for dr, dc, w in (
+        (0, 0, (1 - fr) * (1 - fc)),
+        (0, 1, (1 - fr) * fc),
+        (1, 0, fr * (1 - fc)),
+        (1, 1, fr * fc),
+    ):
+        r, c = r0 + dr, c0 + dc
+        inside = (r >= 0) & (r < side) & (c >= 0) & (c < side) & (w > 0)
+        corners.append((np.where(inside, r * side + c, 0), np.where(inside, w, 0.0).astype(np.float32)))
+    out = np.empty(x.shape, np.float32)
+    for start in range(0, len(x), chunk):
+        block = x[start : start + chunk].astype(np.float32, copy=False)
+        acc = np.zeros(block.shape, np.float32)
+        for index, weight in corners:
+            acc += block[:, index] * weight
+        out[start : start + chunk] = acc
+    return out
+
+
+def permute_images(x: np.ndarray, seed: int, task: int) -> np.ndarray:
+    """Permuted-MNIST domain ``task``: task 0 is the identity, task t > 0 reorders the pixels
+    (columns of ``x``) by a permutation drawn from ``default_rng((seed, 7, task))``.  float32."""
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise DataError(f"images: expected (N, pixels), got shape {x.shape}")
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise DataError(f"seed must be a non-negative int, got {seed!r}")
+    if not isinstance(task, (int, np.integer)) or task < 0:
+        raise DataError(f"task must be a non-negative int, got {task!r}")
+    if task == 0:
+        return x.astype(np.float32, copy=True)
+    perm = np.random.default_rng((int(seed), 7, int(task))).permutation(x.shape[1])
+    return x[:, perm].astype(np.float32, copy=False)
+
+
+def domain_task_split(
+    train: Dataset,
+    test: Dataset,
+    domains: "DomainTasks",
+    client_index: int,
+    num_clients: int,
+    seed: int,
+    per_class: int | None = None,
+    test_per_class: int | None = None,
+) -> ClientTasks:
+    """This client's domain-incremental task stream (rotated or permuted MNIST): every task has
+    the same classes (one shared head); task t's images are rotated by ``t * step_deg`` degrees
+    (``rotate_images``) or permuted (``permute_images(x, seed, t)``), labels unchanged.
+
+    For each class c, its train rows are shuffled with ``default_rng((seed, c))`` and cut by
+    ``np.array_split`` into ``domains.tasks`` disjoint parts (part t: task t); part t is cut into
+    ``num_clients`` near-equal slices, client i takes slice i, then ``[:per_class]``.  Test rows
+    of class c are shuffled with ``default_rng((seed, 11, c))`` and cut into ``domains.tasks``
+    parts, part t ``[:test_per_class]`` being task t's (the same rows on every client).  So train
+    rows are disjoint across tasks and clients, test rows across tasks.
+    """
+    tasks, transform, step = int(domains.tasks), domains.transform, float(domains.step_deg)
+    classes = [int(c) for c in domains.classes]
+    if tasks < 1:
+        raise DataError(f"domains.tasks: expected >= 1, got {tasks}")
+    if transform not in ("rotate", "permute"):
+        raise DataError(f"domains.transform: expected 'rotate' or 'permute', got {transform!r}")
+    if not classes or len(set(classes)) != len(classes):
+        raise DataError(f"domains.classes: expected distinct classes, got {classes}")
+    if not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
+        raise DataError(f"num_clients must be >= 1, got {num_clients!r}")
+    if not 0 <= client_index < num_clients:
+        raise DataError(f"client_index {client_index} out of range for {num_clients} clients")
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise DataError(f"seed must be a non-negative int, got {seed!r}")
+    if transform == "rotate":
+        for x in (train.x, test.x):
+            _image_side(x)
+    train_parts: list[list[np.ndarray]] = [[] for _ in range(tasks)]
+    test_parts: list[list[np.ndarray]] = [[] for _ in range(tasks)]
+    for c in classes:
+        tr_rows, te_rows = np.flatnonzero(train.y == c), np.flatnonzero(test.y == c)
+        if len(tr_rows) < tasks * num_clients or len(te_rows) < tasks:
+            raise DataError(
+                f"class {c} has {len(tr_rows)} train and {len(te_rows)} test rows; {tasks} tasks x "
+                f"{num_clients} clients need >= {tasks * num_clients} train and >= {tasks} test rows"
+            )
+        tr_split = np.array_split(np.random.default_rng((seed, c)).permutation(tr_rows), tasks)
+        te_split = np.array_split(np.random.default_rng((seed, 11, c)).permutation(te_rows), tasks)
+        for t in range(tasks):
+            train_parts[t].append(np.array_split(tr_split[t], num_clients)[client_index][:per_class])
+            test_parts[t].append(te_split[t][:test_per_class])
+    tr_sets, te_sets = [], []
+    for t in range(tasks):
+        tr, te = np.sort(np.concatenate(train_parts[t])), np.sort(np.concatenate(test_parts[t]))
+        if transform == "rotate":
+            x_tr, x_te = rotate_images(train.x[tr], t * step), rotate_images(test.x[te], t * step)
+        else:
+            x_tr, x_te = permute_images(train.x[tr], seed, t), permute_images(test.x[te], seed, t)
+        tr_sets.append(Dataset(x_tr, train.y[tr]))
+        te_sets.append(Dataset(x_te, test.y[te]))
+    return ClientTasks(tuple(tr_sets), tuple(te_sets))

@@ -29,6 +29,9 @@ class Learner:
 
     metric = "nll"  # what ``evaluate`` returns per task: "nll" (lower is better) or "accuracy"
     sees_all_tasks = False  # True: ``train_round`` gets every task's data from the start (offline)
+    # Privacy opt-in (``ClientConfig.allow_embedding_upload``, set by the daemon right after it
+    # builds the learner): True lets the method upload embeddings of this device's data.
+    allow_embedding_upload = False
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         self.fed = fed

@@ -187,6 +187,9 @@ class FederationSpec:
     rounds: RoundSpec = field(default_factory=RoundSpec)
     wire: WireSpec = field(default_factory=WireSpec)
     task_rounds: Optional[list[int]] = None  # rounds of each task, when they differ (default: rounds_per_task)
+    # client id -> one state per task ("x * * o"; fclcore/membership.py): devices that enroll late
+    # and retire.  None: every device takes part in every task.  Checked where the clients are known.
+    membership: Optional[dict[str, str]] = None
 
     moved_keys = {"fedet": "federation.options (the options of method fedet)"}  # old key -> where it went
 
@@ -282,19 +285,48 @@ class PoolTasks:
 
 
 @dataclass
+class DomainTasks:
+    """Domain-incremental tasks (FIL-VER's rotated / permuted MNIST): every task holds the same
+    ``classes`` (one shared head); task t's images are rotated by ``t * step_deg`` degrees
+    (``rotate``) or have their pixels permuted by a seeded permutation (``permute``, task 0 is
+    the identity).  Each task gets a disjoint share of the training images (fclcore.data.domain_task_split)."""
+
+    tasks: int
+    transform: Literal["rotate", "permute"] = "rotate"
+    step_deg: float = 20.0
+    classes: list[int] = field(default_factory=lambda: list(range(10)))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tasks, bool) or not isinstance(self.tasks, int) or self.tasks < 1:
+            raise ValueError(f"domains.tasks: expected an int >= 1, got {self.tasks!r}")
+        if self.transform not in ("rotate", "permute"):
+            raise ValueError(f"domains.transform: expected 'rotate' or 'permute', got {self.transform!r}")
+        if isinstance(self.step_deg, bool) or not isinstance(self.step_deg, (int, float)):
+            raise ValueError(f"domains.step_deg: expected a number of degrees, got {self.step_deg!r}")
+        if not -float("inf") < self.step_deg < float("inf"):
+            raise ValueError(f"domains.step_deg: expected a finite angle, got {self.step_deg}")
+        if not self.classes or len(set(self.classes)) != len(self.classes):
+            raise ValueError(f"domains.classes: expected distinct classes, got {self.classes}")
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.classes):
+            raise ValueError(f"domains.classes: expected non-negative int labels, got {self.classes}")
+
+
+@dataclass
 class TasksSpec:
     """Exactly one of: the same task sequence for every client, an explicit sequence per
-    client, sequences drawn per client with the scenario seed, a class-incremental split, or
-    a pool of tasks that clients draw from (``pool``)."""
+    client, sequences drawn per client with the scenario seed, a class-incremental split,
+    a pool of tasks that clients draw from (``pool``), or domain-incremental tasks over the
+    same classes (``domains``: rotated / permuted images)."""
 
     shared: Optional[list[list[int]]] = None
     per_client: Optional[list[list[list[int]]]] = None
     random: Optional[RandomTasks] = None
     sizes: Optional[list[int]] = None  # class-incremental: a seeded class order cut into tasks of these sizes
     pool: Optional[PoolTasks] = None  # FedSeIT: each client takes pool.per_client tasks of a shared pool
+    domains: Optional[DomainTasks] = None  # FIL-VER: domains.tasks rotated / permuted copies of the classes
 
     def __post_init__(self) -> None:
-        kinds = ("shared", "per_client", "random", "sizes", "pool")
+        kinds = ("shared", "per_client", "random", "sizes", "pool", "domains")
         given = [k for k in kinds if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"tasks: expected exactly one of {', '.join(kinds)}; got {given or 'none'}")
@@ -316,10 +348,13 @@ class ClientDataSpec:
     split_seed: Optional[int] = None  # seed of the dataset split and the document parts (None: seed)
     pool_tasks: Optional[list[list[int]]] = None  # tasks.pool: the federation's whole pool ...
     pool_ids: Optional[list[int]] = None  # ... and this device's pool task ids, in task order
+    domains: Optional[DomainTasks] = None  # tasks.domains: the plan's domain tasks (grayscale, domain_task_split)
 
     def __post_init__(self) -> None:
         if (self.pool_tasks is None) != (self.pool_ids is None):
             raise ValueError("pool_tasks, pool_ids: expected both (a device of a pool plan) or neither")
+        if self.domains is not None and self.pool_ids is not None:
+            raise ValueError("domains, pool_ids: expected at most one (a domain plan or a pool plan)")
 
     @property
     def data_seed(self) -> int:
@@ -347,6 +382,7 @@ class ClientConfig:
     serve: ServeSpec = field(default_factory=ServeSpec)
     state_dir: Optional[str] = None  # learner state and unacknowledged upload (default: out_dir/state)
     key_file: Optional[str] = None  # this device's signing key (64 hex digits); see fcl keygen
+    allow_embedding_upload: bool = False  # privacy opt-in: this device may upload embeddings of its data
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
@@ -362,6 +398,8 @@ class Scenario:
     tasks: TasksSpec
     data: DataSpec = field(default_factory=DataSpec)
     sign_updates: bool = False  # fcl simulate provisions a key per device and the aggregator requires signatures
+    membership: Optional[str] = None  # a preset (fully, decreasing, increasing, scattered) -> federation.membership
+    allow_embedding_upload: bool = False  # copied into every client config
 
     def __post_init__(self) -> None:
         if self.clients < 1:

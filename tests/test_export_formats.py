@@ -12,14 +12,15 @@ import pytest
 from export.formats import FORMATS, export_served
 from export.publish import ExportError, int8_path_for
 from fclcore.made_spec import MadeConfig, init_params
-from fclcore.served import ServedModel, TextGroupsServed, TextTasksServed
+from fclcore.served import ImageClassifierServed, ServedModel, TextGroupsServed, TextTasksServed
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_formats_match_the_served_classes():
-    assert FORMATS == ("made", "text-groups", "text-tasks")
-    assert (ServedModel.format, TextGroupsServed.format, TextTasksServed.format) == FORMATS
+    assert FORMATS == ("made", "text-groups", "text-tasks", "image-classifier")
+    classes = (ServedModel, TextGroupsServed, TextTasksServed, ImageClassifierServed)
+    assert tuple(c.format for c in classes) == FORMATS
 
 
 def test_made_export(tmp_path):
@@ -40,7 +41,7 @@ def test_unknown_format_raises_and_writes_nothing(tmp_path):
     class Odd:
         format = "wavelets"
 
-    with pytest.raises(ExportError, match=r"'wavelets'.*made, text-groups, text-tasks"):
+    with pytest.raises(ExportError, match=r"'wavelets'.*made, text-groups, text-tasks, image-classifier"):
         export_served(Odd(), tmp_path / "m.onnx")
     with pytest.raises(ExportError, match="None"):
         export_served(object(), tmp_path / "m.onnx")
@@ -103,7 +104,8 @@ def test_text_groups_export(tmp_path):
 def test_importing_formats_is_cheap():
     code = (
         "import sys\nimport export.formats\n"
-        "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'export.onnx_made') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'export.onnx_made', 'export.onnx_image') "
+        "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

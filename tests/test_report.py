@@ -64,6 +64,44 @@ def test_report_plots_accuracy_runs_apart(tmp_path: Path) -> None:
     assert "| fedet | fedet | 0.85 |" in (tmp_path / "rep" / "report.md").read_text()
 
 
+def _fleet_run(path: Path, matrix: list[list[float | None]], avg_accuracy: float) -> None:
+    """A run of a fleet with late enrollment: no device reported at every task end, so only the
+    fleet's matrix (every device that reported) has numbers."""
+    path.mkdir(parents=True)
+    summary = {
+        "method": "filver",
+        "bytes": {"up_total": 10, "down_total": 20, "dense_fp32_up_total": 40},
+        "final": {"per_client": {}},
+        "fleet": {"avg_accuracy": avg_accuracy, "accuracy_matrix": matrix, "clients_per_task": [2, 3, 3]},
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "metrics.jsonl").write_text("")
+
+
+def test_report_draws_fleet_task_accuracy(tmp_path: Path) -> None:
+    _fleet_run(tmp_path / "runs" / "f1", [[0.9, None, None], [0.7, 0.85, None], [0.6, 0.8, 0.9]], 0.7667)
+    # nobody reported on task 2 after task 2 (a gap), then task 2 again after task 3
+    _fleet_run(tmp_path / "runs" / "f2", [[0.95, None, None], [None, 0.9, None], [0.5, 0.7, 0.88]], 0.6933)
+    result = run_fcl("report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"))
+    assert result.returncode == 0, result.stderr
+    data = (tmp_path / "rep" / "task_accuracy.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert (tmp_path / "rep" / "accuracy_per_task.png").exists()  # scored as accuracy runs, from the fleet
+    assert not (tmp_path / "rep" / "nll_per_task.png").exists()
+    table = (tmp_path / "rep" / "report.md").read_text().splitlines()
+    assert table[0].endswith("| fleet acc |") and table[1].endswith("|---:|---:|")
+    assert any(line.startswith("| f1 | filver |") and line.endswith("| 0.7667 |") for line in table)
+    assert any(line.startswith("| f2 | filver |") and line.endswith("| 0.6933 |") for line in table)
+
+
+def test_report_without_fleet_has_no_task_accuracy(tmp_path: Path) -> None:
+    _fake_run(tmp_path / "runs" / "a", "confedmade", 0.0)
+    result = run_fcl("report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"))
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "rep" / "task_accuracy.png").exists()
+    assert "fleet acc" not in (tmp_path / "rep" / "report.md").read_text()
+
+
 def test_report_on_a_directory_without_runs_fails_cleanly(tmp_path: Path) -> None:
     result = run_fcl("report", str(tmp_path))
     assert result.returncode == 2 and "no summary.json" in result.stderr
