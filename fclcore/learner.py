@@ -25,13 +25,15 @@ def round_seed(*parts: int) -> int:
 
 
 class Learner:
-    """One client's model and optimiser state across rounds and tasks."""
+    """One client's model and optimiser state across rounds and tasks.
+
+    ``allow_embedding_upload``: the device's privacy opt-in (``ClientConfig.allow_embedding_upload``,
+    set by the daemon right after building the learner); only then may a method upload embeddings
+    of the device's data."""
 
     metric = "nll"  # what ``evaluate`` returns per task: "nll" (lower is better) or "accuracy"
     sees_all_tasks = False  # True: ``train_round`` gets every task's data from the start (offline)
-    # Privacy opt-in (``ClientConfig.allow_embedding_upload``, set by the daemon right after it
-    # builds the learner): True lets the method upload embeddings of this device's data.
-    allow_embedding_upload = False
+    allow_embedding_upload = False  # True: this device opted in to uploading embeddings of its data
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         self.fed = fed

@@ -246,3 +246,30 @@ def test_simulate_rejects_a_bad_membership_naming_the_scenario(overrides: list[s
     with pytest.raises(ConfigError) as info:
         plan(str(QUICKSTART), sets(*overrides))
     assert str(info.value).startswith(f"{QUICKSTART}: ") and message in str(info.value), str(info.value)
+
+
+def test_simulate_in_process_starts_late_devices_when_their_task_comes(tmp_path: Path, monkeypatch) -> None:
+    from aggregator.service import AggregatorService
+    from fcl_edge.simulate import simulate
+
+    metas: list[dict] = []
+    accept = AggregatorService._accept
+    monkeypatch.setattr(
+        AggregatorService, "_accept", lambda self, u, *a, **k: metas.append(u.frame.meta) or accept(self, u, *a, **k)
+    )
+    overrides = sets("membership=increasing", "allow_embedding_upload=true", "federation.rounds_per_task=2")
+    assert simulate(str(QUICKSTART), str(tmp_path), overrides=overrides, in_process=True) == 0
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = {}
+    for e in events:
+        if e["event"] == "round_client" and e["status"] == "accepted":
+            first.setdefault(e["client"], e["task"])
+    assert first == {"client-0": 0, "client-1": 0, "client-2": 1, "client-3": 2}  # slots 0, 0, 1, 2
+    enrolled = [(e["client"], e["task"]) for e in events if e["event"] == "membership"]
+    assert enrolled == [("client-2", 1), ("client-3", 2)]
+    updates = [m for m in metas if "n_samples" in m]
+    assert updates and all(m.get("allow_embedding_upload") is True for m in updates)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # client-2's first report is of task 0's end (the model it received); client-3's of task 1's
+    assert set(summary["final"]["per_client"]) == {"client-0", "client-1", "client-2"}
+    assert summary["fleet"]["clients_per_task"] == [3, 4, 4]

@@ -63,7 +63,8 @@ def test_server_half_imports_no_device_code(name: str) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[1] == "0", "the strategy imported the device learner"
-    assert out[0] == str(int(REGISTRY[name].server_torch)), "torch imported by a strategy that does not declare it"
+    if not REGISTRY[name].server_torch:  # a server step may load torch lazily (FIL-VER's SST), or at import (FedET)
+        assert out[0] == "0", "torch imported by a strategy that does not declare it"
 
 
 @pytest.mark.slow
