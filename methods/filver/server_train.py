@@ -4,7 +4,8 @@ of FIL-VER; ``strategy`` imports this module on first use.
 
 Each step draws ``sst_batch`` items uniformly from the whole buffer (every task, every device,
 including devices that have left); Stats items get a fresh z = mu + sigma * eps per step.
-SGD with momentum starts afresh every round; draws are seeded by (federation seed, round).
+SGD with momentum starts afresh every round; draws are seeded by (federation seed, round), and
+torch runs one thread here, so the result does not depend on the machine's core count.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from methods.filver.wire import CLS
 
 def server_side_training(params: dict[str, np.ndarray], buffer, o: FILVEROptions, seed: tuple[int, int]) -> dict:
     """``params`` (the classifier after FedAvg) -> the classifier after ``o.sst_steps`` steps."""
+    torch.set_num_threads(1)  # float sums in one order: the same numbers on any core count (and as in-process)
     torch.manual_seed(int(np.random.SeedSequence(list(seed)).generate_state(1)[0]))
     gen = torch.Generator().manual_seed(int(np.random.SeedSequence([*seed, 5]).generate_state(1)[0]))
     model = Classifier(o)

@@ -166,7 +166,8 @@ class FILVERStrategy(Strategy):
             return {}
         task = self.schedule.task_of(rnd)
         new = [c for c in clients if c not in self.has_encoder]
-        self.frames[rnd] = new
+        if new:  # rounds without a new device keep no entry (the state stays small)
+            self.frames[rnd] = new
         self.has_encoder.update(new)
         return {c: ({"for_task": task, "encoder": True}, dict(self.encoder)) for c in new}
 
