@@ -34,7 +34,7 @@ from fclcore import topics
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import ConfigError, from_dict, to_dict
-from fclcore.data import ClientTasks, client_task_split, load_dataset, pool_task_split
+from fclcore.data import ClientTasks, client_task_split, domain_task_split, load_dataset, pool_task_split
 from fclcore.exitcodes import ExitCode
 from fclcore.learner import Learner
 from fclcore.membership import ACTIVE, NOT_ENROLLED, RETIRED, Membership
@@ -567,8 +567,6 @@ def _places(frame: Frame) -> tuple[RoundPlace, RoundPlace | None]:
 
 def load_client_data(cfg: ClientConfig) -> ClientTasks:
     """This device's shard, derived from the shared plan alone (the same split ``fcl simulate`` checked)."""
-    from fclcore.data import domain_task_split
-
     spec = cfg.data
     seed = spec.data_seed
     train, test = load_dataset(spec.dataset, spec.path, seed, spec.max_length, gray=spec.domains is not None)

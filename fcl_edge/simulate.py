@@ -24,7 +24,15 @@ from tqdm import tqdm
 import methods
 from fcl_edge.broker import free_port, wait_for_port
 from fclcore.config import ConfigError, load_config, to_dict
-from fclcore.data import DataError, Dataset, client_task_split, load_dataset, pool_task_split, random_client_tasks
+from fclcore.data import (
+    DataError,
+    Dataset,
+    client_task_split,
+    domain_task_split,
+    load_dataset,
+    pool_task_split,
+    random_client_tasks,
+)
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership, preset
 from fclcore.schedule import TaskSchedule
@@ -182,8 +190,6 @@ def _check_splits(
     pool_ids: list[list[int]] | None,
 ) -> None:
     """Every client's shard, computed as its device will: a bad plan fails here, not on a device."""
-    from fclcore.data import domain_task_split
-
     data, seed = sc.data, _split_seed(sc)
     for index in range(sc.clients):
         if sc.tasks.domains is not None:
