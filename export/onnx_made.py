@@ -26,9 +26,8 @@ from export import _meta
 from export.publish import (
     OPSET,
     ExportError,
-    file_sha256,
     int8_path_for,
-    publish,
+    publish_export,
     quiet_quantizer,
     remove_temps,
     seal,
@@ -226,16 +225,8 @@ def export_served_model(
             "parity_rows": int(x.shape[0]),
             "parity_data": x_desc,
         }
-        pairs = [(tmp, path)]
-        if int8:
-            q_path = int8_path_for(path)
-            q_tmp = temp_path(q_path)
-            temps.append(q_tmp)
-            report.update(_export_int8(rt, tmp, q_tmp, q_path, x, x_desc, expected))
-            pairs.append((q_tmp, q_path))
-        report["file_sha256"] = file_sha256(tmp)
-        publish(pairs, path.parent)
-        return report
+        int8_fn = (lambda q_tmp, q_path: _export_int8(rt, tmp, q_tmp, q_path, x, x_desc, expected)) if int8 else None
+        return publish_export(tmp, path, temps, report, int8_fn)
     finally:
         remove_temps(temps)
 

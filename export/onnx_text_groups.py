@@ -44,9 +44,8 @@ from torch import Tensor, nn
 
 from export.publish import (
     ExportError,
-    file_sha256,
     int8_path_for,
-    publish,
+    publish_export,
     quantize_int8,
     remove_temps,
     seal,
@@ -520,13 +519,9 @@ def export_text_classifier(
             "sha256": rt.metadata["weights_sha256"],
         }
         del rt
-        pairs = [(tmp, path)]
-        if int8:
-            q_path = int8_path_for(path)
-            q_tmp = temp_path(q_path)
-            temps.append(q_tmp)
-            report.update(
-                _export_int8(
+        int8_fn = (
+            (
+                lambda q_tmp, q_path: _export_int8(
                     tmp,
                     q_tmp,
                     q_path,
@@ -540,10 +535,10 @@ def export_text_classifier(
                     int8_exclude_selector,
                 )
             )
-            pairs.append((q_tmp, q_path))
-        report["file_sha256"] = file_sha256(tmp)
-        publish(pairs, path.parent)
-        return report
+            if int8
+            else None
+        )
+        return publish_export(tmp, path, temps, report, int8_fn)
     finally:
         remove_temps(temps)
 

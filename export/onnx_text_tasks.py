@@ -34,9 +34,7 @@ from torch import nn
 
 from export.publish import (
     ExportError,
-    file_sha256,
-    int8_path_for,
-    publish,
+    publish_export,
     quantize_int8,
     remove_temps,
     seal,
@@ -352,15 +350,11 @@ def export_text_tasks(
             "sha256": rt.metadata["weights_sha256"],
         }
         del rt
-        pairs = [(tmp, path)]
-        if int8:
-            q_path = int8_path_for(path)
-            q_tmp = temp_path(q_path)
-            temps.append(q_tmp)
-            report.update(_export_int8(tmp, q_tmp, q_path, ref, labels, rows, metadata, int8_min_agreement))
-            pairs.append((q_tmp, q_path))
-        report["file_sha256"] = file_sha256(tmp)
-        publish(pairs, path.parent)
-        return report
+        int8_fn = (
+            (lambda q_tmp, q_path: _export_int8(tmp, q_tmp, q_path, ref, labels, rows, metadata, int8_min_agreement))
+            if int8
+            else None
+        )
+        return publish_export(tmp, path, temps, report, int8_fn)
     finally:
         remove_temps(temps)

@@ -21,7 +21,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from export import _meta
 from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
@@ -157,6 +157,25 @@ def publish(pairs: list[tuple[Path, Path]], directory: Path) -> None:
     for src, dst in pairs:
         os.replace(src, dst)
     fsync_dir(directory)
+
+
+def publish_export(
+    tmp: Path, path: Path, temps: list[Path], report: dict[str, Any], int8: Callable[[Path, Path], dict] | None
+) -> dict[str, Any]:
+    """Publish a verified fp32 file ``tmp`` as ``path`` and, with ``int8``, its int8 copy:
+    ``int8(q_tmp, q_path)`` writes and checks it and returns its report fields.  Both go out
+    together (``publish``); ``q_tmp`` joins ``temps`` so the caller's cleanup removes it on
+    failure.  Returns ``report`` with the fp32 file's hash."""
+    pairs = [(tmp, path)]
+    if int8 is not None:
+        q_path = int8_path_for(path)
+        q_tmp = temp_path(q_path)
+        temps.append(q_tmp)
+        report.update(int8(q_tmp, q_path))
+        pairs.append((q_tmp, q_path))
+    report["file_sha256"] = file_sha256(tmp)
+    publish(pairs, path.parent)
+    return report
 
 
 def remove_temps(paths: Iterable[Path]) -> None:
