@@ -145,7 +145,7 @@ def reidentify(run: Path) -> dict | None:
             rows = np.flatnonzero((arrays["buffer/client"] == ci) & (arrays["buffer/task"] == task))
             rows = rows[np.argsort(arrays["buffer/seq"][rows])]
             shard = shards[task]
-            source = learner._rehearsal_rows(shard.y, task)[: len(rows)]
+            source = learner.rehearsal_rows(shard.y, task)[: len(rows)]
             with torch.no_grad():
                 mu, log_sigma = encoder(torch.from_numpy(shard.x))
             mu = mu.numpy().astype(np.float64)

