@@ -444,7 +444,11 @@ class AggregatorService:
                 train_nll=_number(meta.get("train_nll")),
                 rejected_by_client=_counts(meta.get("rejected")),
                 base_values=_count(meta.get("base_values")),
-                **({"tensor_bytes_by_kind": self.strategy.bytes_by_kind(update.frame.tensors)} if update else {}),
+                **(
+                    {"tensor_bytes_by_kind": self.strategy.bytes_by_kind(update.frame.tensors, update.frame.meta)}
+                    if update
+                    else {}
+                ),
             )
             if "attention" in meta:
                 self.runlog.write("attention", round=rnd, task=task, client=client, **_attention(meta["attention"]))

@@ -23,6 +23,7 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import methods
@@ -34,7 +35,7 @@ from fclcore import topics
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import ConfigError, from_dict, to_dict
-from fclcore.data import ClientTasks, client_task_split, domain_task_split, load_dataset, pool_task_split
+from fclcore.data import ClientTasks, Dataset, client_task_split, domain_task_split, load_dataset, pool_task_split
 from fclcore.exitcodes import ExitCode
 from fclcore.learner import Learner
 from fclcore.membership import ACTIVE, NOT_ENROLLED, RETIRED, Membership
@@ -131,6 +132,7 @@ class ClientDaemon:
             with _BUILD_LOCK:
                 self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
+            self.learner.fleet_data = self.data.fleet
             for t in range(state.task + 1):
                 self.learner.start_task(t, self.knowledge.get(t))
             self.learner.load_state(state.learner_meta, state.learner_arrays)
@@ -326,10 +328,28 @@ class ClientDaemon:
         return False
 
     def _have_data(self, task: int) -> bool:
-        """With a task directory: rescan until task ``task``'s folder is there."""
-        if self.task_dir is not None and len(self.data.train) <= task:
+        """With a task directory: rescan until task ``task``'s folder is there.  A device on its
+        own task clock never waits: it trains what has arrived (rescanned every round)."""
+        if self.task_dir is not None and (self.own_clock or len(self.data.train) <= task):
             self.data = self.task_dir.scan(self.input_dim)
-        return len(self.data.train) > task
+        return self.own_clock or len(self.data.train) > task
+
+    @property
+    def own_clock(self) -> bool:
+        return self.fed is not None and methods.lookup(self.fed.method).own_clock
+
+    def _arrived(self, rnd: int, task: int) -> list:
+        """What the learner trains from in round ``rnd`` (of the federation's task ``task``): the
+        tasks up to ``task``; on an own clock, every task that has arrived (None for the rest)."""
+        train = self.data.train
+        if self.learner.sees_all_tasks:
+            return list(train)
+        if not self.own_clock:
+            return list(train[: task + 1])
+        if self.task_dir is not None:
+            return list(train)
+        arrivals = self.data.arrivals or (None,) * len(train)
+        return [d if (t <= task if a is None else a <= rnd) else None for t, (d, a) in enumerate(zip(train, arrivals))]
 
     def _retry_waiting(self) -> bool:
         """While idle: join the waiting round as soon as its task's data has arrived."""
@@ -415,6 +435,7 @@ class ClientDaemon:
             except ValueError as exc:
                 raise RejectedFrame(f"federation: {exc}") from None
             self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
+            self.learner.fleet_data = self.data.fleet
             self.fed = fed
         try:
             self.learner.load_global(frame.tensors, frame.header.round, frame.meta)
@@ -442,13 +463,12 @@ class ClientDaemon:
                 self.learner.receive_frame(self.mid_frames.pop(rnd)[0], rnd)
             except ValueError as exc:
                 raise RejectedFrame(f"knowledge: {exc}") from None
-        seen = self.data.train if self.learner.sees_all_tasks else self.data.train[: task + 1]
-        n_samples, train_nll = self.learner.train_round(seen, rnd, place)
+        n_samples, train_nll = self.learner.train_round(self._arrived(rnd, task), rnd, place)
         tensors = self.learner.upload(rnd, place)
         meta = {
             "n_samples": n_samples,
             "train_nll": None if train_nll is None else round(train_nll, 4),
-            "eval": report,
+            **({"eval": report} if report is not None else {}),
             "rejected": dict(self.rejected),
             **self.learner.report(place),
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
@@ -486,13 +506,12 @@ class ClientDaemon:
         _, previous = _places(frame)
         report = self._evaluate(frame.header.round - 1, previous, everything=True)
         served = self._served(after_round=frame.header.round - 1, previous=previous, task_ended=True)
-        payload = self._frame(
-            Kind.EVAL, frame.header.round, frame.header.task, {"eval": report, "rejected": dict(self.rejected)}, {}
-        )
+        meta = {**({"eval": report} if report is not None else {}), "rejected": dict(self.rejected)}
+        payload = self._frame(Kind.EVAL, frame.header.round, frame.header.task, meta, {})
         self._send(payload, f"eval:{frame.header.round}").wait_for_publish(10)
         self.serving.submit(served)
         self.serving.wait()  # the final model is in service before the daemon exits
-        log.info("run finished; final %s per task %s", self.learner.metric, report[self.learner.metric])
+        log.info("run finished; final %s per task %s", self.learner.metric, (report or {}).get(self.learner.metric))
 
     def _served(self, after_round: int, previous: RoundPlace | None, task_ended: bool):
         """The model to serve after ``after_round`` (a snapshot the background export may
@@ -510,13 +529,15 @@ class ClientDaemon:
         task = previous.task
         return self.serving.snapshot(self.learner, task, self.data.test[task].x)
 
-    def _evaluate(self, rnd: int, place: RoundPlace | None, everything: bool = False) -> dict:
+    def _evaluate(self, rnd: int, place: RoundPlace | None, everything: bool = False) -> dict | None:
         """Held-out NLL (or accuracy) of the loaded model after round ``rnd`` (at ``place`` in
         the schedule): on every task seen so far after a task's last round (the continual
         metrics) or when asked, else on the current task."""
         task = place.task if place is not None else 0
         full = everything or place is None or place.task_end
         tests = [d if full or i == task else None for i, d in enumerate(self.data.test[: task + 1])]
+        if len(tests) <= task or tests[task] is None or len(tests[task]) == 0:
+            return None  # an own-clock device without this task's test data has nothing to report
         return {"round": rnd, "task": task, self.learner.metric: self.learner.evaluate(tests)}
 
     def _frame(self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict) -> bytes:
@@ -583,13 +604,18 @@ def load_client_data(cfg: ClientConfig) -> ClientTasks:
         )
     if spec.pool_ids is not None:
         return pool_task_split(train, test, spec.pool_tasks, spec.pool_ids, seed, spec.per_class, spec.test_per_class)
-    return client_task_split(
-        train,
-        test,
-        spec.client_tasks,
-        spec.client_index,
-        seed,
-        spec.test_tasks,
-        spec.per_class,
-        spec.test_per_class,
+    own = client_task_split(
+        train, test, spec.client_tasks, spec.client_index, seed, spec.test_tasks, spec.per_class, spec.test_per_class
     )
+    fleet = None
+    if spec.fleet:  # every device's shard of each task, as each device computes its own
+        shards = [
+            client_task_split(train, test, spec.client_tasks, i, seed, spec.test_tasks, spec.per_class, 1).train
+            for i in range(len(spec.client_tasks))
+        ]
+        fleet = tuple(
+            Dataset(np.concatenate([s[t].x for s in shards]), np.concatenate([s[t].y for s in shards]))
+            for t in range(len(own.train))
+        )
+    arrivals = tuple(spec.arrivals) if spec.arrivals is not None else None
+    return ClientTasks(own.train, own.test, arrivals, fleet)

@@ -29,6 +29,7 @@ from fclcore.data import (
     Dataset,
     client_task_split,
     domain_task_split,
+    incremental_client_tasks,
     load_dataset,
     pool_task_split,
     random_client_tasks,
@@ -93,6 +94,9 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
             client_tasks = [tasks] * sc.clients
         elif domains is not None:
             client_tasks = [[list(domains.classes)] * domains.tasks] * sc.clients
+        elif sc.tasks.incremental is not None:
+            inc = sc.tasks.incremental
+            client_tasks = incremental_client_tasks(inc.base, inc.pools, sc.clients, inc.share, fed.seed)
         else:
             client_tasks = sc.tasks.per_client or [sc.tasks.shared] * sc.clients
         lengths = {len(t) for t in client_tasks}
@@ -106,6 +110,10 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
         except ValueError as exc:
             raise ConfigError(f"{scenario_path}: federation.{exc}") from None
         test_tasks = None
+        if sc.tasks.incremental is not None:  # every device tests each task on all of its classes
+            every = [list(t) for t in [sc.tasks.incremental.base, *sc.tasks.incremental.pools]]
+            test_tasks = [every for _ in range(sc.clients)]
+        _check_arrivals(sc, spec, scenario_path)
         if sc.data.class_fraction < 1:  # label skew: each device holds a seeded share of the classes
             held = [
                 [classes[i] for i in s]
@@ -118,6 +126,26 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
         raise ConfigError(f"{scenario_path}: data: {exc}") from None
     sc = _expand_membership(sc, scenario_path)
     return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]), test_tasks, pool_ids)
+
+
+def _check_arrivals(sc: Scenario, spec: methods.MethodSpec, scenario_path: str) -> None:
+    """``tasks.arrivals``: one row of rounds per client, one entry per task, for an own-clock method."""
+    arrivals = sc.tasks.arrivals
+    if arrivals is None:
+        return
+    if not spec.own_clock:
+        raise ConfigError(
+            f"{scenario_path}: tasks.arrivals: method {spec.name!r} runs every device on the federation's "
+            "task clock; per-device arrivals need a method whose devices keep their own (e.g. ngfl)"
+        )
+    fed = sc.federation
+    if len(arrivals) != sc.clients or any(len(row) != fed.num_tasks for row in arrivals):
+        raise ConfigError(
+            f"{scenario_path}: tasks.arrivals: expected {sc.clients} rows (one per client) of "
+            f"{fed.num_tasks} entries (one per task)"
+        )
+    if any(r is not None and r >= fed.total_rounds for row in arrivals for r in row):
+        raise ConfigError(f"{scenario_path}: tasks.arrivals: rounds must be below total_rounds {fed.total_rounds}")
 
 
 def _client_ids(clients: int) -> list[str]:
@@ -326,6 +354,8 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
             pool_tasks=p.scenario.tasks.pool.tasks if p.pool_ids is not None else None,
             pool_ids=p.pool_ids[index] if p.pool_ids is not None else None,
             domains=p.scenario.tasks.domains,
+            arrivals=p.scenario.tasks.arrivals[index] if p.scenario.tasks.arrivals else None,
+            fleet=method.fleet_data,
         )
         configs[cid] = ClientConfig(
             client_id=cid,

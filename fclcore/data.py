@@ -36,6 +36,7 @@ __all__ = [
     "client_task_split",
     "pool_task_split",
     "random_client_tasks",
+    "incremental_client_tasks",
     "rotate_images",
     "permute_images",
     "domain_task_split",
@@ -44,10 +45,16 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class ClientTasks:
-    """One client's task stream: its train shard and the shared test set, per task."""
+    """One client's task stream: its train shard and the shared test set, per task.
+
+    ``arrivals``: per task, the round before which it arrives on this device (None: its
+    task's first round), for methods whose devices keep their own task clock.  ``fleet``: per
+    task, every device's shard of it together (only a simulated upper reference loads it)."""
 
     train: tuple[Dataset, ...]
     test: tuple[Dataset, ...]
+    arrivals: tuple[int | None, ...] | None = None
+    fleet: tuple[Dataset, ...] | None = None
 
 
 # IDX type codes -> big-endian dtypes (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT").
@@ -334,6 +341,25 @@ def random_client_tasks(
             [sorted(int(v) for v in order[t * classes_per_task : (t + 1) * classes_per_task]) for t in range(num_tasks)]
         )
     return plan
+
+
+def incremental_client_tasks(
+    base: Sequence[int], pools: Sequence[Sequence[int]], num_clients: int, share: float, seed: int
+) -> list[list[list[int]]]:
+    """NGFL's plan (reading notes 3.4 G4): every client's task 0 is ``base``; task s is pool
+    s - 1 if the client took it, else empty.  Each client takes k = round(share x pools) pools
+    (at least 1), drawn with ``default_rng((seed, 4))``; the draw is repeated until every pool
+    has a client (DataError if k x clients cannot cover the pools)."""
+    pools = [[int(c) for c in pool] for pool in pools]
+    k = max(1, int(round(share * len(pools))))
+    if k * num_clients < len(pools):
+        raise DataError(f"{num_clients} clients taking {k} of {len(pools)} pools each cannot cover every pool")
+    rng = np.random.default_rng((seed, 4))
+    while True:
+        picks = [set(rng.choice(len(pools), size=k, replace=False).tolist()) for _ in range(num_clients)]
+        if set().union(*picks) == set(range(len(pools))):
+            break
+    return [[[int(c) for c in base]] + [pool if s in pick else [] for s, pool in enumerate(pools)] for pick in picks]
 
 
 def _image_side(x: np.ndarray) -> int:

@@ -20,10 +20,13 @@ class DataError(BadInput):
 @dataclass(frozen=True, eq=False)  # eq=False: element-wise array == is not a bool
 class Dataset:
     """Samples ``x`` (N, D) and int64 labels ``y``: float32 pixels binarised by the image
-    loaders, or int64 token ids (padding id 0) for text."""
+    loaders, or int64 token ids (padding id 0) for text.  ``classes``: the name of each label
+    value (``y`` indexes it), when the data names its classes (a task folder's classes.json);
+    None: a label's name is its number."""
 
     x: np.ndarray
     y: np.ndarray
+    classes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.x.ndim != 2 or self.y.ndim != 1 or len(self.x) != len(self.y):
@@ -31,6 +34,12 @@ class Dataset:
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def label_names(self) -> np.ndarray:
+        """The class name of every row (strings)."""
+        if self.classes is None:
+            return np.array([str(int(v)) for v in self.y], dtype=object)
+        return np.array(self.classes, dtype=object)[self.y]
 
 
 def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

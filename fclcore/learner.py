@@ -34,6 +34,7 @@ class Learner:
     metric = "nll"  # what ``evaluate`` returns per task: "nll" (lower is better) or "accuracy"
     sees_all_tasks = False  # True: ``train_round`` gets every task's data from the start (offline)
     allow_embedding_upload = False  # True: this device opted in to uploading embeddings of its data
+    fleet_data: tuple[Dataset, ...] | None = None  # every device's shard per task (MethodSpec.fleet_data only)
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         self.fed = fed
@@ -59,7 +60,8 @@ class Learner:
 
     def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float | None]:
         """Local training for round ``rnd``; ``train[i]`` is task i's data for i <= current task
-        (for every task if ``sees_all_tasks``).  Returns (samples used, mean train NLL, or None
+        (for every task if ``sees_all_tasks``; for an ``own_clock`` method, every task of the device
+        with None where it has not arrived yet).  Returns (samples used, mean train NLL, or None
         when the method has no single training NLL to report)."""
         raise NotImplementedError
 

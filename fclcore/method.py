@@ -37,6 +37,9 @@ class MethodSpec:
     served_format: str = "made"  # what the device serves: an ``export`` format name
     server_torch: bool = False  # the strategy trains on the server (imports torch)
     needs_aux_data: bool = False  # the strategy reads ``aux_dir`` (server-side unlabelled data)
+    own_clock: bool = False  # devices keep their own task clock: tasks arrive per device (``tasks.arrivals``,
+    # a new task folder), are never waited for, and the learner gets every task that has arrived
+    fleet_data: bool = False  # the learner replays every device's data (a simulation-only upper reference)
     summary: str = ""  # one line for ``--help`` and the docs
     example_scenario: str = ""  # a shipped scenario file that runs this method
     smoke_overrides: tuple[str, ...] = ()  # ``--set`` items that shrink it to seconds (contract tests)

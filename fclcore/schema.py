@@ -312,6 +312,28 @@ class DomainTasks:
 
 
 @dataclass
+class IncrementalTasks:
+    """NGFL's class-incremental protocol (reading notes 3.4 G4-G5): task 0 is the ``base``
+    classes on every device; task s (s >= 1) is pool s - 1, held only by the devices that took
+    it.  Each device takes round(``share`` x pools) pools, drawn with the federation seed and
+    redrawn until every pool has a device; a pool's training rows are split without overlap
+    among its devices, the base's among all.  Every task's test set holds its classes' test rows."""
+
+    base: list[int]
+    pools: list[list[int]]
+    share: float = 0.6
+
+    def __post_init__(self) -> None:
+        classes = [*self.base, *(c for pool in self.pools for c in pool)]
+        if not self.base or not self.pools or any(not pool for pool in self.pools):
+            raise ValueError("incremental: expected a non-empty base and non-empty pools")
+        if len(set(classes)) != len(classes) or any(isinstance(c, bool) or not isinstance(c, int) for c in classes):
+            raise ValueError(f"incremental: expected distinct int classes over base and pools, got {classes}")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"incremental.share: expected a share in (0, 1], got {self.share}")
+
+
+@dataclass
 class TasksSpec:
     """Exactly one of: the same task sequence for every client, an explicit sequence per
     client, sequences drawn per client with the scenario seed, a class-incremental split,
@@ -324,12 +346,19 @@ class TasksSpec:
     sizes: Optional[list[int]] = None  # class-incremental: a seeded class order cut into tasks of these sizes
     pool: Optional[PoolTasks] = None  # FedSeIT: each client takes pool.per_client tasks of a shared pool
     domains: Optional[DomainTasks] = None  # FIL-VER: domains.tasks rotated / permuted copies of the classes
+    incremental: Optional[IncrementalTasks] = None  # NGFL: a base task, then pools each device may take
+    # Methods whose devices keep their own task clock (``MethodSpec.own_clock``): per client, per
+    # task, the round before which the task arrives on that device (null: its task's first round).
+    arrivals: Optional[list[list[Optional[int]]]] = None
 
     def __post_init__(self) -> None:
-        kinds = ("shared", "per_client", "random", "sizes", "pool", "domains")
+        kinds = ("shared", "per_client", "random", "sizes", "pool", "domains", "incremental")
         given = [k for k in kinds if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"tasks: expected exactly one of {', '.join(kinds)}; got {given or 'none'}")
+        for row in self.arrivals or []:
+            if any(r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0) for r in row):
+                raise ValueError(f"tasks.arrivals: expected rounds >= 0 or null, got {row}")
 
 
 @dataclass
@@ -349,6 +378,8 @@ class ClientDataSpec:
     pool_tasks: Optional[list[list[int]]] = None  # tasks.pool: the federation's whole pool ...
     pool_ids: Optional[list[int]] = None  # ... and this device's pool task ids, in task order
     domains: Optional[DomainTasks] = None  # tasks.domains: the plan's domain tasks (grayscale, domain_task_split)
+    arrivals: Optional[list[Optional[int]]] = None  # per task, its arrival round (own clock; null: its start)
+    fleet: bool = False  # also load every device's shard of each task (a simulation-only upper reference)
 
     def __post_init__(self) -> None:
         if (self.pool_tasks is None) != (self.pool_ids is None):

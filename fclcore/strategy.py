@@ -92,9 +92,10 @@ class Strategy:
         """What the run log records about a per-client frame with metadata ``meta``."""
         return {}
 
-    def bytes_by_kind(self, tensors: Mapping[str, Tensor]) -> dict[str, int]:
+    def bytes_by_kind(self, tensors: Mapping[str, Tensor], meta: Mapping | None = None) -> dict[str, int]:
         """Decoded bytes of an accepted update's tensors as received by the method's kinds (e.g. base,
-        adaptive, centres), for ``metrics.jsonl``; one kind, "model", unless a method says more."""
+        adaptive, centres), for ``metrics.jsonl``; one kind, "model", unless a method says more
+        (``meta``: the update's metadata, for a method whose metadata carries part of the model)."""
         return {"model": sum(tensor_nbytes(t) for t in tensors.values())}
 
     def normalize(self, frame: Frame) -> dict[str, Tensor] | Checked:

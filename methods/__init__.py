@@ -15,7 +15,8 @@ from typing import Any
 import methods.confedmade
 import methods.fedet
 import methods.fedseit
-import methods.filver  # noqa: F401  (each package registers its methods)
+import methods.filver
+import methods.ngfl  # noqa: F401  (each package registers its methods)
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError
 from fclcore.method import REGISTRY, MethodSpec, lookup

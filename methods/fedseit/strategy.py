@@ -144,7 +144,7 @@ class FedSeITStrategy(Strategy):
             raise Rejected("entries", f"meta.fedseit.foreign names entries never sent to {client}: {unknown[:3]}")
         return Checked(out, Parsed(report["task"], report["foreign"], centres))
 
-    def bytes_by_kind(self, tensors) -> dict[str, int]:
+    def bytes_by_kind(self, tensors, meta=None) -> dict[str, int]:
         out = {"base": 0, "adaptive": 0, "centres": 0}
         for name, t in tensors.items():
             kind = "adaptive" if name.startswith(KB_PREFIX) else "centres" if name == CENTRES else "base"

@@ -237,7 +237,7 @@ class FILVERStrategy(Strategy):
             raise Rejected("embeddings", f"{EMB_LOG_SIGMA}: outside [{self.o.log_sigma_min}, {self.o.log_sigma_max}]")
         return Embeddings(rows[0], rows[1] if len(rows) > 1 else None, y.astype(np.int64))
 
-    def bytes_by_kind(self, tensors: Mapping[str, Tensor]) -> dict[str, int]:
+    def bytes_by_kind(self, tensors: Mapping[str, Tensor], meta=None) -> dict[str, int]:
         out = {"model": 0, "embeddings": 0}
         for name, t in tensors.items():
             out["embeddings" if name.startswith("emb:") else "model"] += tensor_nbytes(t)

@@ -186,6 +186,45 @@ class DeviceTable:
     def row(self, label: str) -> int:
         return self.labels.index(label)
 
+    def to_meta(self) -> dict:
+        """Everything, task history included, for the device's own checkpoint (never uploaded)."""
+        return {
+            "client": self.client,
+            "labels": list(self.labels),
+            "added": [[r, by] for r, by in self.added],
+            "current": list(self.current),
+            "viewed": list(self.viewed),
+            "history": [list(t) for t in self.history],
+            "base_version": self.base_version,
+            "known": sorted(self.known),
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> "DeviceTable":
+        """Inverse of ``to_meta``; TableError if the checkpoint's table is malformed."""
+        if not isinstance(meta, dict) or not isinstance(meta.get("client"), str):
+            raise TableError("device table: expected the object to_meta wrote")
+        labels = list(check_labels(meta.get("labels")))
+        added = meta.get("added")
+        if not isinstance(added, list) or len(added) != len(labels):
+            raise TableError("device table.added: expected one [round, by] per label")
+        history = meta.get("history")
+        if not isinstance(history, list):
+            raise TableError("device table.history: expected a list of tasks")
+        version = meta.get("base_version")
+        if not _is_int(version):
+            raise TableError("device table.base_version: expected an int")
+        return cls(
+            meta["client"],
+            labels,
+            [(int(r), str(by)) for r, by in added],
+            list(check_labels(meta.get("current"), "current")),
+            list(check_labels(meta.get("viewed"), "viewed")),
+            [list(check_labels(t, "history")) for t in history],
+            int(version),
+            set(check_labels(meta.get("known"), "known")),
+        )
+
     def adopt(self, table: GlobalTable) -> list[int | None]:
         """Rebuild from the global table, keeping this device's classes the aggregator lacks
         (appended after the global rows, in their old order).  Returns, for each new row, the
@@ -217,8 +256,14 @@ class DeviceTable:
 
     def upload(self, partial: bool) -> tuple[UploadTable, list[int]]:
         """The table to send and the head rows it describes: the current classes' rows under
-        partial fusion, every row under total fusion."""
-        rows = [self.row(lab) for lab in self.current] if partial else list(range(len(self.labels)))
+        partial fusion, the rows of every class it has viewed under total fusion (the rows its
+        mask holds: other rows would be sent only to be ignored)."""
+        viewed = set(self.viewed)
+        rows = (
+            [self.row(lab) for lab in self.current]
+            if partial
+            else [r for r, lab in enumerate(self.labels) if lab in viewed]
+        )
         labels = tuple(self.labels[r] for r in rows)
         return UploadTable(labels, tuple(self.current), tuple(self.viewed), self.base_version), rows
 

@@ -1,0 +1,156 @@
+"""The NGFL aggregator: keeps the global task alignment table, aligns uploaded head rows by
+label and fuses them (NumPy only).
+
+Each round: the extractor becomes the unweighted mean of the senders' extractors (notes G7;
+a round of skip notices only keeps it); the round's new labels are appended to the global
+table (sorted by string) and every row is fused from the senders whose mask holds it
+(``methods.ngfl.fusion``).  Under pre-alignment the labels devices announce are appended
+afterwards as *pending* rows (zero), which reach every device with the next round's table
+and stay out of the softmax of devices that do not hold them until fused once (G9).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from fclcore.codec import Frame, SparseTensor, Tensor
+from fclcore.schema import FederationSpec
+from fclcore.strategy import Checked, Rejected, Strategy, Update, tensor_nbytes
+from methods.ngfl.config import NGFLOptions
+from methods.ngfl.fusion import HeadUpload, fuse_heads
+from methods.ngfl.table import MAX_LABELS, GlobalTable, TableError, UploadTable, check_labels
+from methods.ngfl.wire import EXTRACTOR, HEAD_B, HEAD_W, META, ROWS_B, ROWS_W, extractor_shapes, initial_extractor
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """An accepted update's NGFL view: its head rows (None for a skip notice) and announced labels."""
+
+    head: HeadUpload | None
+    announce: tuple[str, ...]
+    table_bytes: int
+
+
+class NGFLStrategy(Strategy):
+    min_samples = 0  # a skip notice trains nothing
+
+    def __init__(self, fed: FederationSpec, options: NGFLOptions, input_dim: int, aux_dir: str | None = None) -> None:
+        super().__init__(fed, options, input_dim)
+        self.o = options
+        self.shapes = extractor_shapes(input_dim, options.hidden)
+        self.dim = options.hidden[-1]
+        self.table = GlobalTable()
+        self.rejected_tables = 0
+
+    @property
+    def dense_fp32_bytes(self) -> int:
+        """The extractor and a full head of the global table's rows, in float32."""
+        extractor = sum(int(np.prod(s)) for s in self.shapes.values())
+        return 4 * (extractor + len(self.table.labels) * (self.dim + 1))
+
+    def initial_model(self) -> dict[str, np.ndarray]:
+        return initial_extractor(self.input_dim, self.o.hidden, self.fed.seed)
+
+    def fits(self, params: dict[str, np.ndarray]) -> bool:
+        head = {k: v.shape for k, v in params.items() if k in (HEAD_W, HEAD_B)}
+        extractor = {k: v.shape for k, v in params.items() if k not in head}
+        if extractor != self.shapes:
+            return False
+        if not head:
+            return True
+        w, b = head.get(HEAD_W), head.get(HEAD_B)
+        return w is not None and b is not None and len(w) == 2 and w[1] == self.dim and b == (w[0],)
+
+    def announce_meta(self, rnd: int) -> dict:
+        return {META: {"table": self.table.to_meta()}}
+
+    def bytes_by_kind(self, tensors: Mapping[str, Tensor], meta: Mapping | None = None) -> dict[str, int]:
+        out = {"extractor": 0, "head": 0}
+        for name, t in tensors.items():
+            out["extractor" if name.startswith(EXTRACTOR) else "head"] += tensor_nbytes(t)
+        table = (meta or {}).get(META, {}).get("table") if isinstance((meta or {}).get(META), dict) else None
+        out["table"] = len(json.dumps(table, separators=(",", ":"))) if table is not None else 0
+        return out
+
+    # -- one update ------------------------------------------------------------------------
+    def normalize(self, frame: Frame) -> Checked:
+        meta = frame.meta.get(META)
+        if not isinstance(meta, dict):
+            raise Rejected("table", f"meta.{META}: expected an object, got {type(meta).__name__}")
+        try:
+            announce = check_labels(meta.get("announce", []), "announce")
+        except TableError as exc:
+            raise Rejected(exc.reason, str(exc)) from None
+        if meta.get("skip") is True:
+            if frame.tensors or frame.meta.get("n_samples") != 0:
+                raise Rejected("table", "a skip notice carries no tensors and n_samples 0")
+            return Checked({}, Parsed(None, announce, 0))
+        tensors = {}
+        for name, tensor in frame.tensors.items():
+            if isinstance(tensor, SparseTensor):
+                raise ValueError(f"{name}: expected a dense tensor")
+            tensors[name] = np.asarray(tensor, np.float32)
+        expected = {**self.shapes, ROWS_W: None, ROWS_B: None}
+        if set(tensors) != set(expected):
+            missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+            raise ValueError(f"tensors: missing {missing[:3]}, unexpected {extra[:3]}")
+        for name, shape in self.shapes.items():
+            if tensors[name].shape != shape:
+                raise ValueError(f"{name}: shape {tensors[name].shape}, expected {shape}")
+        w, b = tensors[ROWS_W], tensors[ROWS_B]
+        if w.ndim != 2 or w.shape[1] != self.dim or b.shape != (w.shape[0],):
+            raise ValueError(f"{ROWS_W}, {ROWS_B}: expected (rows, {self.dim}) and (rows,), got {w.shape}, {b.shape}")
+        try:
+            table = UploadTable.parse(meta.get("table"), w.shape[0])
+            head = HeadUpload(frame.header.client, table, w, b)
+        except TableError as exc:
+            raise Rejected(exc.reason, str(exc)) from None
+        grown = len(self.table.labels) + len((set(table.labels) | set(announce)) - set(self.table.labels))
+        if grown > MAX_LABELS:
+            raise Rejected("table", f"labels: the global head would have {grown} rows, at most {MAX_LABELS}")
+        size = len(json.dumps(meta.get("table"), separators=(",", ":")))
+        return Checked(tensors, Parsed(head, announce, size))
+
+    # -- the round -------------------------------------------------------------------------
+    def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rnd = updates[0].frame.header.round if updates else 0
+        senders = [u for u in sorted(updates, key=lambda u: u.client) if u.parsed.head is not None]
+        params = {k: v for k, v in current.items() if k not in (HEAD_W, HEAD_B)}
+        if senders:
+            for name in self.shapes:
+                params[name] = np.mean([np.asarray(u.tensors[name], np.float64) for u in senders], axis=0).astype(
+                    np.float32
+                )
+        weight = current.get(HEAD_W, np.zeros((0, self.dim), np.float32))
+        bias = current.get(HEAD_B, np.zeros(0, np.float32))
+        weight, bias = fuse_heads(
+            self.table,
+            weight,
+            bias,
+            [u.parsed.head for u in senders],
+            rnd,
+            self.o.fusion,
+            literal=self.o.literal_eq10,
+        )
+        if self.o.alignment == "pre":
+            for u in sorted(updates, key=lambda u: u.client):
+                added = self.table.extend(u.parsed.announce, rnd, u.client, pending=True)
+                weight = np.concatenate([weight, np.zeros((len(added), self.dim), np.float32)])
+                bias = np.concatenate([bias, np.zeros(len(added), np.float32)])
+        if len(self.table.labels):
+            params[HEAD_W], params[HEAD_B] = weight, bias
+        return params
+
+    # -- restarts --------------------------------------------------------------------------
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        return {"table": self.table.to_meta()}, {}
+
+    def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        try:
+            self.table = GlobalTable.from_meta(meta.get("table"))
+        except TableError as exc:
+            raise ValueError(f"ngfl checkpoint: {exc}") from None
