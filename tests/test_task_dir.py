@@ -64,6 +64,106 @@ def test_a_bad_folder_stops_the_scan_and_is_reported(tmp_path, caplog, bad, reas
     assert not caplog.records  # reported once, not on every rescan
 
 
+def _labelled(folder: Path, files: dict) -> Path:
+    """A task folder from ``{file name: array, or text for classes.json}``."""
+    folder.mkdir(parents=True)
+    for name, value in files.items():
+        if isinstance(value, str):
+            (folder / name).write_text(value)
+        else:
+            np.save(folder / name, value, allow_pickle=True)
+    return folder
+
+
+def test_labels_and_class_names_are_loaded(tmp_path) -> None:
+    x = np.ones((6, D), np.float32)
+    _labelled(
+        tmp_path / "000-pets",
+        {
+            "train.npy": x,
+            "train_labels.npy": np.array([0, 1, 1, 0, 1, 0], np.int32),
+            "test.npy": x[:3],
+            "test_labels.npy": np.array([1, 0, 1], np.uint8),
+            "classes.json": json.dumps(["cat", "dog"]),
+        },
+    )
+    _labelled(tmp_path / "001-digits", {"train.npy": x[:4], "train_labels.npy": np.array([3, 7, 3, 7])})
+    tasks = TaskDirectory(tmp_path).scan(D)
+    pets, digits = tasks.train
+    assert pets.classes == ("cat", "dog") and pets.y.dtype == np.int64
+    assert pets.label_names().tolist() == ["cat", "dog", "dog", "cat", "dog", "cat"]
+    assert tasks.test[0].label_names().tolist() == ["dog", "cat", "dog"] and tasks.test[0].classes == ("cat", "dog")
+    assert digits.classes is None  # without classes.json a label's name is its number
+    assert [*digits.label_names(), *tasks.test[1].label_names()] == ["3", "7", "3", "7"]  # 3 train, 1 held out
+
+
+def test_the_holdout_keeps_labels_with_their_rows(tmp_path) -> None:
+    n = 20
+    x = np.zeros((n, D), np.float32)
+    x[np.arange(n), np.arange(n)] = 1.0  # row i is one-hot at column i: rows can be told apart
+    y = np.arange(n) % 3
+    _labelled(tmp_path / "000-t", {"train.npy": x, "train_labels.npy": y, "classes.json": '["a", "b", "c"]'})
+    tasks = TaskDirectory(tmp_path).scan(D)
+    for d in (tasks.train[0], tasks.test[0]):
+        rows = d.x.argmax(axis=1)
+        assert (d.y == y[rows]).all() and d.label_names().tolist() == [["a", "b", "c"][v] for v in y[rows]]
+    assert len(tasks.train[0]) == 18 and tasks.test[0].x.argmax(axis=1).tolist() == [18, 19]  # the last 10%
+
+
+@pytest.mark.parametrize(
+    "files,reason",
+    [
+        ({"train_labels.npy": np.zeros(3, np.int64)}, "3 labels for 4 rows"),
+        ({"train_labels.npy": np.zeros(4, np.float32)}, "integer"),
+        ({"train_labels.npy": np.zeros(4, bool)}, "integer"),
+        ({"train_labels.npy": np.zeros((4, 1), np.int64)}, "1-D"),
+        ({"train_labels.npy": np.array([0, -1, 0, 0])}, "negative"),
+        ({"train_labels.npy": np.array([{"evil": 1}] * 4, dtype=object)}, "readable"),
+        ({"train_labels.npy": np.array([0, 2, 0, 1]), "classes.json": '["a", "b"]'}, "label 2"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": '["a", '}, "JSON"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": '{"0": "a"}'}, "list"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": "[]"}, "list"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": json.dumps(["a"] * 1025)}, "list"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": '["a", "a"]'}, "duplicate"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": '["a", 1]'}, "printable"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": '[""]'}, "printable"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": json.dumps(["x" * 65])}, "printable"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "classes.json": '["a\\nb"]'}, "printable"),
+        ({"classes.json": '["a"]'}, "without train_labels"),
+        ({"test.npy": np.ones((2, D)), "test_labels.npy": np.zeros(2, np.int64)}, "without train_labels"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "test_labels.npy": np.zeros(2, np.int64)}, "without test.npy"),
+        ({"train_labels.npy": np.zeros(4, np.int64), "test.npy": np.ones((2, D))}, "without test_labels"),
+        (
+            {"train_labels.npy": np.zeros(4, np.int64), "test.npy": np.ones((2, D)), "test_labels.npy": np.zeros(3)},
+            "test_labels.npy",
+        ),
+    ],
+)
+def test_a_folder_with_bad_labels_is_not_usable_yet(tmp_path, caplog, files, reason) -> None:
+    _write(tmp_path / "000-ok", np.ones((4, D)))
+    _labelled(tmp_path / "001-bad", {"train.npy": np.ones((4, D)), **files})
+    _write(tmp_path / "002-later", np.ones((4, D)))
+    directory = TaskDirectory(tmp_path)
+    assert len(directory.scan(D).train) == 1  # task 2 waits behind the broken task 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "001-bad" in warnings[0] and reason in warnings[0], warnings
+    caplog.clear()
+    directory.scan(D)
+    assert not caplog.records  # reported once, not on every rescan
+
+
+def test_labels_fixed_in_place_are_picked_up(tmp_path) -> None:
+    folder = _labelled(
+        tmp_path / "000-t",
+        {"train.npy": np.ones((4, D)), "train_labels.npy": np.array([0, 1, 2, 1]), "classes.json": '["a", "b"]'},
+    )
+    directory = TaskDirectory(tmp_path)
+    assert directory.scan(D).train == ()
+    (folder / "classes.json").write_text('["a", "b", "c"]')
+    tasks = directory.scan(D)
+    assert [*tasks.train[0].label_names(), *tasks.test[0].label_names()] == ["a", "b", "c", "b"]
+
+
 def _ctl(sock: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "fcl_edge.cli", "ctl", str(sock), *args], capture_output=True, text=True, timeout=60

@@ -114,7 +114,7 @@ class NGFLLearner(Learner):
         if not slots:
             self.round_info["skip"] = True
             return 0, None
-        self.table.current = [lab for t in slots for lab in self.slot_labels[t]]
+        self.table.current = list(dict.fromkeys(lab for t in slots for lab in self.slot_labels[t]))  # their union
         if self.active in slots and self.left > 0:
             self.left -= 1
         first = slots[0] == 0  # the base task (the device's first) has its own settings
