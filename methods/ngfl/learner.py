@@ -300,6 +300,12 @@ class NGFLLearner(Learner):
             pending = set(check_labels(meta.get("pending_global", []), "pending"))
         except (TableError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"ngfl checkpoint: {exc}") from None
+        active = meta.get("active")
+        if set(started) != set(slot_labels) or (active is not None and active not in started):
+            raise ValueError("ngfl checkpoint: the started tasks, their classes and the active task disagree")
+        named = {lab for labels in (table.current, table.viewed, *slot_labels.values()) for lab in labels}
+        if not named <= set(table.labels):
+            raise ValueError(f"ngfl checkpoint: classes without a head row {sorted(named - set(table.labels))[:3]}")
         rows, dim = len(table.labels), self.extractor.dim
         w, b = arrays.get(HEAD_W), arrays.get(HEAD_B)
         if w is None or b is None or w.shape != (rows, dim) or b.shape != (rows,):
