@@ -525,9 +525,17 @@ class ClientDaemon:
             or after_round == self.served_round
         ):
             return None
-        self.served_round = after_round
         task = previous.task
-        return self.serving.snapshot(self.learner, task, self.data.test[task].x)
+        # The export's parity rows: the task's held-out rows.  A device on its own task clock may
+        # have fewer task folders than the federation has tasks (or none yet): its newest ones.
+        tests = self.data.test
+        ordered = ([tests[task]] if task < len(tests) else []) + list(reversed(tests))
+        parity = next((d.x for d in ordered if len(d)), None)
+        if parity is None:
+            log.info("not serving the model after round %d: no data on this device yet", after_round)
+            return None
+        self.served_round = after_round
+        return self.serving.snapshot(self.learner, task, parity)
 
     def _evaluate(self, rnd: int, place: RoundPlace | None, everything: bool = False) -> dict | None:
         """Held-out NLL (or accuracy) of the loaded model after round ``rnd`` (at ``place`` in

@@ -10,6 +10,7 @@ table's labels."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -40,7 +41,7 @@ PER_CLASS = 60
 def _task(folder: Path, data, digits: dict[int, int], classes: list[str] | None, test: bool) -> None:
     """A labelled task folder, written under a hidden name and renamed into place (as a device's
     data would be copied): ``digits`` maps a digit to its label value in the folder."""
-    rng = np.random.default_rng(len(folder.name))
+    rng = np.random.default_rng(0)
     rows = np.concatenate([np.flatnonzero(data.y == d)[:PER_CLASS] for d in digits])
     rows = rng.permutation(rows)  # shuffled: the holdout of a folder without test.npy holds every class
     x, y = data.x[rows], np.array([digits[int(d)] for d in data.y[rows]], np.int64)
@@ -105,19 +106,15 @@ class Run:
             stdin=subprocess.DEVNULL,
         )
 
+    @contextlib.contextmanager
     def paused(self, name: str):
         """SIGSTOP a device while its folder is written: the federation cannot run more than a
         round or two ahead of it, so the folder arrives while rounds are left."""
-        proc = self.procs[name]
-
-        class _Paused:
-            def __enter__(self):
-                os.kill(proc.pid, signal.SIGSTOP)
-
-            def __exit__(self, *exc):
-                os.kill(proc.pid, signal.SIGCONT)
-
-        return _Paused()
+        os.kill(self.procs[name].pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.procs[name].pid, signal.SIGCONT)
 
     def events(self, kind: str) -> list[dict]:
         path = self.tmp / "agg" / "metrics.jsonl"
