@@ -136,11 +136,16 @@ class NGFLStrategy(Strategy):
             self.o.fusion,
             literal=self.o.literal_eq10,
         )
-        if self.o.alignment == "pre":
+        if self.o.alignment == "pre":  # the round's announced labels sorted, each credited to its first announcer
+            firsts: dict[str, str] = {}
             for u in sorted(updates, key=lambda u: u.client):
-                added = self.table.extend(u.parsed.announce, rnd, u.client, pending=True)
-                weight = np.concatenate([weight, np.zeros((len(added), self.dim), np.float32)])
-                bias = np.concatenate([bias, np.zeros(len(added), np.float32)])
+                for label in u.parsed.announce:
+                    firsts.setdefault(label, u.client)
+            added: list[str] = []
+            for label in sorted(firsts):
+                added += self.table.extend([label], rnd, firsts[label], pending=True)
+            weight = np.concatenate([weight, np.zeros((len(added), self.dim), np.float32)])
+            bias = np.concatenate([bias, np.zeros(len(added), np.float32)])
         if len(self.table.labels):
             params[HEAD_W], params[HEAD_B] = weight, bias
         return params
