@@ -241,7 +241,7 @@ def test_domain_tasks_schema():
     d = DomainTasks(tasks=4)
     assert (d.transform, d.step_deg, d.classes) == ("rotate", 20.0, list(range(10)))
     assert TasksSpec(domains=d).domains is d
-    with pytest.raises(ValueError, match="exactly one of .*, pool, domains; got .'shared', 'domains'"):
+    with pytest.raises(ValueError, match="exactly one of .*, pool, domains, incremental; got .'shared', 'domains'"):
         TasksSpec(shared=[[0]], domains=d)
     for bad, match in [
         ({"tasks": 0}, "domains.tasks: expected an int >= 1"),
