@@ -127,10 +127,11 @@ def test_tasks_spec_exactly_one_kind():
     pool = PoolTasks(tasks=[[0, 1]], per_client=1)
     assert TasksSpec(pool=pool).pool is pool
     with pytest.raises(
-        ValueError, match="exactly one of shared, per_client, random, sizes, pool, domains, incremental; got .'shared', 'pool'"
+        ValueError,
+        match="exactly one of shared, per_client, random, sizes, pool, domains, incremental; got .'shared', 'pool'",
     ):
         TasksSpec(shared=[[0]], pool=pool)
-    with pytest.raises(ValueError, match="exactly one of .* pool, domains; got none"):
+    with pytest.raises(ValueError, match="exactly one of .* pool, domains, incremental; got none"):
         TasksSpec()
     for bad, match in [({"tasks": []}, "at least one task"), ({"tasks": [[1, 1]]}, "distinct labels")]:
         with pytest.raises(ValueError, match=match):
