@@ -4,7 +4,9 @@ A bad message becomes a ``Rejection`` (a reason string that is logged and counte
 an exception in the round loop.  Checks, in order: the sender is an expected client; its
 signature (when device keys are configured); codec validity (size, version, checksum,
 finiteness, index ranges); federation, sender, kind and round in the header; the sequence
-number against the last one accepted from that device (replays); duplicates; the metadata
+number against the last one accepted from that device (replays) and against this service's
+clock (more than ``max_skew_us`` ahead of it is never accepted, so no single frame can push
+the mark out of a device's reach); duplicates; the metadata
 the round loop relies on; tensor names and shapes (the strategy's ``normalize``); and the
 update's L2 distance to the global model (``max_update_norm``).
 """
@@ -12,6 +14,7 @@ update's L2 distance to the global model (``max_update_norm``).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Container, Mapping
 
@@ -50,6 +53,8 @@ class Inbox:
     max_update_norm: float | None = None
     last_seq: dict[str, int] = field(default_factory=dict)  # highest sequence accepted per device
     min_samples: int = 1  # 0 for methods where a device may have nothing to train in a task (fedet)
+    max_skew_us: int = 30_000_000  # a sequence may run at most this far ahead of this service's clock
+    clock_us: Callable[[], int] = field(default=lambda: time.time_ns() // 1000)
 
     def check(
         self,
@@ -74,6 +79,14 @@ class Inbox:
             frame = decode(frame_bytes, self.limits)
         except CodecError as exc:
             return Rejection("codec", str(exc), client)
+        ahead = frame.header.sequence - (self.clock_us() + self.max_skew_us)
+        if ahead > 0:  # never accepted, so one forged frame cannot move the replay mark out of reach
+            return Rejection(
+                "sequence",
+                f"sequence {frame.header.sequence} is {ahead / 1e6:.0f} s past this aggregator's clock "
+                f"+ max_clock_skew_s",
+                client,
+            )
         problem = self._header_problem(frame, client, open_round, kind)
         if problem is not None:
             return problem

@@ -29,6 +29,7 @@ from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership
+from fclcore.runid import new_run_id
 from fclcore.schema import AggregatorConfig
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import load_keys
@@ -83,12 +84,16 @@ class AggregatorService:
             keys=keys,
             max_update_norm=self.fed.rounds.max_update_norm,
             min_samples=self.strategy.min_samples,
+            max_skew_us=int(cfg.max_clock_skew_s * 1e6),
         )
         self.runlog = RunLog(cfg.out_dir)
         self.queue: queue.Queue[Incoming] = queue.Queue()
         self.sequence = 0
         self.retained: dict[str, bytes] = {}  # what this service last published retained, per topic
         self.seen_connects = 0
+        self.run_id = ""  # set by _resume: this run's identity (fclcore.runid), kept across restarts
+        self.fresh = False  # no committed state: a new run, whose start clears an earlier run's retained messages
+        self.open_round = 0  # the round being run (a failure announcement names it)
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
         self.fingerprint = fingerprint(to_dict(self.fed), cfg.input_dim)
         self.next_round = self._resume()
@@ -111,6 +116,7 @@ class AggregatorService:
         except CheckpointError as exc:
             raise ConfigError(f"state_dir: {exc}; move it away to start the federation afresh") from None
         if committed is None:
+            self.run_id, self.fresh = new_run_id(), True
             return 0
         if committed.fingerprint != self.fingerprint:
             raise ConfigError(
@@ -127,6 +133,7 @@ class AggregatorService:
             raise ConfigError(f"state_dir {self.store.dir}: cannot resume ({exc})") from None
         self.global_params = committed.global_params
         self.sequence = committed.sequence
+        self.run_id = committed.run_id or new_run_id()  # a checkpoint from before run ids: this run gets one now
         self.inbox.last_seq.update(committed.last_seq)
         log.info("resuming %s after committed round %d", self.fed.name, committed.round)
         return committed.round + 1
@@ -145,6 +152,7 @@ class AggregatorService:
                 self.global_params,
                 arrays,
                 self.clients.state(),
+                self.run_id,
             )
         )
 
@@ -171,6 +179,9 @@ class AggregatorService:
         self.notifier.ready(f"connected to {self.cfg.broker.url}")
         started = time.monotonic()
         finished_before = self.next_round > self.fed.total_rounds
+        log.info("run %s of %s (%s)", self.run_id, self.fed.name, "new" if self.fresh else "resumed")
+        if self.fresh:
+            self._clear_earlier_run()
         try:
             if finished_before:  # the end was committed: announce it again, for devices that missed it
                 log.info("%s finished before this start; announcing its end again", self.fed.name)
@@ -189,6 +200,7 @@ class AggregatorService:
             self._commit(self.fed.total_rounds)  # the federation's end: a restart does not run it again
         except NotEnoughClients as exc:
             log.error("%s", exc)
+            self._announce_failure(str(exc))
             return exc.exit_code
         except OSError as exc:  # the state or run directory cannot be written
             log.error("cannot write state: %s", exc)
@@ -202,6 +214,25 @@ class AggregatorService:
             self.watchdog.stop()
             self.metrics.close()
         return ExitCode.INTERRUPTED if self.stop.is_set() else ExitCode.OK
+
+    def _clear_earlier_run(self) -> None:
+        """A new run: delete the retained round and knowledge messages an earlier run of this
+        federation left on the broker (a broker with persistence keeps them across restarts),
+        so no device acts on them.  Devices also ignore frames of another run (``meta.run``)."""
+        topics_ = [topics.round_topic(self.fed.name)]
+        topics_ += [topics.knowledge_topic(self.fed.name, c) for c in self.cfg.expected_clients]
+        for topic in topics_:
+            self.link.publish(topic, b"", retain=True, tag="clear")
+        self.runlog.write("run", run=self.run_id, cleared=len(topics_))
+
+    def _announce_failure(self, reason: str) -> None:
+        """Tell the devices, in a retained message of this run, that it failed: they end
+        (``ExitCode.FEDERATION_FAILED``) instead of waiting for a round that will not come."""
+        try:
+            self._announce(Kind.FINISH, self.open_round, self.schedule.task_of(self.open_round), failed=reason)
+            self.runlog.write("failed", round=self.open_round, reason=reason)
+        except Exception as exc:  # noqa: BLE001  (the exit code says it failed; this is a courtesy)
+            log.warning("could not announce the failure: %s", exc)
 
     def _wait_for_clients(self, carried: dict[str, Update]) -> None:
         """Wait for the clients' online status.  After a restart the round in progress is open
@@ -222,6 +253,7 @@ class AggregatorService:
 
     # -- one round -------------------------------------------------------------------
     def _run_round(self, rnd: int, received: dict[str, Update]) -> None:
+        self.open_round = rnd
         task = self.schedule.task_of(rnd)
         roster = self.clients.open_round(rnd, task)  # who this round is run with (the quorum is a share of it)
         for client, state in self.clients.changes:
@@ -261,7 +293,9 @@ class AggregatorService:
         for client, (meta, tensors) in self.strategy.client_downlinks(rnd, roster).items():
             self.sequence += 1
             header = Header(Kind.KNOWLEDGE, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
-            payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
+            payload = encode(
+                Frame(header, {**meta, "run": self.run_id}, tensors), self.fed.wire.value_dtype, self.limits
+            )
             topic = topics.knowledge_topic(self.fed.name, client)
             self.link.publish(topic, payload, retain=True, tag=f"knowledge:{task}")
             self.retained[topic] = payload
@@ -272,11 +306,20 @@ class AggregatorService:
         return sizes
 
     def _announce(
-        self, kind: Kind, rnd: int, task: int, attempt: int = 1, frames: list[str] | None = None
+        self,
+        kind: Kind,
+        rnd: int,
+        task: int,
+        attempt: int = 1,
+        frames: list[str] | None = None,
+        failed: str | None = None,
     ) -> tuple[int, int]:
         """``frames``: the clients sent a frame of their own for this round; with a membership
-        table the announcement names them (``client_frames``), so only they wait for one."""
+        table the announcement names them (``client_frames``), so only they wait for one.
+        ``failed``: a FINISH saying the run failed (no model, the reason)."""
         meta = {
+            "run": self.run_id,
+            "clock_us": time.time_ns() // 1000,  # devices keep their sequence numbers on this clock
             "federation": to_dict(self.fed),
             "input_dim": self.cfg.input_dim,
             "total_rounds": self.fed.total_rounds,
@@ -286,9 +329,12 @@ class AggregatorService:
         }
         if frames is not None and meta.get("client_frames") is True:
             meta["client_frames"] = frames
+        if failed is not None:
+            meta["failed"] = failed[:200]
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
-        payload = encode(Frame(header, meta, self.global_params), self.fed.wire.value_dtype, self.limits)
+        tensors = {} if failed is not None else self.global_params
+        payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
         topic = topics.round_topic(self.fed.name)
         self.link.publish(topic, payload, retain=True, tag=f"{kind.name.lower()}:{rnd}")
         self.retained[topic] = payload
@@ -355,7 +401,8 @@ class AggregatorService:
         self.sequence += 1
         task = self.schedule.task_of(rnd)
         header = Header(Kind.REQUEST, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
-        payload = encode(Frame(header, {"missing": missing, "kind": kind.name}, {}), limits=self.limits)
+        meta = {"missing": missing, "kind": kind.name, "run": self.run_id}
+        payload = encode(Frame(header, meta, {}), limits=self.limits)
         self.link.publish(topics.round_topic(self.fed.name), payload, tag=f"request:{rnd}")
         self.runlog.write("request", round=rnd, kind=kind.name, missing=missing)
         log.info("round %d: asked %s to re-send", rnd, ", ".join(missing))
@@ -492,6 +539,7 @@ class AggregatorService:
         self.runlog.summary(
             method=self.fed.method,
             federation=self.fed.name,
+            run=self.run_id,
             clients=list(self.clients.known),
             tasks=self.fed.num_tasks,
             rounds=self.fed.total_rounds,

@@ -46,6 +46,7 @@ class Committed:
     global_params: dict[str, np.ndarray] = field(default_factory=dict)
     strategy_arrays: dict[str, np.ndarray] = field(default_factory=dict)
     clients: dict = field(default_factory=dict)  # the live client set (aggregator.clients.ClientSet.state)
+    run_id: str = ""  # this run's identity (fclcore.runid); "" in a checkpoint written before runs had one
 
 
 def fingerprint(federation: dict, input_dim: int) -> str:
@@ -77,6 +78,7 @@ class StateStore:
                 metrics_offset=int(meta["metrics_offset"]),
                 strategy=dict(meta["strategy"]),
                 clients=dict(meta.get("clients", {})),
+                run_id=str(meta.get("run_id", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{self.path}: malformed metadata ({exc})") from None
@@ -95,6 +97,7 @@ class StateStore:
             "metrics_offset": state.metrics_offset,
             "strategy": state.strategy,
             "clients": state.clients,
+            "run_id": state.run_id,
         }
         arrays = {_GLOBAL + k: v for k, v in state.global_params.items()}
         if set(arrays) & set(state.strategy_arrays):

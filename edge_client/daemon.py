@@ -39,14 +39,16 @@ from fclcore.data import ClientTasks, Dataset, client_task_split, domain_task_sp
 from fclcore.exitcodes import ExitCode
 from fclcore.learner import Learner
 from fclcore.membership import ACTIVE, NOT_ENROLLED, RETIRED, Membership
+from fclcore.runid import check_run_id, is_newer
 from fclcore.schedule import RoundPlace
 from fclcore.schema import ClientConfig, FederationSpec
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import read_key, sign
-from fclcore.transport import MqttLink, TransportError
+from fclcore.transport import MqttLink, TransportError, parse_status
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
+SEQUENCE_AHEAD_US = 10_000_000  # a sequence further ahead of the aggregator's clock is reset to it
 # Learners seed torch's global generator while they build their model: daemons sharing one
 # process (fcl simulate --in-process) build one at a time, so each gets the same values as alone.
 _BUILD_LOCK = threading.Lock()
@@ -87,6 +89,13 @@ class ClientDaemon:
         self.limits = CodecLimits()
         self.final_state = "stopped"  # the retained status run() leaves: "retired" once the membership retires it
         self.told_not_enrolled = False
+        self.run_id: str | None = None  # the run this device belongs to (fclcore.runid); None until its first round
+        self.newer: dict[str, dict[int, tuple[Frame, bytes, int]]] = {}  # knowledge of a newer run, until it is joined
+        self.clock_offset_us = 0  # the aggregator's clock minus ours (from its announcements): sequences follow it
+        self.exit_code: ExitCode | None = None  # set when the run ends other than by finishing (failed, other run)
+        self.aggregator_lost_since: float | None = None  # since when the aggregator is gone (status or link)
+        self.aggregator_state = "unknown"
+        self.told_lost = False
         try:
             self.key = read_key(cfg.key_file) if cfg.key_file else None
         except OSError as exc:
@@ -103,7 +112,11 @@ class ClientDaemon:
             cfg.broker,
             f"fcl-{cfg.federation}-{cfg.client_id}",
             status_topic=topics.status_topic(cfg.federation, cfg.client_id),
-            subscriptions=[topics.round_topic(cfg.federation), topics.knowledge_topic(cfg.federation, cfg.client_id)],
+            subscriptions=[
+                topics.round_topic(cfg.federation),
+                topics.knowledge_topic(cfg.federation, cfg.client_id),
+                topics.status_topic(cfg.federation, topics.AGGREGATOR_ID),
+            ],
             on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())),
         )
         torch.set_num_threads(cfg.threads)
@@ -143,6 +156,7 @@ class ClientDaemon:
         self.fed, self.task, self.done_round = fed, state.task, state.done_round
         self.knowledge_raw, self.unacked = dict(state.knowledge), state.unacked
         self.sequence = max(self.sequence, state.sequence)
+        self.run_id = state.run or None
         log.info(
             "resuming after round %d (task %d)%s",
             self.done_round,
@@ -164,6 +178,7 @@ class ClientDaemon:
                 meta,
                 arrays,
                 self.input_dim,
+                self.run_id or "",
             )
         )
 
@@ -189,6 +204,7 @@ class ClientDaemon:
                 try:
                     topic, payload, size, self.arrival = self.queue.get(timeout=POLL_S)
                 except queue.Empty:
+                    self._watch_aggregator()
                     finished = self._retry_waiting()
                     continue
                 finished = self._handle(topic, payload, size)
@@ -199,6 +215,8 @@ class ClientDaemon:
             self.link.close(self.final_state)
             self._write_wire_log()
             self.watchdog.stop()
+        if self.exit_code is not None:
+            return self.exit_code
         return ExitCode.OK if finished else ExitCode.INTERRUPTED
 
     def status_snapshot(self) -> dict:
@@ -221,6 +239,9 @@ class ClientDaemon:
         """Act on one downlink message; True when the run is finished."""
         if not payload:
             return False  # a deleted retained message
+        if topic == topics.status_topic(self.cfg.federation, topics.AGGREGATOR_ID):
+            self._on_aggregator_status(payload)
+            return False
         try:
             return self._act(topic, payload, size)
         except RejectedFrame as exc:
@@ -232,12 +253,27 @@ class ClientDaemon:
     def _act(self, topic: str, payload: bytes, size: int) -> bool:
         frame, fed = self._check(payload)
         kind = frame.header.kind
+        run = _run_of(frame)
         if kind is Kind.KNOWLEDGE:
+            if self.run_id is not None and run != self.run_id:
+                if not is_newer(run, self.run_id):
+                    raise RejectedFrame(f"run: knowledge of run {run}, an earlier run than this device's {self.run_id}")
+                self.newer.setdefault(run, {})[frame.header.task] = (frame, payload, size)  # kept until it is joined
+                return False
             return self._on_knowledge(topic, frame, payload, size)
         if kind is Kind.REQUEST:
+            if run != self.run_id:
+                raise RejectedFrame(f"run: a request of run {run}, this device is in run {self.run_id}")
             if self.cfg.client_id in frame.meta.get("missing", ()):
                 self._resend(frame.header.round, "the aggregator asked for it")
             return False
+        if self.run_id is None or run != self.run_id:
+            ended = self._meet_run(frame, run)
+            if ended:
+                return True
+        self._note_clock(frame)
+        if kind is Kind.FINISH and (frame.meta.get("failed") is not None or frame.header.round != fed.total_rounds):
+            return self._finish_early(frame, fed)
         state = self._membership_state(fed, frame.header.task)
         if state == RETIRED:
             self._retire(frame, fed)
@@ -263,6 +299,107 @@ class ClientDaemon:
             self.pending = (frame, size)  # the knowledge frame is on its way on another topic
             return False
         return self._handle_round(frame, size)
+
+    def _meet_run(self, frame: Frame, run: str) -> bool:
+        """A round or FINISH of a run this device is not in: adopt it (a fresh device, at a
+        round), join it (a newer run, ``on_new_run: join``: start over), refuse it (exit
+        ``OTHER_RUN``), or drop it (an earlier run's retained message, or the end of a run this
+        device took no part in).  True when the daemon must stop."""
+        kind = frame.header.kind
+        if self.run_id is None:
+            if kind is Kind.FINISH and frame.meta.get("failed") is None:
+                raise RejectedFrame(f"run: the end of run {run}, which this device took no part in")
+            self._adopt_run(run)
+            return False
+        if not is_newer(run, self.run_id):
+            raise RejectedFrame(f"run: a {kind.name} of run {run}, an earlier run than this device's {self.run_id}")
+        if kind is Kind.FINISH:
+            raise RejectedFrame(f"run: the end of run {run}, a newer run this device has not joined")
+        if self.cfg.on_new_run == "refuse":
+            log.error(
+                "a newer run %s of %s started; this device belongs to run %s and on_new_run is refuse: exiting",
+                run,
+                self.cfg.federation,
+                self.run_id,
+            )
+            self.exit_code = ExitCode.OTHER_RUN
+            return True
+        log.warning(
+            "a newer run %s of %s started: joining it from scratch (was in run %s)",
+            run,
+            self.cfg.federation,
+            self.run_id,
+        )
+        self.learner, self.fed, self.task, self.done_round = None, None, -1, -1
+        self.knowledge, self.knowledge_raw, self.knowledge_bytes, self.mid_frames = {}, {}, {}, {}
+        self.pending = self.waiting = self.unacked = None
+        self.served_round, self.told_not_enrolled = -1, False
+        self._adopt_run(run)
+        return False
+
+    def _adopt_run(self, run: str) -> None:
+        """Belong to ``run``: knowledge frames of other runs go; those of this run kept aside come in."""
+        self.run_id = run
+        for task, held in list(self.knowledge.items()):
+            if held.meta.get("run") != run:
+                del self.knowledge[task]
+                self.knowledge_raw.pop(task, None)
+                self.knowledge_bytes.pop(task, None)
+        for task, (frame, raw, size) in sorted(self.newer.pop(run, {}).items()):
+            self.knowledge[task], self.knowledge_raw[task], self.knowledge_bytes[task] = frame, raw, size
+        self.newer = {r: f for r, f in self.newer.items() if is_newer(r, run)}
+        self.link.status_fields.update(run=run)
+
+    def _finish_early(self, frame: Frame, fed: FederationSpec) -> bool:
+        """A FINISH that is not the end of this run's last round: the aggregator gave up (the
+        device exits ``FEDERATION_FAILED`` with its checkpoint as it is, also one that has not
+        trained yet: no round of this run will come), or a stale one (dropped)."""
+        failed = frame.meta.get("failed")
+        if failed is None:
+            raise RejectedFrame(
+                f"finish: for round {frame.header.round}, but the federation has {fed.total_rounds} rounds"
+            )
+        log.error("the aggregator ended run %s as failed: %s", self.run_id, str(failed)[:200])
+        self.unacked = None
+        self.serving.wait()
+        self.exit_code = ExitCode.FEDERATION_FAILED
+        return True
+
+    def _note_clock(self, frame: Frame) -> None:
+        """The aggregator's clock, from its announcement: this device's sequence numbers follow it."""
+        clock = frame.meta.get("clock_us")
+        if isinstance(clock, int) and not isinstance(clock, bool) and clock > 0:
+            self.clock_offset_us = clock - time.time_ns() // 1000
+
+    def _on_aggregator_status(self, payload: bytes) -> None:
+        status = parse_status(payload)
+        self.aggregator_state = status["state"] if status else "unknown"
+        if self.aggregator_state == "online":
+            if self.told_lost:
+                log.info("the aggregator is back")
+                self.link.publish_status("online", aggregator="online")
+            self.aggregator_lost_since, self.told_lost = None, False
+        elif self.aggregator_lost_since is None:
+            self.aggregator_lost_since = time.monotonic()
+
+    def _watch_aggregator(self) -> None:
+        """Say so (log and status) when the aggregator has been gone longer than
+        ``aggregator_timeout_s``: its status is "dead" or "stopped", or the broker is out of
+        reach.  The device keeps waiting and reconnecting; it never ends as if finished."""
+        if not self.link.connected.is_set() and self.aggregator_lost_since is None:
+            self.aggregator_lost_since = time.monotonic()
+        if self.aggregator_lost_since is None or self.told_lost:
+            return
+        gone = time.monotonic() - self.aggregator_lost_since
+        if gone > self.cfg.aggregator_timeout_s:
+            why = (
+                "the broker is out of reach"
+                if not self.link.connected.is_set()
+                else f"its status is {self.aggregator_state}"
+            )
+            log.warning("no aggregator for %.0f s (%s); still waiting for it", gone, why)
+            self.link.publish_status("online", aggregator="lost")
+            self.told_lost = True
 
     def _needs_knowledge(self, frame: Frame) -> bool:
         """The round says the strategy sent this device its own frame for it, and it is not here
@@ -549,8 +686,16 @@ class ClientDaemon:
         return {"round": rnd, "task": task, self.learner.metric: self.learner.evaluate(tests)}
 
     def _frame(self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict) -> bytes:
-        """An uplink message: encoded, and signed when the device has a key."""
-        self.sequence += 1
+        """An uplink message: encoded, and signed when the device has a key.  Its sequence runs on
+        the aggregator's clock (which bounds what it accepts); one far ahead of it (a clock that
+        was wrong when the checkpoint was written) is brought back to it."""
+        now = time.time_ns() // 1000 + self.clock_offset_us
+        if self.sequence + 1 > now + SEQUENCE_AHEAD_US:
+            log.warning(
+                "this device's sequence was %.0f s ahead of the aggregator's clock: reset", (self.sequence - now) / 1e6
+            )
+            self.sequence = now
+        self.sequence = max(self.sequence + 1, now)
         header = Header(kind, self.cfg.federation, rnd, task, self.cfg.client_id, self.sequence)
         payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
         return sign(payload, self.key) if self.key is not None else payload
@@ -576,6 +721,14 @@ class ClientDaemon:
             )
         )
         os.replace(tmp, self.out_dir / "wire.json")
+
+
+def _run_of(frame: Frame) -> str:
+    """The run a downlink frame belongs to (every aggregator frame names it)."""
+    try:
+        return check_run_id(frame.meta.get("run"))
+    except ValueError as exc:
+        raise RejectedFrame(str(exc)) from None
 
 
 def _places(frame: Frame) -> tuple[RoundPlace, RoundPlace | None]:

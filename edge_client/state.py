@@ -36,6 +36,7 @@ class ClientState:
     learner_meta: dict = field(default_factory=dict)
     learner_arrays: dict[str, np.ndarray] = field(default_factory=dict)
     input_dim: int = 0
+    run: str = ""  # the run of the federation this device belongs to (fclcore.runid); "" before runs had ids
 
 
 class ClientStateStore:
@@ -53,6 +54,7 @@ class ClientStateStore:
             "knowledge_tasks": sorted(state.knowledge),
             "learner": state.learner_meta,
             "input_dim": state.input_dim,
+            "run": state.run,
         }
         arrays = {_LEARNER + k: v for k, v in state.learner_arrays.items()}
         arrays.update({f"{_KNOWLEDGE}{t}": np.frombuffer(raw, np.uint8) for t, raw in state.knowledge.items()})
@@ -77,6 +79,7 @@ class ClientStateStore:
                 unacked=None if unacked is None else unacked.tobytes(),
                 learner_meta=dict(meta["learner"]),
                 input_dim=int(meta["input_dim"]),
+                run=str(meta.get("run", "")),
                 learner_arrays={k[len(_LEARNER) :]: v for k, v in arrays.items() if k.startswith(_LEARNER)},
             )
         except (KeyError, TypeError, ValueError) as exc:

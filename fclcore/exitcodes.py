@@ -16,4 +16,6 @@ class ExitCode(IntEnum):
     CLIENT_FAILED = 5  # fcl simulate: a client or the aggregator process exited non-zero
     # the state directory (out_dir/state_dir, StateDirectory=) cannot be written: permissions, disk full
     STATE_ERROR = 6
+    FEDERATION_FAILED = 7  # fcl client: the aggregator announced that the run failed (e.g. a round missed its quorum)
+    OTHER_RUN = 8  # fcl client: a newer run of the federation started and on_new_run is "refuse"
     INTERRUPTED = 130  # stopped by SIGINT/SIGTERM before the run finished

@@ -227,6 +227,7 @@ class AggregatorConfig:
     enrollment: Literal["closed", "open"] = "closed"  # open: a device that comes online enrolls (next round)
     max_clients: int = 10_000  # enrolled devices at most
     drop_after_missed: Optional[int] = None  # a device that missed this many rounds in a row leaves the roster
+    max_clock_skew_s: float = 30.0  # an update's sequence may run this far ahead of the aggregator's clock
 
     def __post_init__(self) -> None:
         if not self.expected_clients:
@@ -237,6 +238,8 @@ class AggregatorConfig:
             validate_id(cid, "client id")
         if len(set(self.expected_clients)) != len(self.expected_clients):
             raise ValueError("expected_clients: duplicate client ids")
+        if not self.max_clock_skew_s > 0:
+            raise ValueError(f"max_clock_skew_s: expected a positive number of seconds, got {self.max_clock_skew_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected a TCP port in [0, 65535], got {self.metrics_port}")
 
@@ -414,9 +417,13 @@ class ClientConfig:
     state_dir: Optional[str] = None  # learner state and unacknowledged upload (default: out_dir/state)
     key_file: Optional[str] = None  # this device's signing key (64 hex digits); see fcl keygen
     allow_embedding_upload: bool = False  # privacy opt-in: this device may upload embeddings of its data
+    on_new_run: Literal["join", "refuse"] = "join"  # a newer run of the federation: start over in it, or exit 8
+    aggregator_timeout_s: float = 300.0  # no aggregator this long: say so in the status and the log (never exit)
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
+        if not self.aggregator_timeout_s > 0:
+            raise ValueError(f"aggregator_timeout_s: expected a positive number, got {self.aggregator_timeout_s}")
         validate_id(self.federation, "federation")
         if (self.data is None) == (self.data_dir is None):
             raise ValueError("data, data_dir: expected exactly one (a dataset shard, or a task directory)")

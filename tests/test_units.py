@@ -62,7 +62,7 @@ REQUIRED = {  # (section, key) -> exact value, or None for "present"
     ("Service", "TimeoutStopSec"): None,
     ("Service", "KillSignal"): "SIGTERM",
     ("Service", "Restart"): "on-failure",
-    ("Service", "RestartPreventExitStatus"): str(int(ExitCode.BAD_INPUT)),
+    ("Service", "RestartPreventExitStatus"): None,  # PREVENT below
     ("Service", "SuccessExitStatus"): str(int(ExitCode.INTERRUPTED)),
     ("Service", "NoNewPrivileges"): "yes",
     ("Service", "ProtectSystem"): "strict",
@@ -72,9 +72,16 @@ REQUIRED = {  # (section, key) -> exact value, or None for "present"
 }
 
 
+PREVENT = {  # exit codes a restart cannot help: bad input; a device refusing a newer run
+    "client": f"{int(ExitCode.BAD_INPUT)} {int(ExitCode.OTHER_RUN)}",
+    "aggregator": str(int(ExitCode.BAD_INPUT)),
+}
+
+
 @pytest.mark.parametrize("name", sorted(UNITS))
 def test_unit_has_the_service_mode_keys(name):
     unit = load(name)
+    assert one(unit, "Service", "RestartPreventExitStatus") == PREVENT[UNITS[name]]
     for (section, key), expected in REQUIRED.items():
         value = one(unit, section, key)
         if expected is not None:

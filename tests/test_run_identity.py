@@ -1,0 +1,174 @@
+"""Run identity and bounded sequences, message by message (issue 22; docs/security.md).
+
+Real aggregator services build the frames (each on a fresh state directory, so each is a run
+of its own) and a real client daemon acts on them over the in-process broker: every message
+kind of another run is dropped and counted; a newer run is joined or refused; a FINISH that
+is not the end of the device's run is dropped; a failed run ends the device with its code.
+The inbox never accepts a sequence far ahead of the aggregator's clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aggregator.inbox import Inbox, Rejection
+from aggregator.service import AggregatorService
+from edge_client.daemon import ClientDaemon
+from fcl_edge.simulate import plan, write_configs
+from fclcore import topics
+from fclcore.codec import Frame, Header, Kind, decode, encode
+from fclcore.config import load_config
+from fclcore.exitcodes import ExitCode
+from fclcore.inproc import InProcessBroker, link_factory
+from fclcore.runid import check_run_id, is_newer, new_run_id
+from fclcore.schema import AggregatorConfig, ClientConfig
+from fclcore.strategy import Update
+
+OVERRIDES = ["federation.rounds_per_task=2"]
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, repo_root: Path):
+    broker = InProcessBroker()
+    (tmp_path / "run").mkdir()
+    configs = write_configs(
+        plan(str(repo_root / "configs/scenarios/quickstart.yaml"), OVERRIDES), tmp_path / "run", "mqtt://in-process:1"
+    )
+    agg = load_config(AggregatorConfig, configs["aggregator"][1])
+    client = load_config(ClientConfig, configs["client-0"][1])
+    yield broker, agg, client, tmp_path
+    broker.stop()
+
+
+def aggregator(broker, cfg: AggregatorConfig, state_dir: Path) -> tuple[AggregatorService, list]:
+    """A service on a fresh state directory (a run of its own) whose publishes are recorded."""
+    service = AggregatorService(dataclasses.replace(cfg, state_dir=str(state_dir)), link_factory=link_factory(broker))
+    sent: list[tuple[str, bytes]] = []
+    service.link.publish = lambda topic, payload, retain=False, tag=None: sent.append((topic, payload))
+    time.sleep(0.002)  # run ids order by start time: the next service is a newer run
+    return service, sent
+
+
+def frames(service: AggregatorService, sent: list) -> dict[str, tuple[str, bytes]]:
+    """One frame of every downlink kind from ``service``'s run."""
+    fed, total = service.fed, service.fed.total_rounds
+    service._announce(Kind.ROUND, 0, 0)
+    service._announce(Kind.ROUND, 1, 0)
+    service._request(Kind.UPDATE, 1, ["client-0"])
+    service._announce(Kind.FINISH, total, service.schedule.task_of(total))
+    service._announce(Kind.FINISH, 1, service.schedule.task_of(1), failed="round 1 missed its quorum in 1 attempts")
+    service._announce(
+        Kind.FINISH, total - 1, service.schedule.task_of(total - 1)
+    )  # a FINISH that is not the end of the last round
+    header = Header(Kind.KNOWLEDGE, fed.name, 0, 0, topics.AGGREGATOR_ID, 99)
+    knowledge = encode(Frame(header, {"run": service.run_id, "for_task": 0}, {"x": np.zeros(2, np.float32)}))
+    names = ["round0", "round1", "request", "finish", "failed", "early_finish"]
+    out = {name: sent[i] for i, name in enumerate(names)}
+    out["knowledge"] = (topics.knowledge_topic(fed.name, "client-0"), knowledge)
+    return out
+
+
+def daemon(broker, cfg: ClientConfig, out: Path, **changes) -> ClientDaemon:
+    cfg = dataclasses.replace(cfg, out_dir=str(out), state_dir=str(out / "state"), **changes)
+    return ClientDaemon(cfg, link_factory=link_factory(broker))
+
+
+def handle(d: ClientDaemon, message: tuple[str, bytes]) -> bool:
+    return d._handle(message[0], message[1], len(message[1]))
+
+
+def test_run_ids_order_by_start_and_are_validated() -> None:
+    a = new_run_id()
+    time.sleep(0.002)
+    b = new_run_id()
+    assert check_run_id(a) == a and is_newer(b, a) and not is_newer(a, b)
+    for bad in (None, 7, "", "zz", a.upper(), a + "0"):
+        with pytest.raises(ValueError, match="run"):
+            check_run_id(bad)
+
+
+def test_every_message_kind_of_an_earlier_run_is_dropped_and_counted(fleet) -> None:
+    broker, agg_cfg, client_cfg, tmp = fleet
+    old = frames(*aggregator(broker, agg_cfg, tmp / "agg-old"))
+    current = frames(*aggregator(broker, agg_cfg, tmp / "agg-current"))
+    d = daemon(broker, client_cfg, tmp / "device")
+    assert handle(d, current["round0"]) is False  # a fresh device adopts the run of its first round
+    run, done = d.run_id, d.done_round
+    assert run == decode(current["round0"][1]).meta["run"] and done == 0
+    for name in ("round1", "request", "finish", "failed", "knowledge"):
+        assert handle(d, old[name]) is False, name
+    assert d.rejected.get("run") == 5 and d.run_id == run and d.done_round == done and d.exit_code is None
+    assert handle(d, current["early_finish"]) is False  # its own run, but not the end of the last round
+    assert d.rejected.get("finish") == 1 and d.exit_code is None
+    state = d.store.load()
+    assert state.run == run  # the checkpoint names the run
+
+
+def test_a_fresh_device_ignores_an_earlier_runs_finish_but_ends_on_a_failure(fleet) -> None:
+    broker, agg_cfg, client_cfg, tmp = fleet
+    old = frames(*aggregator(broker, agg_cfg, tmp / "agg-old"))
+    d = daemon(broker, client_cfg, tmp / "device")
+    assert handle(d, old["finish"]) is False and d.rejected == {"run": 1} and d.run_id is None
+    assert handle(d, old["failed"]) is True and d.exit_code is ExitCode.FEDERATION_FAILED
+
+
+@pytest.mark.parametrize("policy", ["join", "refuse"])
+def test_a_newer_run_is_joined_from_scratch_or_refused(fleet, policy: str) -> None:
+    broker, agg_cfg, client_cfg, tmp = fleet
+    first = frames(*aggregator(broker, agg_cfg, tmp / "agg-first"))
+    newer = frames(*aggregator(broker, agg_cfg, tmp / "agg-newer"))
+    d = daemon(broker, client_cfg, tmp / "device", on_new_run=policy)
+    handle(d, first["round0"])
+    handle(d, first["round1"])
+    assert d.done_round == 1
+    ended = handle(d, newer["round0"])
+    new_run = decode(newer["round0"][1]).meta["run"]
+    if policy == "refuse":
+        assert ended is True and d.exit_code is ExitCode.OTHER_RUN and d.run_id != new_run
+    else:
+        assert ended is False and d.run_id == new_run and d.done_round == 0 and d.exit_code is None
+        assert d.store.load().run == new_run
+
+
+def test_a_failed_run_ends_a_device_that_took_part(fleet) -> None:
+    broker, agg_cfg, client_cfg, tmp = fleet
+    run = frames(*aggregator(broker, agg_cfg, tmp / "agg"))
+    d = daemon(broker, client_cfg, tmp / "device")
+    handle(d, run["round0"])
+    assert handle(d, run["failed"]) is True and d.exit_code is ExitCode.FEDERATION_FAILED
+    assert d.store.load().done_round == 0  # its checkpoint is kept as it was
+
+
+def test_device_sequences_follow_the_aggregators_clock(fleet) -> None:
+    broker, agg_cfg, client_cfg, tmp = fleet
+    service, sent = aggregator(broker, agg_cfg, tmp / "agg")
+    service._announce(Kind.ROUND, 0, 0)
+    frame = decode(sent[0][1])
+    ahead = frame.meta["clock_us"] + 3_600_000_000  # the aggregator's clock is an hour ahead of ours
+    frame = Frame(frame.header, {**frame.meta, "clock_us": ahead}, frame.tensors)
+    d = daemon(broker, client_cfg, tmp / "device")
+    d.sequence = 2**62  # a checkpoint written while this device's clock was far ahead
+    handle(d, (sent[0][0], encode(frame)))
+    sent_seq = decode(d.unacked).header.sequence
+    assert ahead <= sent_seq < ahead + 60_000_000
+
+
+def _update(seq: int) -> bytes:
+    header = Header(Kind.UPDATE, "f", 0, 0, "c", seq)
+    return encode(Frame(header, {"n_samples": 1}, {"w": np.ones(2, np.float32)}))
+
+
+def test_the_inbox_never_accepts_a_sequence_far_ahead_of_its_clock() -> None:
+    now = 1_700_000_000_000_000
+    inbox = Inbox("f", {"c"}, lambda frame: dict(frame.tensors), 1, max_skew_us=30_000_000, clock_us=lambda: now)
+    forged = inbox.check("c", _update(now + 31 * 365 * 86400 * 10**6), 100, 0, set())
+    assert isinstance(forged, Rejection) and forged.reason == "sequence" and "c" not in inbox.last_seq
+    assert isinstance(inbox.check("c", _update(now + 31_000_000), 100, 0, set()), Rejection)
+    genuine = inbox.check("c", _update(now - 5), 100, 0, set())
+    assert isinstance(genuine, Update)  # the forged frame moved nothing
+    assert inbox.last_seq["c"] == now - 5
