@@ -10,6 +10,7 @@ The inbox never accepts a sequence far ahead of the aggregator's clock.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -172,3 +173,20 @@ def test_the_inbox_never_accepts_a_sequence_far_ahead_of_its_clock() -> None:
     genuine = inbox.check("c", _update(now - 5), 100, 0, set())
     assert isinstance(genuine, Update)  # the forged frame moved nothing
     assert inbox.last_seq["c"] == now - 5
+
+
+def test_a_device_says_when_the_aggregator_is_gone_and_keeps_waiting(fleet) -> None:
+    broker, _, client_cfg, tmp = fleet
+    d = daemon(broker, client_cfg, tmp / "device", aggregator_timeout_s=0.05)
+    d.link.start()
+    status_topic = topics.status_topic(client_cfg.federation, client_cfg.client_id)
+    d._on_aggregator_status(b'{"state": "dead"}')  # the aggregator's last will
+    d._watch_aggregator()
+    assert not d.told_lost  # not yet longer than aggregator_timeout_s
+    time.sleep(0.1)
+    d._watch_aggregator()
+    assert d.told_lost and d.exit_code is None
+    assert json.loads(broker.retained(status_topic))["aggregator"] == "lost"
+    d._on_aggregator_status(b'{"state": "online"}')
+    assert not d.told_lost and json.loads(broker.retained(status_topic))["aggregator"] == "online"
+    d.link.close()
