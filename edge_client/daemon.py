@@ -341,7 +341,7 @@ class ClientDaemon:
         """Belong to ``run``: knowledge frames of other runs go; those of this run kept aside come in."""
         self.run_id = run
         for task, held in list(self.knowledge.items()):
-            if held.meta.get("run") != run:
+            if held.meta.get("run", run) != run:  # (a frame from before runs had ids stays)
                 del self.knowledge[task]
                 self.knowledge_raw.pop(task, None)
                 self.knowledge_bytes.pop(task, None)
