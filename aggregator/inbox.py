@@ -54,6 +54,7 @@ class Inbox:
     last_seq: dict[str, int] = field(default_factory=dict)  # highest sequence accepted per device
     min_samples: int = 1  # 0 for methods where a device may have nothing to train in a task (fedet)
     max_skew_us: int = 30_000_000  # a sequence may run at most this far ahead of this service's clock
+    min_seq: int = 0  # no sequence below this: the run's start (minus the skew) on this service's clock
     clock_us: Callable[[], int] = field(default=lambda: time.time_ns() // 1000)
 
     def check(
@@ -90,6 +91,8 @@ class Inbox:
         problem = self._header_problem(frame, client, open_round, kind)
         if problem is not None:
             return problem
+        if frame.header.sequence < self.min_seq:
+            return Rejection("replay", f"sequence {frame.header.sequence} is older than this run", client)
         last = self.last_seq.get(client, -1)
         if frame.header.sequence <= last:
             reason = "duplicate" if frame.header.sequence == last else "replay"

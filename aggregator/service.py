@@ -29,7 +29,7 @@ from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership
-from fclcore.runid import new_run_id
+from fclcore.runid import new_run_id, started_us
 from fclcore.schema import AggregatorConfig
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import load_keys
@@ -97,6 +97,8 @@ class AggregatorService:
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
         self.fingerprint = fingerprint(to_dict(self.fed), cfg.input_dim)
         self.next_round = self._resume()
+        # devices number their frames on this clock: nothing older than the run's start is of this run
+        self.inbox.min_seq = started_us(self.run_id) - self.inbox.max_skew_us
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
         self.metrics = AggregatorMetrics(self.fed.name, cfg.metrics_port, cfg.metrics_addr)

@@ -49,6 +49,7 @@ from fclcore.transport import MqttLink, TransportError, parse_status
 log = logging.getLogger(__name__)
 POLL_S = 0.2
 SEQUENCE_AHEAD_US = 10_000_000  # a sequence further ahead of the aggregator's clock is reset to it
+FINAL_SEND_S = 60.0  # how long the final evaluation is retried across broker outages
 # Learners seed torch's global generator while they build their model: daemons sharing one
 # process (fcl simulate --in-process) build one at a time, so each gets the same values as alone.
 _BUILD_LOCK = threading.Lock()
@@ -645,10 +646,26 @@ class ClientDaemon:
         served = self._served(after_round=frame.header.round - 1, previous=previous, task_ended=True)
         meta = {**({"eval": report} if report is not None else {}), "rejected": dict(self.rejected)}
         payload = self._frame(Kind.EVAL, frame.header.round, frame.header.task, meta, {})
-        self._send(payload, f"eval:{frame.header.round}").wait_for_publish(10)
+        self._deliver(payload, f"eval:{frame.header.round}")
         self.serving.submit(served)
         self.serving.wait()  # the final model is in service before the daemon exits
         log.info("run finished; final %s per task %s", self.learner.metric, (report or {}).get(self.learner.metric))
+
+    def _deliver(self, payload: bytes, tag: str, timeout: float = FINAL_SEND_S) -> bool:
+        """Publish and wait until the broker has it; a link that drops meanwhile (a broker
+        restart) is waited for and the frame sent again (the aggregator drops a duplicate)."""
+        deadline = time.monotonic() + timeout
+        info = self._send(payload, tag)
+        while not self.stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            try:
+                info.wait_for_publish(min(2.0, left))
+                if info.is_published():
+                    return True
+            except (RuntimeError, ValueError):  # paho: published while the link was down
+                if self.link.connected.wait(min(2.0, left)):
+                    info = self._send(payload, tag)
+        log.warning("%s was not delivered within %.0f s; the aggregator will go on without it", tag, timeout)
+        return False
 
     def _served(self, after_round: int, previous: RoundPlace | None, task_ended: bool):
         """The model to serve after ``after_round`` (a snapshot the background export may

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import time
 import zlib
 
 import numpy as np
@@ -167,7 +168,7 @@ def test_message_handler_rejects_without_side_effects(tmp_path) -> None:
     service = _service(tmp_path)
     rng = np.random.default_rng(1)
     before = {k: v.copy() for k, v in service.global_params.items()}
-    base = _valid(service, "c0", 7, rng)
+    base = _valid(service, "c0", time.time_ns() // 1000, rng)  # devices number frames on the aggregator's clock
     update_topic = topics.update_topic(FED, "c0")
     counts = {"rejected": 0, "accepted": 0}
     reasons: dict[str, int] = {}
@@ -213,7 +214,7 @@ def test_message_handler_rejects_without_side_effects(tmp_path) -> None:
     # and the round still works afterwards: a clean update is accepted
     service.inbox.last_seq.clear()
     received = {}
-    good = _valid(service, "c0", 10**15, rng)
+    good = _valid(service, "c0", time.time_ns() // 1000 + 1, rng)
     service.queue.put(Incoming(update_topic, good, len(good) + 20))
     service._drain(OPEN, received, timeout=0)
     assert set(received) == {"c0"}
