@@ -907,20 +907,27 @@ def chaos_plan() -> Plan:
 
 
 # ---------------------------------------------------------------------------- report
+def _counts(rs: list[Result]) -> dict:
+    """Outcomes and check failures over some results (the whole run, or one fault kind)."""
+    return {
+        "finished": sum(r.outcome == "finished" for r in rs),
+        "failed_as_documented": sum(r.outcome == "failed_as_documented" for r in rs),
+        "failed": sum(r.outcome == "failed" for r in rs),
+        "hung": sum(r.outcome == "hung" for r in rs),
+        "lost_updates": sum(len(r.lost) for r in rs),
+        "double_counted": sum(len(r.double) for r in rs),
+        "hash_mismatches": sum(r.hash_match is False for r in rs),
+        "ok": sum(r.ok for r in rs),
+    }
+
+
 def summarize(results: list[Result], minutes: float, command: str) -> dict:
     by_fault = {}
     for kind in dict.fromkeys(r.schedule.kind for r in results):
         rs = [r for r in results if r.schedule.kind == kind]
         by_fault[kind] = {
             "runs": len(rs),
-            "finished": sum(r.outcome == "finished" for r in rs),
-            "failed_as_documented": sum(r.outcome == "failed_as_documented" for r in rs),
-            "failed": sum(r.outcome == "failed" for r in rs),
-            "hung": sum(r.outcome == "hung" for r in rs),
-            "lost_updates": sum(len(r.lost) for r in rs),
-            "double_counted": sum(len(r.double) for r in rs),
-            "hash_mismatches": sum(r.hash_match is False for r in rs),
-            "ok": sum(r.ok for r in rs),
+            **_counts(rs),
             **(
                 {"landed": dict(collections.Counter(x for r in rs for x in r.landed))}
                 if kind.startswith("device")
@@ -931,14 +938,7 @@ def summarize(results: list[Result], minutes: float, command: str) -> dict:
         }
     return {
         "schedules": len(results),
-        "finished": sum(r.outcome == "finished" for r in results),
-        "failed_as_documented": sum(r.outcome == "failed_as_documented" for r in results),
-        "failed": sum(r.outcome == "failed" for r in results),
-        "hung": sum(r.outcome == "hung" for r in results),
-        "lost_updates": sum(len(r.lost) for r in results),
-        "double_counted": sum(len(r.double) for r in results),
-        "hash_mismatches": sum(r.hash_match is False for r in results),
-        "ok": sum(r.ok for r in results),
+        **_counts(results),
         "by_fault": by_fault,
         "minutes": round(minutes, 2),
         "machine": {

@@ -32,7 +32,6 @@ class Parsed:
 
     head: HeadUpload | None
     announce: tuple[str, ...]
-    table_bytes: int
 
 
 class NGFLStrategy(Strategy):
@@ -72,7 +71,8 @@ class NGFLStrategy(Strategy):
         out = {"extractor": 0, "head": 0}
         for name, t in tensors.items():
             out["extractor" if name.startswith(EXTRACTOR) else "head"] += tensor_nbytes(t)
-        table = (meta or {}).get(META, {}).get("table") if isinstance((meta or {}).get(META), dict) else None
+        ngfl = (meta or {}).get(META)
+        table = ngfl.get("table") if isinstance(ngfl, dict) else None
         out["table"] = len(json.dumps(table, separators=(",", ":"))) if table is not None else 0
         return out
 
@@ -88,7 +88,7 @@ class NGFLStrategy(Strategy):
         if meta.get("skip") is True:
             if frame.tensors or frame.meta.get("n_samples") != 0:
                 raise Rejected("table", "a skip notice carries no tensors and n_samples 0")
-            return Checked({}, Parsed(None, announce, 0))
+            return Checked({}, Parsed(None, announce))
         tensors = {}
         for name, tensor in frame.tensors.items():
             if isinstance(tensor, SparseTensor):
@@ -112,8 +112,7 @@ class NGFLStrategy(Strategy):
         grown = len(self.table.labels) + len((set(table.labels) | set(announce)) - set(self.table.labels))
         if grown > MAX_LABELS:
             raise Rejected("table", f"labels: the global head would have {grown} rows, at most {MAX_LABELS}")
-        size = len(json.dumps(meta.get("table"), separators=(",", ":")))
-        return Checked(tensors, Parsed(head, announce, size))
+        return Checked(tensors, Parsed(head, announce))
 
     # -- the round -------------------------------------------------------------------------
     def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
