@@ -56,8 +56,13 @@ def measure(name: str, rounds_per_task: int, work: Path, broker_url: str) -> dic
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["event"] == "round_client" and r["status"] == "accepted"]
     up, down = [r["bytes_up"] for r in rows], [r["bytes_down"] for r in rows]
+    by_round: dict[str, float] = {}  # the largest peak RSS over devices after each round
+    for w in wires:
+        for rnd, (_, peak) in w.get("round_rss_mb", {}).items():
+            by_round[rnd] = max(by_round.get(rnd, 0.0), peak)
     return {
         "clients": len(wires),
+        "client_peak_rss_mb_by_round": {r: by_round[r] for r in sorted(by_round, key=int)},
         "rounds": len({r["round"] for r in rows}),
         "client_peak_rss_mb_max": max(w["max_rss_mb"] for w in wires),
         "client_cpu_s_per_round_median": round(float(np.median(cpu)), 3),

@@ -32,6 +32,7 @@ FEDET = [
     "federation.rounds_per_task=3",
     "federation.options.server_epochs=2",
 ]
+SHORT = ["federation.rounds_per_task=2"]
 RUNS = (
     [("quickstart", "configs/scenarios/quickstart.yaml", [])]
     + [
@@ -39,6 +40,11 @@ RUNS = (
         for m in MADE_METHODS
     ]
     + [("bbc_fedet (shortened)", "configs/scenarios/bbc_fedet.yaml", FEDET)]
+    + [
+        ("seqmnist_confedmade (2 rounds/task)", "configs/scenarios/seqmnist_confedmade.yaml", SHORT),
+        ("seqmnist_fedcl_finetune (2 rounds/task)", "configs/scenarios/seqmnist_fedcl_finetune.yaml", SHORT),
+        ("mnist_ngfl", "configs/scenarios/mnist_ngfl.yaml", []),
+    ]
 )
 
 

@@ -13,11 +13,11 @@ restart.  With ``key_file`` set, every frame it sends is signed (``fclcore.signi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import queue
-import resource
 import threading
 import time
 import zlib
@@ -35,10 +35,19 @@ from fclcore import topics
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import ConfigError, from_dict, to_dict
-from fclcore.data import ClientTasks, Dataset, client_task_split, domain_task_split, load_dataset, pool_task_split
+from fclcore.data import (
+    ClientTasks,
+    Dataset,
+    client_task_split,
+    domain_task_split,
+    float_pixels,
+    load_dataset,
+    pool_task_split,
+)
 from fclcore.exitcodes import ExitCode
 from fclcore.learner import Learner
 from fclcore.membership import ACTIVE, NOT_ENROLLED, RETIRED, Membership
+from fclcore.procmem import peak_rss_mb, release_free_memory, rss_mb
 from fclcore.runid import check_run_id, is_newer
 from fclcore.schedule import RoundPlace
 from fclcore.schema import ClientConfig, FederationSpec
@@ -79,7 +88,8 @@ class ClientDaemon:
         self.rejected: dict[str, int] = {}
         self.round_bytes_down: dict[int, int] = {}  # PUBLISH bytes of each round's announcement
         self.round_cpu_s: dict[int, float] = {}  # CPU seconds this process spent on each round
-        self.knowledge: dict[int, Frame] = {}  # task -> knowledge frame from the aggregator
+        self.round_rss_mb: dict[int, list[float | None]] = {}  # [RSS, peak RSS] in MiB after each round
+        self.knowledge: dict[int, Frame] = {}  # task -> knowledge frame from the aggregator, until the task starts
         self.knowledge_raw: dict[int, bytes] = {}
         self.knowledge_bytes: dict[int, int] = {}
         self.mid_frames: dict[int, tuple[Frame, int]] = {}  # round -> (own frame, size) inside a started task
@@ -105,7 +115,9 @@ class ClientDaemon:
             raise ConfigError(f"key_file: {exc}") from None
         state_dir = Path(cfg.state_dir) if cfg.state_dir else self.out_dir / "state"
         self.store = ClientStateStore(state_dir)
-        self.serving = ServedModelWriter(self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8)
+        self.serving = ServedModelWriter(
+            self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8, cfg.serve.export_timeout_s
+        )
         self.control = ControlServer(
             self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path
         )
@@ -142,20 +154,21 @@ class ClientDaemon:
         self.input_dim = self.input_dim or state.input_dim
         try:
             fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
-            self.knowledge = {t: decode(raw, self.limits) for t, raw in state.knowledge.items()}
+            frames = {t: decode(raw, self.limits) for t, raw in state.knowledge.items() if t > state.task}
             with _BUILD_LOCK:
                 self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
             self.learner.fleet_data = self.data.fleet
-            for t in range(state.task + 1):
-                self.learner.start_task(t, self.knowledge.get(t))
+            for t in range(state.task + 1):  # decoded one at a time: a started task's frame is kept raw only
+                raw = state.knowledge.get(t)
+                self.learner.start_task(t, None if raw is None else decode(raw, self.limits))
             self.learner.load_state(state.learner_meta, state.learner_arrays)
         except (CodecError, ValueError) as exc:  # ConfigError is a ValueError
             raise ConfigError(
                 f"state_dir {self.store.path.parent}: cannot resume ({exc}); move it away to rejoin from scratch"
             ) from None
         self.fed, self.task, self.done_round = fed, state.task, state.done_round
-        self.knowledge_raw, self.unacked = dict(state.knowledge), state.unacked
+        self.knowledge, self.knowledge_raw, self.unacked = frames, dict(state.knowledge), state.unacked
         self.sequence = max(self.sequence, state.sequence)
         self.run_id = state.run or None
         log.info(
@@ -341,9 +354,10 @@ class ClientDaemon:
     def _adopt_run(self, run: str) -> None:
         """Belong to ``run``: knowledge frames of other runs go; those of this run kept aside come in."""
         self.run_id = run
-        for task, held in list(self.knowledge.items()):
+        for task, raw in list(self.knowledge_raw.items()):
+            held = self.knowledge.get(task) or decode(raw, self.limits)  # a started task's is kept raw
             if held.meta.get("run", run) != run:  # (a frame from before runs had ids stays)
-                del self.knowledge[task]
+                self.knowledge.pop(task, None)
                 self.knowledge_raw.pop(task, None)
                 self.knowledge_bytes.pop(task, None)
         for task, (frame, raw, size) in sorted(self.newer.pop(run, {}).items()):
@@ -411,7 +425,7 @@ class ClientDaemon:
         if frames is not True and not (isinstance(frames, list) and self.cfg.client_id in frames):
             return False
         if frame.header.task != self.task:
-            return frame.header.task not in self.knowledge
+            return frame.header.task not in self.knowledge_raw
         return frame.header.round > self.done_round and frame.header.round not in self.mid_frames
 
     def _membership_state(self, fed: FederationSpec, task: int) -> str:
@@ -617,7 +631,9 @@ class ClientDaemon:
         self._send(payload, f"update:{rnd}")
         self.sent_at = time.monotonic()
         self.serving.submit(served)  # exported in the background, never before the update is out
+        release_free_memory()  # the round's freed buffers go back to the OS, not into next round's peak
         self.round_cpu_s[rnd] = round(time.process_time() - cpu_start, 4)
+        self.round_rss_mb[rnd] = [rss_mb(), peak_rss_mb()]
         meter = self.link.meter.snapshot()
         self.link.publish_status(
             "online",
@@ -636,8 +652,10 @@ class ClientDaemon:
         try:
             for t in range(self.task + 1, task + 1):
                 self.learner.start_task(t, self.knowledge.get(t) if t == task else None)
+                self.knowledge.pop(t, None)  # the learner holds what it needs; the raw frame stays for restarts
         except ValueError as exc:
             raise RejectedFrame(f"knowledge: {exc}") from None
+        release_free_memory()
         self.task = task
 
     def _finish(self, frame: Frame) -> None:
@@ -731,7 +749,9 @@ class ClientDaemon:
                     "rejected": self.rejected,
                     "round_bytes_down": self.round_bytes_down,
                     "round_cpu_s": self.round_cpu_s,
-                    "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                    "round_rss_mb": self.round_rss_mb,
+                    "max_rss_mb": peak_rss_mb(),
+                    "export_child_peak_rss_mb": self.serving.child_peak_rss_mb,
                     **self.link.meter.snapshot(),
                 },
                 indent=2,
@@ -768,7 +788,8 @@ def load_client_data(cfg: ClientConfig) -> ClientTasks:
     """This device's shard, derived from the shared plan alone (the same split ``fcl simulate`` checked)."""
     spec = cfg.data
     seed = spec.data_seed
-    train, test = load_dataset(spec.dataset, spec.path, seed, spec.max_length, gray=spec.domains is not None)
+    gray = spec.domains is not None
+    train, test = load_dataset(spec.dataset, spec.path, seed, spec.max_length, gray=gray, compact=not gray)
     if spec.domains is not None:  # domain-incremental: rotated / permuted grayscale images, every class per task
         return domain_task_split(
             train,
@@ -781,7 +802,8 @@ def load_client_data(cfg: ClientConfig) -> ClientTasks:
             spec.test_per_class,
         )
     if spec.pool_ids is not None:
-        return pool_task_split(train, test, spec.pool_tasks, spec.pool_ids, seed, spec.per_class, spec.test_per_class)
+        pooled = pool_task_split(train, test, spec.pool_tasks, spec.pool_ids, seed, spec.per_class, spec.test_per_class)
+        return _float(pooled)
     own = client_task_split(
         train, test, spec.client_tasks, spec.client_index, seed, spec.test_tasks, spec.per_class, spec.test_per_class
     )
@@ -792,8 +814,15 @@ def load_client_data(cfg: ClientConfig) -> ClientTasks:
             for i in range(len(spec.client_tasks))
         ]
         fleet = tuple(
-            Dataset(np.concatenate([s[t].x for s in shards]), np.concatenate([s[t].y for s in shards]))
+            float_pixels(Dataset(np.concatenate([s[t].x for s in shards]), np.concatenate([s[t].y for s in shards])))
             for t in range(len(own.train))
         )
     arrivals = tuple(spec.arrivals) if spec.arrivals is not None else None
-    return ClientTasks(own.train, own.test, arrivals, fleet)
+    return _float(ClientTasks(own.train, own.test, arrivals, fleet))
+
+
+def _float(tasks: ClientTasks) -> ClientTasks:
+    """The shards as float32, cut from a compact set (the whole set is not kept)."""
+    return dataclasses.replace(
+        tasks, train=tuple(map(float_pixels, tasks.train)), test=tuple(map(float_pixels, tasks.test))
+    )

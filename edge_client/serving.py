@@ -8,15 +8,28 @@ update is sent; one background thread exports it, the newest snapshot winning if
 fall behind.  Writes are atomic (temporary file, verify, rename), so ``fcl infer --watch``
 never reads a half-written model.  A failed export is logged and the previous model stays
 in service: serving must never stop training.
+
+A MADE is exported by a short-lived child process (``python -m export.child``): the daemon
+writes the snapshot, the parity rows and the torch MADE's logits on them (``snapshot``
+computes those, so the child needs no torch), and waits for it at most
+``serve.export_timeout_s``.  The daemon thereby never imports onnx or onnxruntime and never
+holds the export's buffers (``firmware_notes/memory.md``).  The other formats are traced from
+torch modules and export in process.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -35,13 +48,24 @@ _EXPORT_LOCK = threading.Lock()
 class ServeJob:
     served: Any  # a fclcore.served description (already a copy of the learner's state)
     parity_inputs: np.ndarray
+    reference: np.ndarray | None = None  # the torch MADE's logits on parity_inputs: exported in a child
 
 
 class ServedModelWriter:
-    def __init__(self, out_dir: Path, dataset: str, int8: bool) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        dataset: str,
+        int8: bool,
+        timeout_s: float = 600.0,
+        child_command: Sequence[str] | None = None,
+    ) -> None:
         self.out_dir = out_dir
         self.binarize = BINARIZATION.get(dataset, "")
         self.int8 = int8
+        self.timeout_s = timeout_s
+        self.child_command = list(child_command or (sys.executable, "-m", "export.child"))
+        self.child_peak_rss_mb = 0.0  # the largest export child's peak RSS so far
         self._cond = threading.Condition()
         self._next: ServeJob | None = None
         self._busy = False
@@ -57,7 +81,12 @@ class ServedModelWriter:
         served = learner.served_model(task, self.binarize)
         if served is None:
             return None
-        return ServeJob(served, np.array(parity_inputs[:PARITY_ROWS], copy=True))
+        parity = np.array(parity_inputs[:PARITY_ROWS], copy=True)
+        if served.format != "made":
+            return ServeJob(served, parity)
+        from fclcore.models.made import served_logits  # torch: the daemon has it loaded
+
+        return ServeJob(served, parity, served_logits(served, parity))
 
     def submit(self, job: ServeJob | None) -> None:
         """Export ``job`` in the background (a job still waiting is replaced: the newest wins)."""
@@ -104,6 +133,8 @@ class ServedModelWriter:
 
     def write(self, job: ServeJob) -> dict | None:
         """Export one served model now; the report, or None if the export failed."""
+        if job.reference is not None:
+            return self._write_in_child(job)
         try:
             from export.formats import ExportError, export_served
             from export.snapshot import SnapshotError, save_snapshot
@@ -122,3 +153,55 @@ class ServedModelWriter:
             return None
         log.info("serving task %d model (%s): %s", served.task, served.format, self.model_path)
         return report
+
+    def _write_in_child(self, job: ServeJob) -> dict | None:
+        """``python -m export.child`` on a job directory (format in ``export.child``)."""
+        from export.snapshot import SnapshotError, save_snapshot  # numpy only
+
+        served = job.served
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_snapshot(served, self.out_dir / "served.npz")
+            with tempfile.TemporaryDirectory(prefix=".export-", dir=self.out_dir) as tmp:
+                job_dir = Path(tmp)
+                save_snapshot(served, job_dir / "served.npz")
+                np.save(job_dir / "parity.npy", np.ascontiguousarray(job.parity_inputs, np.float32), allow_pickle=False)
+                np.save(job_dir / "reference.npy", np.ascontiguousarray(job.reference, np.float32), allow_pickle=False)
+                spec = {"path": str(self.model_path.resolve()), "int8": self.int8, "toolkit_version": "0.1.0"}
+                (job_dir / "job.json").write_text(json.dumps(spec))
+                done = subprocess.run(
+                    [*self.child_command, str(job_dir)],
+                    capture_output=True,
+                    text=True,
+                    timeout=self.timeout_s,
+                    env=_child_env(),
+                )
+                report_file = job_dir / "report.json"
+                doc = json.loads(report_file.read_text()) if report_file.is_file() else {}
+        except subprocess.TimeoutExpired:
+            log.error(
+                "export after task %d timed out after %.0f s (child killed), previous model stays in service",
+                served.task,
+                self.timeout_s,
+            )
+            return None
+        except (SnapshotError, ValueError, OSError) as exc:
+            log.error("export after task %d failed, previous model stays in service: %s", served.task, exc)
+            return None
+        if done.returncode != 0 or not doc.get("ok"):
+            why = doc.get("error") or (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            log.error("export after task %d failed, previous model stays in service: %s", served.task, why)
+            return None
+        self.child_peak_rss_mb = max(self.child_peak_rss_mb, float(doc.get("peak_rss_mb", 0.0)))
+        log.info("serving task %d model (%s): %s", served.task, served.format, self.model_path)
+        return doc["report"]
+
+
+def _child_env() -> dict[str, str]:
+    """The export child's environment: one thread, and this package importable from it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    spec = importlib.util.find_spec("export")  # located, not imported (it would not import onnx anyway)
+    if spec is not None and spec.submodule_search_locations:
+        root = str(Path(list(spec.submodule_search_locations)[0]).parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env

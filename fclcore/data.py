@@ -119,9 +119,16 @@ def _idx_file(directory: Path, stem: str) -> Path:
     raise DataError(f"MNIST file {directory / stem}(.gz) not found")
 
 
-def load_mnist(path: str | os.PathLike | None = None, threshold: int | None = 127) -> tuple[Dataset, Dataset]:
+def load_mnist(
+    path: str | os.PathLike | None = None, threshold: int | None = 127, compact: bool = False
+) -> tuple[Dataset, Dataset]:
     """Official MNIST (train, test) split, images flattened to 784 and binarised at pixel > threshold;
-    ``threshold=None`` keeps grayscale, ``pixel / 255`` in [0, 1] (float32 either way)."""
+    ``threshold=None`` keeps grayscale, ``pixel / 255`` in [0, 1] (float32 either way).
+    ``compact`` keeps binarised pixels as uint8 0/1, a quarter of float32's 219 MB: a device
+    loads the whole set to cut its own shard from it, then turns the shard to float32
+    (:func:`float_pixels`, the same values)."""
+    if compact and threshold is None:
+        raise DataError("compact MNIST is binarised: it needs a threshold")
     d = Path(path) if path is not None else default_mnist_dir()
     if not d.is_dir():
         raise DataError(f"MNIST directory not found: {d}")
@@ -132,22 +139,40 @@ def load_mnist(path: str | os.PathLike | None = None, threshold: int | None = 12
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise DataError(f"{img_path} {images.shape} and {lbl_path} {labels.shape} must be (N, rows, cols) and (N,)")
         flat = images.reshape(len(images), -1)
-        x = (flat / np.float32(255) if threshold is None else flat > threshold).astype(np.float32)
+        x = (flat / np.float32(255) if threshold is None else flat > threshold).astype(
+            np.uint8 if compact else np.float32
+        )
         out.append(Dataset(x, labels.astype(np.int64)))
     return out[0], out[1]
 
 
+def default_digits_file() -> Path:
+    """scikit-learn's bundled ``digits.csv.gz``, located without importing scikit-learn (whose
+    import costs a device about 80 MB of RSS for 0.2 MB of data)."""
+    spec = importlib.util.find_spec("sklearn")
+    hint = "pip install scikit-learn (its wheel ships the 8x8 digits)"
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"the 'digits' dataset needs scikit-learn's data file: {hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():
+        raise DataError(f"scikit-learn is installed but {path} is missing: {hint}")
+    return path
+
+
 def load_digits(threshold: float | None = 7.0, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
     """scikit-learn's bundled 8x8 digits (no download) binarised at value > threshold: a fast MNIST
-    stand-in; ``threshold=None`` keeps grayscale, ``value / 16`` in [0, 1]."""
+    stand-in; ``threshold=None`` keeps grayscale, ``value / 16`` in [0, 1].  The CSV is read as
+    ``sklearn.datasets.load_digits`` reads it (64 pixel columns, then the label)."""
+    path = default_digits_file()
     try:
-        from sklearn.datasets import load_digits as _sk_load_digits
-    except ImportError as exc:
-        raise DataError("the 'digits' dataset needs scikit-learn: pip install scikit-learn") from exc
-    bunch = _sk_load_digits()
-    data = np.asarray(bunch.data)
+        table = np.loadtxt(path, delimiter=",")
+    except ValueError as exc:
+        raise DataError(f"{path}: not the 8x8 digits table: {exc}") from None
+    if table.ndim != 2 or table.shape[1] != 65:
+        raise DataError(f"{path}: expected rows of 64 pixels + 1 label, got shape {table.shape}")
+    data = table[:, :-1]
     x = (data / 16.0 if threshold is None else data > threshold).astype(np.float32)
-    y = np.asarray(bunch.target, dtype=np.int64)
+    y = table[:, -1].astype(np.int64)
     tr, te = stratified_split(y, test_fraction, seed)
     return Dataset(x[tr], y[tr]), Dataset(x[te], y[te])
 
@@ -156,16 +181,23 @@ DATASETS = ("digits", "mnist", "bbc")
 
 
 def load_dataset(
-    name: str, path: str | None = None, seed: int = 0, max_length: int = 64, gray: bool = False
+    name: str,
+    path: str | None = None,
+    seed: int = 0,
+    max_length: int = 64,
+    gray: bool = False,
+    compact: bool = False,
 ) -> tuple[Dataset, Dataset]:
     """Load by name. ``seed`` drives the digits and BBC splits (MNIST uses its official split);
     ``path`` applies to MNIST and BBC and is rejected for digits rather than silently ignored;
     ``max_length`` is the token count of a BBC text.  ``gray`` keeps image pixels grayscale in
-    [0, 1] instead of binarising them (domain-incremental plans; the MADE methods need binary)."""
+    [0, 1] instead of binarising them (domain-incremental plans; the MADE methods need binary).
+    ``compact`` lets binarised MNIST stay uint8 (see :func:`load_mnist`; others ignore it):
+    pass the shards cut from it through :func:`float_pixels`."""
     if gray and name not in ("mnist", "digits"):
         raise DataError(f"gray: only the image datasets mnist and digits have grayscale pixels, not {name!r}")
     if name == "mnist":
-        return load_mnist(path, threshold=None if gray else 127)
+        return load_mnist(path, threshold=None if gray else 127, compact=compact and not gray)
     if name == "bbc":
         from fclcore.text import load_bbc_datasets  # tokenizers: only for text
 
@@ -175,6 +207,14 @@ def load_dataset(
             raise DataError(f"dataset 'digits' is bundled with scikit-learn and takes no path (got {path!r})")
         return load_digits(threshold=None if gray else 7.0, seed=seed)
     raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+
+
+def float_pixels(data: Dataset | None) -> Dataset | None:
+    """A shard of a compact (uint8 0/1) image set as the float32 pixels every learner reads;
+    anything else unchanged."""
+    if data is None or data.x.dtype != np.uint8:
+        return data
+    return Dataset(data.x.astype(np.float32), data.y, data.classes)
 
 
 def client_task_split(

@@ -402,6 +402,11 @@ class ServeSpec:
 
     every: Literal["task", "round", "never"] = "task"
     int8: bool = False  # also write model.int8.onnx (dynamic int8 weights)
+    export_timeout_s: float = 600.0  # a MADE export child still running after this is killed
+
+    def __post_init__(self) -> None:
+        if not self.export_timeout_s > 0:
+            raise ValueError(f"serve.export_timeout_s must be > 0, got {self.export_timeout_s}")
 
 
 @dataclass

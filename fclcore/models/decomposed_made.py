@@ -36,6 +36,7 @@ class DecomposedLinear(nn.Module):
         self.attention = nn.ParameterList()  # alpha_i (n_kb_i,) per task
         self.bias_offsets = nn.ParameterList()  # c_i (out,) per task (empty without a bias)
         self.knowledge: list[Tensor] = []  # K_i (n_kb_i, out, in) per task, frozen
+        self.settled: dict[int, Tensor] = {}  # sum_j alpha_i[j] K_i[j] of a finished task (K_i dropped)
         self.register_buffer("mask", torch.ones(n_out, n_in), persistent=False)
 
     def add_task(self, knowledge: Tensor, mask_init: float, lambda3: float) -> None:
@@ -53,9 +54,25 @@ class DecomposedLinear(nn.Module):
         if task is None:
             return self.weight
         w = self.weight * torch.sigmoid(self.unit_logits[task])[:, None] + self.adaptive[task]  # (out, in)
-        if self.knowledge[task].shape[0]:
+        if task in self.settled:
+            w = w + self.settled[task]
+        elif self.knowledge[task].shape[0]:
             w = w + torch.einsum("k,koi->oi", self.attention[task], self.knowledge[task])
         return w
+
+    @torch.no_grad()
+    def settle(self, task: int, term: Tensor | None = None) -> None:
+        """Task ``task`` is over (its alpha frozen): keep its knowledge term, computed now (or
+        the given one, from a checkpoint), instead of its n_kb entries.  The same einsum on the
+        same inputs, so composing the task gives the same bits with one (out, in) tensor."""
+        if term is None:
+            if task in self.settled or not self.knowledge[task].shape[0]:
+                return
+            term = torch.einsum("k,koi->oi", self.attention[task], self.knowledge[task])
+        elif tuple(term.shape) != tuple(self.weight.shape):
+            raise ValueError(f"settled knowledge of task {task}: expected shape {tuple(self.weight.shape)}")
+        self.settled[task] = term
+        self.knowledge[task] = torch.zeros((0, *self.weight.shape))  # a fresh tensor: the stack's memory goes
 
     def composed_bias(self, task: int | None) -> Tensor | None:
         if self.bias is None or task is None:
@@ -110,6 +127,11 @@ class DecomposedMADE(nn.Module):
         """``knowledge[prefix]`` is (n_kb, out, in) for each layer (n_kb may be 0)."""
         for prefix, layer in self.layers.items():
             layer.add_task(knowledge[prefix], mask_init, lambda3)
+
+    def settle(self, task: int) -> None:
+        """Task ``task`` is over: each layer keeps its knowledge term instead of the entries."""
+        for layer in self.layers.values():
+            layer.settle(task)
 
     def forward(self, x: Tensor, task: int | None) -> Tensor:
         h = x  # (B, D)

@@ -120,3 +120,14 @@ class MADE(nn.Module):
             probs = torch.sigmoid(self(x)[:, int(d)])  # (n,)
             x[:, int(d)] = torch.bernoulli(probs, generator=generator)
         return x
+
+
+def served_logits(served, x: np.ndarray) -> np.ndarray:
+    """The logits of a served MADE (``fclcore.served.ServedModel``) on binary rows ``x``, from
+    this torch MADE with the served params and order: the reference an export is checked against."""
+    net = MADE(served.made)
+    net.set_params(dict(served.params))
+    net.set_order(served.order_k)
+    net.eval()
+    with torch.no_grad():
+        return net(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import made_masks, mask_for_param
@@ -85,31 +86,40 @@ class DecomposedLearner(MadeLearner):
             layer.weight.copy_(torch.where(sent, g / gate, layer.weight))
 
     def start_task(self, task: int, downlink: Frame | None) -> None:
-        kb, ids = self._knowledge(downlink)  # validate before any state changes
+        ids = self._knowledge_ids(downlink)  # validate before any state changes
         super().start_task(task, downlink)
-        self.anchor = {p: _snapshot(l) for p, l in self.model.layers.items()}
-        self.model.add_task(kb, self.opts.mask_init, self.opts.lambda3)
-        self.entries.append(ids)
         for layer in self.model.layers.values():  # earlier tasks' masks and attention are frozen
             for i in range(task):
                 layer.unit_logits[i].requires_grad_(False)
                 layer.attention[i].requires_grad_(False)
+        if task > 0:  # the last task's alpha is final: its entries collapse to one term per layer
+            self.model.settle(task - 1)  # (before the new stack is built: the device never holds both)
+        self.anchor = {p: _snapshot(l) for p, l in self.model.layers.items()}
+        self.model.add_task(self._knowledge(downlink, ids), self.opts.mask_init, self.opts.lambda3)
+        self.entries.append(ids)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(trainable, lr=self.fed.train.lr, fused=True)
+        self.optimizer = optim.Adam(trainable, lr=self.fed.train.lr, fused=True)
 
-    def _knowledge(self, frame: Frame | None) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """Stack the frame's entries per layer: prefix -> (n_kb, out, in)."""
+    def _knowledge_ids(self, frame: Frame | None) -> list[str]:
+        """The frame's entry ids, once every entry has every layer's weight in its shape."""
         ids = parse_knowledge_meta(frame.meta) if frame else []
-        out = {}
         for prefix, layer in self.model.layers.items():
-            stack = []
             for entry in ids:
                 t = frame.tensors.get(knowledge_key(entry, f"{prefix}.weight"))
                 if t is None or tuple(t.shape) != tuple(layer.weight.shape):
                     raise ValueError(f"knowledge entry {entry}: missing or misshaped {prefix}.weight")
-                stack.append(torch.from_numpy(dense(t)))
-            out[prefix] = torch.stack(stack) if stack else torch.zeros((0, *layer.weight.shape))
-        return out, ids
+        return ids
+
+    def _knowledge(self, frame: Frame | None, ids: list[str]) -> dict[str, torch.Tensor]:
+        """Stack the (validated) entries per layer: prefix -> (n_kb, out, in), each entry
+        densified straight into its slot (no second copy of the stack)."""
+        out = {}
+        for prefix, layer in self.model.layers.items():
+            stack = torch.empty((len(ids), *layer.weight.shape))
+            for j, entry in enumerate(ids):
+                stack[j] = torch.from_numpy(dense(frame.tensors[knowledge_key(entry, f"{prefix}.weight")]))
+            out[prefix] = stack
+        return out
 
     # -- training ------------------------------------------------------------------------
     def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float]:
@@ -184,6 +194,9 @@ class DecomposedLearner(MadeLearner):
                 arrays[f"anchor/{prefix}/offset/{i}"] = c.numpy().copy()
             if bias is not None:
                 arrays[f"anchor/{prefix}/bias"] = bias.numpy().copy()
+        for prefix, layer in self.model.layers.items():
+            for i, term in layer.settled.items():
+                arrays[f"settled/{prefix}/{i}"] = term.numpy().copy()
         return {**meta, "entries": self.entries}, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -207,6 +220,9 @@ class DecomposedLearner(MadeLearner):
                     None if bias is None else torch.from_numpy(bias.copy()),
                     stack("offset"),
                 )
+            for prefix, layer in self.model.layers.items():  # start_task settled them with the alphas of then
+                for i in list(layer.settled):
+                    layer.settle(i, torch.from_numpy(arrays[f"settled/{prefix}/{i}"].copy()))
         except KeyError as exc:
             raise ValueError(f"checkpoint lacks {exc}") from None
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.models.made import MADE
@@ -34,11 +35,11 @@ class FedAvgLearner(MadeLearner):
         self.optimizer = self._new_optimizer()
         self.global_params: list[torch.Tensor] = []
 
-    def _new_optimizer(self) -> torch.optim.Optimizer:
+    def _new_optimizer(self) -> optim.Optimizer:
         train = self.fed.train
         if train.optimizer == "sgd":
-            return torch.optim.SGD(self.model.parameters(), lr=train.lr)
-        return torch.optim.Adam(self.model.parameters(), lr=train.lr, fused=True)
+            return optim.SGD(self.model.parameters(), lr=train.lr)
+        return optim.Adam(self.model.parameters(), lr=train.lr, fused=True)
 
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
         dense = {k: v.to_dense() if isinstance(v, SparseTensor) else v for k, v in tensors.items()}

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from fclcore import optim
 from fclcore.data import Dataset
 from fclcore.learner import Learner, round_seed
 from fclcore.made_spec import MadeConfig
@@ -25,7 +26,7 @@ class MadeLearner(Learner):
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         super().__init__(fed, options, input_dim, client_index)
         self.made: MadeConfig = fed.model.made_config(input_dim)
-        self.optimizer: torch.optim.Optimizer | None = None  # set by the method
+        self.optimizer: optim.Optimizer | None = None  # set by the method
 
     def local_epochs(
         self,

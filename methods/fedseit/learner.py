@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.learner import Learner, round_seed
@@ -183,7 +184,7 @@ class FedSeITLearner(Learner):
         cache = self._slot_cache(t, data.x) if self.segregated else None
         self.model.train()
         params = self._trainable(t)
-        opt = torch.optim.Adam(params, lr=self.fed.train.lr)
+        opt = optim.Adam(params, lr=self.fed.train.lr)
         total, batches = 0.0, 0
         bs = self.fed.train.batch_size
         for _ in range(self.fed.train.local_epochs):

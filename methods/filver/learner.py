@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.learner import Learner, round_seed
@@ -154,7 +155,7 @@ class FILVERLearner(Learner):
 
     def _phase0(self, data: Dataset, gen: torch.Generator) -> tuple[int, float]:
         params = list(self.encoder.parameters()) + list(self.classifier.parameters())
-        opt = torch.optim.Adam(params, lr=self.o.phase0_lr)
+        opt = optim.Adam(params, lr=self.o.phase0_lr)
         x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
         total, count = 0.0, 0
         self.encoder.train()
@@ -211,9 +212,9 @@ class FILVERLearner(Learner):
         train = self.fed.train
         params = self.classifier.parameters()
         if train.optimizer == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=train.lr, momentum=self.o.momentum)
+            opt: optim.Optimizer = optim.SGD(params, lr=train.lr, momentum=self.o.momentum)
         else:
-            opt = torch.optim.Adam(params, lr=train.lr)
+            opt = optim.Adam(params, lr=train.lr)
         mu, y = torch.from_numpy(items.mu), torch.from_numpy(items.y)
         log_sigma = None if items.log_sigma is None else torch.from_numpy(items.log_sigma)
         total, count = 0.0, 0

@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.learner import Learner, round_seed
@@ -121,7 +122,7 @@ class NGFLLearner(Learner):
         lr = self.o.base_lr if first else self.fed.train.lr
         decay = self.o.base_weight_decay if first else self.o.weight_decay
         params = [*self.extractor.parameters(), self.head.weight, self.head.bias]
-        opt = torch.optim.SGD(params, lr=lr, momentum=self.o.momentum, weight_decay=decay)  # fresh every round
+        opt = optim.SGD(params, lr=lr, momentum=self.o.momentum, weight_decay=decay)  # fresh every round
         total, count = 0.0, 0
         for t in slots:
             x, y = self._training_rows(train, t)
@@ -178,7 +179,7 @@ class NGFLLearner(Learner):
         keep = np.array([lab in row_of for lab in labels], bool)  # replayed classes this head lacks are dropped
         return x[keep], np.array([row_of[lab] for lab in labels[keep]], np.int64)
 
-    def _fit(self, opt: torch.optim.Optimizer, x: np.ndarray, y: np.ndarray, t: int, rnd: int) -> tuple[float, int]:
+    def _fit(self, opt: optim.Optimizer, x: np.ndarray, y: np.ndarray, t: int, rnd: int) -> tuple[float, int]:
         task_rows = [self.table.row(lab) for lab in self.slot_labels[t]]
         use_self = self.o.loss == "self" and len(task_rows) > 1
         if self.o.loss == "self" and not use_self:

@@ -1,0 +1,94 @@
+"""Export a served MADE in a short-lived process, so the training daemon never holds onnx,
+onnxruntime or the export's buffers (``edge_client.serving`` starts it; see
+``firmware_notes/memory.md``).
+
+    python -m export.child JOB_DIR
+
+``JOB_DIR`` holds what the daemon wrote:
+
+* ``served.npz``: the snapshot (``export.snapshot``, read with ``allow_pickle=False``);
+* ``parity.npy`` and ``reference.npy``: the parity rows and the torch MADE's logits on them,
+  computed by the daemon, so this process needs no torch;
+* ``job.json``: ``{"path": ..., "int8": bool, "toolkit_version": ...}``.
+
+It runs ``export.onnx_made.export_served_model`` (the same verified, atomic publication as in
+process) and writes ``report.json``: ``{"ok": true, "report": {...}, "peak_rss_mb": ...}`` or
+``{"ok": false, "error": "..."}``.  Exit status 0 on success, 1 on a failed export, 2 on a
+malformed job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from export.publish import ExportError
+from export.snapshot import SnapshotError, load_snapshot
+from fclcore.procmem import peak_rss_mb
+
+__all__ = ["run_job", "write_job"]
+
+JOB_FILES = ("served.npz", "parity.npy", "reference.npy", "job.json")
+
+
+def write_job(job_dir: Path, served, parity: np.ndarray, reference: np.ndarray, path: Path, int8: bool) -> None:
+    """Write a job for :func:`run_job` (the daemon's side)."""
+    from export.snapshot import save_snapshot
+
+    save_snapshot(served, job_dir / "served.npz")
+    np.save(job_dir / "parity.npy", np.ascontiguousarray(parity, dtype=np.float32), allow_pickle=False)
+    np.save(job_dir / "reference.npy", np.ascontiguousarray(reference, dtype=np.float32), allow_pickle=False)
+    (job_dir / "job.json").write_text(json.dumps({"path": str(path), "int8": bool(int8), "toolkit_version": "0.1.0"}))
+
+
+def run_job(job_dir: Path) -> dict:
+    """Run the export a job describes; the ``report.json`` document."""
+    try:
+        job = json.loads((job_dir / "job.json").read_text())
+        if not isinstance(job, dict) or not isinstance(job.get("path"), str) or not isinstance(job.get("int8"), bool):
+            raise ValueError("job.json: expected {'path': str, 'int8': bool}")
+        served = load_snapshot(job_dir / "served.npz")
+        parity = np.load(job_dir / "parity.npy", allow_pickle=False)
+        reference = np.load(job_dir / "reference.npy", allow_pickle=False)
+    except (OSError, ValueError, SnapshotError) as exc:
+        raise SystemExit(_done(job_dir, {"ok": False, "error": f"malformed job: {exc}"}, 2)) from None
+    from export.onnx_made import export_served_model
+
+    try:
+        report = export_served_model(
+            served,
+            job["path"],
+            parity_inputs=parity,
+            int8=job["int8"],
+            toolkit_version=str(job.get("toolkit_version", "0.1.0")),
+            reference_logits=reference,
+        )
+    except (ExportError, ValueError, OSError) as exc:
+        raise SystemExit(_done(job_dir, {"ok": False, "error": str(exc)}, 1)) from None
+    doc = {"ok": True, "report": report, "peak_rss_mb": peak_rss_mb()}
+    _done(job_dir, doc, 0)
+    return doc
+
+
+def _done(job_dir: Path, doc: dict, status: int) -> int:
+    tmp = job_dir / "report.json.tmp"
+    tmp.write_text(json.dumps(doc, default=str))
+    os.replace(tmp, job_dir / "report.json")
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    run_job(Path(args[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

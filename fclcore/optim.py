@@ -1,0 +1,280 @@
+"""The optimisers a device trains with: torch's own update arithmetic, without torch.optim's
+class machinery.
+
+``torch.optim.Optimizer`` wraps ``add_param_group``, ``zero_grad``, ``state_dict`` and friends in
+``torch._disable_dynamo``, whose first call imports ``torch._dynamo`` and with it sympy: about
+75 MB of resident memory on every device that never compiles anything (measured in
+``firmware_notes/memory.md``).  These classes keep the same parameter groups, state and
+``state_dict`` layout and call torch's functional updates (``torch.optim.adam.adam``,
+``torch.optim.sgd.sgd``) with the arguments ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` pass,
+so a step is bit-for-bit torch's (``tests/test_optim.py`` checks it) and a checkpoint written
+by either loads into the other.
+
+Only what the learners use is here: no closures, no amsgrad, no sparse gradients, no
+capturable or differentiable steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as _adam
+from torch.optim.sgd import sgd as _sgd
+
+__all__ = ["Optimizer", "Adam", "AdamW", "SGD"]
+
+
+class Optimizer:
+    """Parameter groups, per-parameter state and torch's ``state_dict`` layout."""
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        groups = [dict(g) for g in params] if isinstance(params[0], dict) else [{"params": params}]
+        self.defaults = defaults
+        self.param_groups: list[dict[str, Any]] = []
+        seen: set[int] = set()
+        for group in groups:
+            group["params"] = list(group["params"])
+            for p in group["params"]:
+                if not isinstance(p, Tensor) or not p.is_leaf:
+                    raise TypeError(f"optimizer can only optimize leaf tensors, got {type(p).__name__}")
+                if id(p) in seen:
+                    raise ValueError("some parameters appear in more than one parameter group")
+                seen.add(id(p))
+            for key, value in defaults.items():
+                group.setdefault(key, value)
+            self.param_groups.append(group)
+        self.state: dict[Tensor, dict[str, Any]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``, indices
+        counting parameters over the groups in order, as ``torch.optim.Optimizer.state_dict``."""
+        index: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+            groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in group["params"]]}
+            )
+        return {"state": {index[id(p)]: dict(s) for p, s in self.state.items()}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state written by ``state_dict`` (ours or torch's): hyperparameters per group,
+        state tensors cast to their parameter's dtype and device (``step`` as the update wants it)."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        by_index: dict[int, Tensor] = {}
+        for mine, saved in zip(self.param_groups, groups):
+            if len(saved.get("params", ())) != len(mine["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+                )
+            by_index.update(zip(saved["params"], mine["params"]))
+        state: dict[Tensor, dict[str, Any]] = {}
+        for key, slots in state_dict.get("state", {}).items():
+            if key not in by_index:
+                raise ValueError(f"loaded state dict has state for parameter {key}, which no group holds")
+            p = by_index[key]
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            state[p] = {name: self._cast(p, name, value, group) for name, value in slots.items()}
+        for mine, saved in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+        self.state = state
+
+    @staticmethod
+    def _cast(p: Tensor, name: str, value: Any, group: dict[str, Any]) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        if name == "step":
+            return value.to(dtype=torch.float32, device=p.device) if group.get("fused") else value
+        return value.to(dtype=p.dtype, device=p.device) if p.is_floating_point() else value.to(device=p.device)
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class Adam(Optimizer):
+    """``torch.optim.Adam`` (L2 weight decay; ``decoupled_weight_decay=True`` is AdamW)."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid Adam settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=False,
+            maximize=False,
+            foreach=foreach,
+            capturable=False,
+            differentiable=False,
+            fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Adam does not support sparse gradients")
+                state = self.state.setdefault(p, {})
+                if not state:
+                    state["step"] = (
+                        torch.zeros((), dtype=torch.float32, device=p.device)
+                        if group["fused"]
+                        else torch.tensor(0.0, dtype=_scalar_dtype())
+                    )
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            beta1, beta2 = group["betas"]
+            _adam(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                amsgrad=False,
+                has_complex=any(torch.is_complex(p) for p in params),
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+                foreach=group["foreach"],
+                capturable=False,
+                differentiable=False,
+                fused=group["fused"],
+                grad_scale=None,
+                found_inf=None,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW``: Adam with decoupled weight decay (default 0.01)."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__(
+            params, lr, betas, eps, weight_decay, foreach=foreach, fused=fused, decoupled_weight_decay=True
+        )
+
+
+class SGD(Optimizer):
+    """``torch.optim.SGD`` (momentum, dampening, L2 weight decay, Nesterov)."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+    ) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"invalid SGD settings: lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=False,
+            foreach=foreach,
+            differentiable=False,
+            fused=fused,
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            has_sparse = False
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                params.append(p)
+                grads.append(p.grad)
+                has_sparse |= p.grad.is_sparse
+                if group["momentum"] != 0:
+                    buffers.append(self.state.get(p, {}).get("momentum_buffer"))
+            _sgd(
+                params,
+                grads,
+                buffers,
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=group["lr"],
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=False,
+                has_sparse_grad=has_sparse,
+                foreach=group["foreach"],
+                fused=group["fused"],
+                grad_scale=None,
+                found_inf=None,
+            )
+            if group["momentum"] != 0:
+                for p, buffer in zip(params, buffers):
+                    self.state.setdefault(p, {})["momentum_buffer"] = buffer

@@ -1,0 +1,122 @@
+"""The daemon exports a MADE in a short-lived child (edge_client.serving + export.child): same
+verified model as in process, the daemon never imports onnx, and a child that fails or hangs
+leaves the served model in place."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_client.serving import ServedModelWriter, ServeJob
+from export.runtime import MadeRuntime
+from fclcore.made_spec import MadeConfig, init_params
+from fclcore.models.made import served_logits
+from fclcore.served import ServedModel
+
+CFG = MadeConfig(12, (32,), direct=True, natural_order=False, mask_seed=3, num_orders=2)
+
+
+def _job(seed: int, task: int = 0) -> ServeJob:
+    served = ServedModel(CFG, init_params(CFG, seed), 1, "fedavg", task, "value>7")
+    x = (np.random.default_rng(seed).random((16, 12)) < 0.5).astype(np.float32)
+    return ServeJob(served, x, served_logits(served, x))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """One child export, shared: the served model the other tests must leave in place."""
+    out = tmp_path_factory.mktemp("served")
+    writer = ServedModelWriter(out, "digits", int8=True)
+    job = _job(0)
+    report = writer.write(job)
+    assert report is not None and report["parity_rows"] == 16 and report["max_scaled_err"] <= 1e-5
+    assert writer.child_peak_rss_mb > 0
+    return out
+
+
+def _serving_dir(exported: Path, tmp_path: Path) -> Path:
+    (tmp_path / "model.onnx").write_bytes((exported / "model.onnx").read_bytes())
+    return tmp_path
+
+
+def test_child_exports_the_verified_model(exported):
+    job = _job(0)
+    rt = MadeRuntime.load(exported / "model.onnx")
+    np.testing.assert_allclose(rt.logits(job.parity_inputs), job.reference, rtol=1e-5, atol=1e-5)
+    assert (exported / "model.int8.onnx").is_file() and (exported / "served.npz").is_file()
+    assert not list(exported.glob(".export-*"))  # the job directory is gone
+
+
+def test_a_wrong_reference_fails_the_parity_check(exported, tmp_path):
+    writer = ServedModelWriter(_serving_dir(exported, tmp_path), "digits", int8=False)
+    before = (tmp_path / "model.onnx").read_bytes()
+    job = _job(1, task=1)
+    bad = ServeJob(job.served, job.parity_inputs, job.reference + 1.0)
+    assert writer.write(bad) is None
+    assert (tmp_path / "model.onnx").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "command,timeout",
+    [
+        ([sys.executable, "-c", "import sys; sys.exit(3)"], 60.0),  # fails without a report
+        ([sys.executable, "-c", "import time; time.sleep(60)"], 1.0),  # hangs: killed
+    ],
+    ids=["fails", "times-out"],
+)
+def test_a_failing_or_hanging_child_leaves_the_old_model(exported, tmp_path, command, timeout, caplog):
+    _serving_dir(exported, tmp_path)
+    before = (tmp_path / "model.onnx").read_bytes()
+    writer = ServedModelWriter(tmp_path, "digits", int8=False, timeout_s=timeout, child_command=command)
+    started = time.monotonic()
+    assert writer.write(_job(2, task=1)) is None
+    assert time.monotonic() - started < 30
+    assert (tmp_path / "model.onnx").read_bytes() == before
+    assert "previous model stays in service" in caplog.text
+    assert not list(tmp_path.glob(".export-*"))
+
+
+def test_malformed_job_is_refused(tmp_path):
+    (tmp_path / "job.json").write_text(json.dumps({"path": str(tmp_path / "m.onnx"), "int8": "yes"}))
+    done = subprocess.run([sys.executable, "-m", "export.child", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["ok"] is False and "malformed job" in doc["error"]
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_the_daemon_process_never_imports_onnx(tmp_path):
+    """Snapshot and export from a process like the daemon's: onnx stays out of it."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        import numpy as np
+        from pathlib import Path
+        import edge_client.daemon  # noqa: F401  (what the daemon imports)
+        from edge_client.serving import ServedModelWriter
+        from fclcore.made_spec import MadeConfig, init_params
+        from fclcore.served import ServedModel
+
+        class Learner:
+            def served_model(self, task, binarize):
+                cfg = MadeConfig(8, (16,), direct=True, natural_order=True, mask_seed=0)
+                return ServedModel(cfg, init_params(cfg, 0), 0, "fedavg", task, binarize)
+
+        writer = ServedModelWriter(Path({str(tmp_path)!r}), "digits", int8=False)
+        job = writer.snapshot(Learner(), 0, (np.arange(64 * 8).reshape(64, 8) % 3 == 0).astype(np.float32))
+        assert writer.write(job) is not None
+        print(sorted(m for m in ("onnx", "onnxruntime") if m in sys.modules))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "model.onnx").is_file()
