@@ -78,6 +78,23 @@ def test_autoregressive_with_knowledge_entries(n_kb, orders):
             assert torch.count_nonzero(jac[torch.from_numpy(~forbidden)]) > 0
 
 
+def test_settling_a_task_keeps_its_weights_bit_for_bit_and_drops_its_entries():
+    cfg = MadeConfig(input_dim=D, hidden_sizes=(32,), num_orders=2, mask_seed=5, natural_order=False)
+    torch.manual_seed(0)
+    model = DecomposedMADE(cfg)
+    model.add_task(_random_knowledge(model, 4, 1), mask_init=1.0, lambda3=2.0)
+    with torch.no_grad():
+        for layer in model.layers.values():
+            layer.attention[0].add_(torch.randn_like(layer.attention[0]))
+    before = {p: layer.composed(0).detach().clone() for p, layer in model.layers.items()}
+    model.settle(0)
+    for prefix, layer in model.layers.items():
+        assert torch.equal(layer.composed(0), before[prefix]), prefix
+        assert layer.knowledge[0].shape[0] == 0 and layer.settled[0].shape == layer.weight.shape
+    with pytest.raises(ValueError, match="expected shape"):
+        model.output.settle(0, torch.zeros(3))
+
+
 def test_pack_unpack_round_trip_and_errors():
     rng = np.random.default_rng(0)
     values = rng.normal(size=(6, 5)).astype(np.float32)
