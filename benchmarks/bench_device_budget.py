@@ -28,24 +28,46 @@ sys.path.insert(0, str(ROOT))
 
 from fcl_edge.broker import MosquittoProcess  # noqa: E402
 
-SCENARIOS = ["quickstart", "digits_continual", "seqmnist_confedmade", "seqmnist_fedcl_finetune"]
+# result name -> (scenario file, whether --rounds-per-task shortens it).  Every shipped method
+# has a row; the scenarios with per-task round lists (task_rounds) run as shipped.
+SCENARIOS = {
+    "quickstart": ("quickstart", True),
+    "digits_continual": ("digits_continual", True),
+    "seqmnist_confedmade": ("seqmnist_confedmade", True),
+    "seqmnist_fedavg": ("seqmnist_fedcl_finetune", True),  # dense FedAvg of the same MADE
+    "fedet": ("bbc_fedet", True),
+    "fedseit": ("bbc_fedseit", True),
+    "filver": ("mnist_filver", False),
+    "ngfl": ("mnist_ngfl", False),
+}
+# A board's memory, less what runs beside the daemon: the OS with its services (about 250 MB
+# on a Raspberry Pi OS Lite / JetPack without a desktop) and a margin for the page cache and
+# the MQTT client's buffers.  A scenario fits a board when its device peak (the daemon's plus
+# an export child's, which runs while the daemon is resident) is within the rest.
+BOARDS_MB = {"1 GB": 1024, "2 GB": 2048, "4 GB": 4096}
+RESERVED_MB = 250 + 150
+
+
+def fits(peak_mb: float) -> list[str]:
+    return [name for name, mb in BOARDS_MB.items() if peak_mb <= mb - RESERVED_MB]
 
 
 def measure(name: str, rounds_per_task: int, work: Path, broker_url: str) -> dict:
+    scenario, shorten = SCENARIOS[name]
     out = work / name
     cmd = [
         sys.executable,
         "-m",
         "fcl_edge.cli",
         "simulate",
-        str(ROOT / "configs/scenarios" / f"{name}.yaml"),
+        str(ROOT / "configs/scenarios" / f"{scenario}.yaml"),
         "--out",
         str(out),
         "--broker",
         broker_url,
-        "--set",
-        f"federation.rounds_per_task={rounds_per_task}",
     ]
+    if shorten:
+        cmd += ["--set", f"federation.rounds_per_task={rounds_per_task}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(
@@ -60,11 +82,20 @@ def measure(name: str, rounds_per_task: int, work: Path, broker_url: str) -> dic
     for w in wires:
         for rnd, (_, peak) in w.get("round_rss_mb", {}).items():
             by_round[rnd] = max(by_round.get(rnd, 0.0), peak)
+    peak = max(w["max_rss_mb"] for w in wires)
+    child = max(w.get("export_child_peak_rss_mb", 0.0) for w in wires)
+    served = sorted((out / "clients").glob("*/model.onnx"))
     return {
+        "scenario": scenario,
+        "shortened": shorten,
         "clients": len(wires),
         "client_peak_rss_mb_by_round": {r: by_round[r] for r in sorted(by_round, key=int)},
+        "export_child_peak_rss_mb_max": child,
+        "device_peak_rss_mb": round(peak + child, 1),
+        "fits_boards": fits(peak + child),
+        **({"infer_peak_rss_mb": infer_rss(served[0])} if served and _is_made(served[0]) else {}),
         "rounds": len({r["round"] for r in rows}),
-        "client_peak_rss_mb_max": max(w["max_rss_mb"] for w in wires),
+        "client_peak_rss_mb_max": peak,
         "client_cpu_s_per_round_median": round(float(np.median(cpu)), 3),
         "client_cpu_s_per_round_p90": round(float(np.percentile(cpu, 90)), 3),
         "bytes_up_per_round_median": int(np.median(up)),
@@ -73,9 +104,43 @@ def measure(name: str, rounds_per_task: int, work: Path, broker_url: str) -> dic
     }
 
 
+# A serving-only device: the torch-free runtime (fcl-edge[infer]) with torch, onnx and yaml
+# imports blocked, loading a served MADE and scoring rows; its own VmHWM.
+INFER_CHILD = r"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "onnx", "yaml"):
+            raise ImportError(f"{name} is blocked in a serving-only process")
+sys.meta_path.insert(0, Block())
+import numpy as np
+from export.runtime import MadeRuntime
+rt = MadeRuntime.load(sys.argv[1])
+x = (np.random.default_rng(0).random((256, rt.input_dim)) < 0.2).astype(np.float32)
+for i in range(0, 256, 16):
+    rt.log_likelihood(x[i : i + 16])
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        print(int(line.split()[1]) / 1024)
+"""
+
+
+def _is_made(model: Path) -> bool:
+    return (model.parent / "served.npz").is_file()
+
+
+def infer_rss(model: Path) -> float:
+    done = subprocess.run(
+        [sys.executable, "-c", INFER_CHILD, str(model)], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"serving-only process failed on {model}: {done.stderr[-2000:]}")
+    return round(float(done.stdout.split()[-1]), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenarios", nargs="+", default=SCENARIOS)
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--rounds-per-task", type=int, default=2)
     parser.add_argument(
         "--rounds-per-day",
@@ -84,22 +149,34 @@ def main() -> None:
         help="for the per-day bandwidth (default: one round every 10 minutes)",
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/device_budget.json"))
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the other scenarios' rows of --out (each row records the command that measured it)",
+    )
     args = parser.parse_args()
     results = {}
+    if args.update and Path(args.out).is_file():
+        results = json.loads(Path(args.out).read_text())["scenarios"]
     with tempfile.TemporaryDirectory() as tmp:
         broker = MosquittoProcess(Path(tmp) / "broker").start()
         try:
             for name in args.scenarios:
                 print(f"{name} ...", flush=True)
                 r = measure(name, args.rounds_per_task, Path(tmp), broker.url)
+                r["command"] = " ".join(["python", *sys.argv])
                 r["mb_up_per_day"] = round(r["bytes_up_per_round_median"] * args.rounds_per_day / 1e6, 2)
                 r["mb_down_per_day"] = round(r["bytes_down_per_round_median"] * args.rounds_per_day / 1e6, 2)
                 results[name] = r
                 print(json.dumps(r), flush=True)
         finally:
             broker.stop()
+    made = [r["infer_peak_rss_mb"] for r in results.values() if "infer_peak_rss_mb" in r]
     doc = {
         "scenarios": results,
+        **({"infer_made_peak_rss_mb": max(made)} if made else {}),
+        "boards_mb": BOARDS_MB,
+        "reserved_mb": RESERVED_MB,
         "rounds_per_day": args.rounds_per_day,
         "rounds_per_task": args.rounds_per_task,
         "machine": {
@@ -112,17 +189,24 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     md = [
-        "| scenario | client peak RSS | CPU s / round (median, p90) | up / round | down / round (max) "
-        f"| MB / day up, down at {args.rounds_per_day} rounds |",
-        "|---|---|---|---|---|---|",
+        f"Command: `{doc['command']}` on {doc['machine']['platform']}, {doc['machine']['cpus']} CPUs. "
+        f"Shortened scenarios run {args.rounds_per_task} rounds per task. A board fits when the daemon's peak "
+        f"plus its export child's is within the board less {RESERVED_MB} MB (OS, services, page cache, MQTT).",
+        "",
+        "| scenario | daemon peak RSS | + export child | fits | CPU s / round (median, p90) | up / round "
+        f"| down / round (max) | MB / day up, down at {args.rounds_per_day} rounds |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         md.append(
-            f"| {name} | {r['client_peak_rss_mb_max']} MB | {r['client_cpu_s_per_round_median']}, "
+            f"| {name} | {r['client_peak_rss_mb_max']} MB | {r['export_child_peak_rss_mb_max']} MB | "
+            f"{', '.join(r['fits_boards']) or 'none'} | {r['client_cpu_s_per_round_median']}, "
             f"{r['client_cpu_s_per_round_p90']} | {r['bytes_up_per_round_median']:,} B | "
             f"{r['bytes_down_per_round_median']:,} B ({r['bytes_down_per_round_max']:,}) | "
             f"{r['mb_up_per_day']}, {r['mb_down_per_day']} |"
         )
+    if made:
+        md += ["", f"A serving-only device (torch-free runtime, a served MADE): peak RSS {max(made)} MB."]
     Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

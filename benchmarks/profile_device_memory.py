@@ -42,13 +42,12 @@ PHASES = [
     ("interpreter", "1. interpreter start (stdlib only)"),
     ("numpy", "2. import numpy"),
     ("daemon_import", "3. import edge_client.daemon (torch, methods)"),
-    ("onnx_import", "4. import onnxruntime, onnx"),
     ("data", "5. load_client_data"),
     ("learner", "6. methods.learner_for"),
     ("global_model", "6b. decode round 0 + load_global + start_task(0)"),
     ("train", "7. train_round + upload + encode"),
     ("evaluate", "8. evaluate (daemon _evaluate)"),
-    ("export", "9. served_model + export_served (ONNX, parity)"),
+    ("export", "9. serve: snapshot + export (a MADE in a child process, others in process)"),
 ]
 
 
@@ -122,13 +121,9 @@ def child(args: argparse.Namespace) -> None:
     import edge_client.daemon as daemon
 
     mark("daemon_import")
-    import onnx  # export/onnx_*.py import it at module level
-    import onnxruntime  # export/onnx_made.py, export/*runtime.py
-
-    mark("onnx_import")
 
     import methods
-    from edge_client.serving import BINARIZATION, PARITY_ROWS
+    from edge_client.serving import ServedModelWriter
     from fclcore.codec import Frame, Header, Kind, decode, encode
     from fclcore.config import from_dict, load_config
     from fclcore.schedule import RoundPlace
@@ -188,18 +183,20 @@ def child(args: argparse.Namespace) -> None:
             report = daemon.ClientDaemon._evaluate(view, frame.header.round, end_place)
     mark("evaluate", eval_mode=args.eval_mode, report=report)
 
-    served = learner.served_model(place.task, BINARIZATION.get(cfg.data.dataset, ""))
-    if served is None:
+    writer = ServedModelWriter(Path(args.work), cfg.data.dataset, cfg.serve.int8)  # as the daemon serves
+    job = writer.snapshot(learner, place.task, data.test[place.task].x)
+    if job is None:
         mark("export", skipped=f"{type(learner).__name__}.served_model returned None")
     else:
-        from export.formats import export_served
-
-        parity = np.array(data.test[place.task].x[:PARITY_ROWS], copy=True)  # as ServedModelWriter.snapshot
-        out = Path(args.work) / "model.onnx"
-        rep = export_served(served, out, parity_inputs=parity, int8=cfg.serve.int8)
-        keep = {k: rep[k] for k in ("parity_rows", "parity_max_scaled_diff", "parity_max_abs_diff") if k in rep}
-        mark("export", format=served.format, onnx_bytes=out.stat().st_size, parity=keep or sorted(rep))
-
+        rep = writer.write(job)
+        keep = {k: rep[k] for k in ("parity_rows", "max_scaled_err") if k in rep} if rep else "failed"
+        mark(
+            "export",
+            format=job.served.format,
+            in_child=job.reference is not None,
+            export_child_peak_rss_mb=writer.child_peak_rss_mb,
+            parity=keep,
+        )
     doc = {
         "phases": rows,
         "first_import": hook.by,
@@ -208,8 +205,6 @@ def child(args: argparse.Namespace) -> None:
         "torch": daemon.torch.__version__,
         "torch_threads": daemon.torch.get_num_threads(),
         "numpy": np.__version__,
-        "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
         **extra,
     }
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -342,8 +337,6 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": any_doc["torch"],
             "numpy": any_doc["numpy"],
-            "onnx": any_doc["onnx"],
-            "onnxruntime": any_doc["onnxruntime"],
         },
         "command": command,
     }
@@ -354,14 +347,14 @@ def main() -> None:
         "# Device memory, phase by phase",
         "",
         f"`{command}` on {m['platform']} ({m['cpus']} CPUs), Python {m['python']}, torch {m['torch']}, "
-        f"numpy {m['numpy']}, onnx {m['onnx']}, onnxruntime {m['onnxruntime']}; evaluation mode: {args.eval_mode}.",
+        f"numpy {m['numpy']}; evaluation mode: {args.eval_mode}.",
         "",
         "One fresh process per scenario plays client-0's round 0. Each cell: VmRSS in MB after the phase "
         "(delta from the previous phase) / VmHWM, the process's peak RSS so far, in MB.",
         "",
         *table(results),
         "",
-        "| scenario | data x dtype | data x MB (as uint8) | train rows / task 0 | update bytes | ONNX bytes "
+        "| scenario | data x dtype | data x MB (as uint8) | train rows / task 0 | update bytes | export child peak MB "
         "| sklearn imported by | matplotlib imported by |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -372,7 +365,7 @@ def main() -> None:
         md.append(
             f"| {n} | {r['data']['x_dtype']} | {r['data']['x_mb']} ({r['data']['x_mb_as_uint8']}) "
             f"| {r['data']['train_rows'][0]} | {phases['train'].get('update_bytes', '-')} "
-            f"| {phases['export'].get('onnx_bytes', '-')} "
+            f"| {phases['export'].get('export_child_peak_rss_mb') or '- (in process)'} "
             f"| {' <- '.join(reversed(first['sklearn'][-3:])) if 'sklearn' in first else 'not imported'} "
             f"| {' <- '.join(reversed(first['matplotlib'][-3:])) if 'matplotlib' in first else 'not imported'} |"
         )

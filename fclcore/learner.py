@@ -84,7 +84,9 @@ class Learner:
     # A restarted daemon rebuilds the learner's structure by calling ``start_task`` for every
     # task it had started (with the same downlink frames), then ``load_state``.
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
-        """(JSON meta, arrays) of everything ``load_state`` needs."""
+        """(JSON meta, arrays) of everything ``load_state`` needs.  The arrays may be views of
+        the live state (no second copy of the learner in memory): the caller writes them before
+        the learner trains again, as the daemon's checkpoint does."""
         raise NotImplementedError
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:

@@ -187,16 +187,16 @@ class DecomposedLearner(MadeLearner):
         for prefix, sent in self.sent.items():
             arrays[f"sent/{prefix}"] = sent.astype(np.uint8)
         for prefix, (base, adaptive, bias, offsets) in self.anchor.items():
-            arrays[f"anchor/{prefix}/base"] = base.numpy().copy()
+            arrays[f"anchor/{prefix}/base"] = base.numpy()
             for i, a in enumerate(adaptive):
-                arrays[f"anchor/{prefix}/adaptive/{i}"] = a.numpy().copy()
+                arrays[f"anchor/{prefix}/adaptive/{i}"] = a.numpy()
             for i, c in enumerate(offsets):
-                arrays[f"anchor/{prefix}/offset/{i}"] = c.numpy().copy()
+                arrays[f"anchor/{prefix}/offset/{i}"] = c.numpy()
             if bias is not None:
-                arrays[f"anchor/{prefix}/bias"] = bias.numpy().copy()
+                arrays[f"anchor/{prefix}/bias"] = bias.numpy()
         for prefix, layer in self.model.layers.items():
             for i, term in layer.settled.items():
-                arrays[f"settled/{prefix}/{i}"] = term.numpy().copy()
+                arrays[f"settled/{prefix}/{i}"] = term.numpy()
         return {**meta, "entries": self.entries}, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:

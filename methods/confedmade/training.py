@@ -55,11 +55,11 @@ class MadeLearner(Learner):
 
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(JSON meta, arrays): the model, the optimiser's moments, and method extras."""
-        arrays = {f"model/{k}": v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+        arrays = {f"model/{k}": v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}  # views
         if self.optimizer is not None:
             for index, slots in self.optimizer.state_dict()["state"].items():
                 for key, value in slots.items():
-                    arrays[f"optim/{index}/{key}"] = torch.as_tensor(value).detach().cpu().numpy().copy()
+                    arrays[f"optim/{index}/{key}"] = torch.as_tensor(value).detach().cpu().numpy()
         return {"task": self.task}, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
