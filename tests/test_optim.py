@@ -91,7 +91,9 @@ def test_training_never_imports_torch_dynamo():
         "import sys, torch\n"
         "from fclcore import optim\n"
         "m = torch.nn.Linear(4, 2)\n"
-        "for opt in (optim.Adam(m.parameters(), fused=True), optim.AdamW(m.parameters()), optim.SGD(m.parameters(), momentum=0.9)):\n"
+        "opts = (optim.Adam(m.parameters(), fused=True), optim.AdamW(m.parameters()),\n"
+        "        optim.SGD(m.parameters(), momentum=0.9))\n"
+        "for opt in opts:\n"
         "    m(torch.ones(3, 4)).sum().backward(); opt.step(); opt.zero_grad(); opt.load_state_dict(opt.state_dict())\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
