@@ -46,6 +46,7 @@ Metadata (``fcl.*`` strings in ``metadata_props``; JSON unless noted; helpers in
 | fcl.class_names         | optional list of str, one per class |
 | fcl.tokenizer_sha256    | optional hex of the tokenizer.json bytes used at export |
 | fcl.tokenizer_json      | optional str, the tokenizer.json itself |
+| fcl.backbone_passes     | optional int, backbone passes per text (2; absent in files from before the two-pass graph) |
 | fcl.int8_label_agreement | int8 only: share of the parity texts whose label equals the fp32 torch one |
 | fcl.int8_group_agreement | int8 only: the same for the routed group |
 | fcl.int8_min_agreement  | int8 only: the threshold the exporter enforced |
@@ -129,6 +130,7 @@ OPTIONAL: dict[str, Callable[[str, str], Any]] = {
     "int8_group_agreement": _meta._fraction,
     "int8_min_agreement": _meta._fraction,
     "int8_eval": _meta._text(False),
+    "backbone_passes": _meta._int(1),
 }
 
 
@@ -282,6 +284,7 @@ class TokenizedRuntime:
     (``parse_metadata``) and checks its graph's outputs (``_check_io``)."""
 
     parse_metadata: Callable[[dict[str, str]], dict[str, Any]]
+    session_config: dict[str, str] = {}  # onnxruntime session config entries (add_session_config_entry)
 
     def __init__(
         self,
@@ -295,8 +298,11 @@ class TokenizedRuntime:
         (:class:`TokenizerError`; ``tokenizer=False`` skips it: token-id inputs only)."""
         self.path = os.fspath(model_path)
         parse = type(self).parse_metadata
+        options = session_options(intra_op_threads)
+        for key, value in self.session_config.items():
+            options.add_session_config_entry(key, value)
         self._session, self.metadata, _ = open_validated(
-            self.path, session_options(intra_op_threads), lambda data, path: validate_model_bytes(data, path, parse)
+            self.path, options, lambda data, path: validate_model_bytes(data, path, parse)
         )
         self._check_io(self._session, self.metadata, self.path)
         m = self.metadata
@@ -371,6 +377,12 @@ class TextClassifierRuntime(TokenizedRuntime):
     """A validated text classifier (text-groups format): ``classify(texts)`` -> one dict per text."""
 
     parse_metadata = staticmethod(parse_metadata)
+    # onnxruntime's SkipLayerNormFusion (residual Add + LayerNormalization -> one kernel) makes
+    # these graphs slower, not faster (onnxruntime 1.32, 1 thread): the fused kernel took 123 us
+    # on a 64 x 384 input, Add + LayerNormalization 19 us; without the fusion the int8 batch-1
+    # latency of the graph served before the two-pass one fell from 11.5 to 9.9 ms (fp32: no
+    # change; benchmarks/results/fedet_export.md).  Results are the same up to float rounding.
+    session_config = {"optimization.disable_specified_optimizers": "SkipLayerNormFusion"}
 
     def __init__(
         self,

@@ -233,9 +233,9 @@ def test_int8_below_threshold_publishes_nothing(client, held_out, tmp_path, monk
         real(src, dst, exclude, per_channel)
         proto = onnx.load(dst)
         for t in proto.graph.initializer:
-            if t.name.endswith("head.bias"):
+            if t.name == "stack_head_bias":  # (groups, widest head): each group answers its first class
                 b = numpy_helper.to_array(t).copy()
-                b[0] += 1e4
+                b[:, 0] += 1e4
                 t.CopyFrom(numpy_helper.from_array(b, t.name))
         onnx.save(proto, dst)
 
@@ -251,6 +251,175 @@ def test_int8_below_threshold_publishes_nothing(client, held_out, tmp_path, monk
             max_length=24,
         )
     assert os.listdir(tmp_path) == []  # neither file, no temp files
+
+
+# ------------------------------------------------------------------ two backbone passes
+
+
+def _graph_ops(path: Path) -> dict[str, int]:
+    ops: dict[str, int] = {}
+    for n in onnx.load(path).graph.node:
+        ops[n.op_type] = ops.get(n.op_type, 0) + 1
+    return ops
+
+
+@pytest.fixture(scope="module")
+def all_groups(client, held_out, tmp_path_factory) -> tuple[Path, dict]:
+    """The graph from before (the frozen pass + every group), as the comparison baseline."""
+    path = tmp_path_factory.mktemp("fedet_before") / "before.onnx"
+    report = export_client_text_classifier(
+        client,
+        path,
+        method=METHOD,
+        parity_ids=held_out.ids,
+        parity_mask=held_out.mask,
+        max_length=24,
+        graph="all-groups",
+    )
+    return path, report
+
+
+def test_two_pass_graph_equals_the_all_groups_graph(exported, all_groups, client, backbone, held_out):
+    """A padded batch that mixes both groups: same labels and groups as torch and as the old
+    graph, logits within the parity tolerance of both; the graph runs 2D - 1 encoder blocks."""
+    new, old = TextClassifierRuntime(exported[0]), TextClassifierRuntime(all_groups[0])
+    labels, groups, logits = new.predict_ids(held_out.ids, held_out.mask)
+    old_labels, old_groups, old_logits = old.predict_ids(held_out.ids, held_out.mask)
+    assert set(groups.tolist()) == {0, 2}  # mixed batch
+    want_labels, want_groups = client.predict(held_out, pooled_embeddings(backbone, held_out.ids, held_out.mask))
+    np.testing.assert_array_equal(labels, want_labels)
+    np.testing.assert_array_equal(groups, want_groups)
+    np.testing.assert_array_equal(labels, old_labels)
+    np.testing.assert_array_equal(groups, old_groups)
+    np.testing.assert_array_equal(np.isneginf(logits), np.isneginf(old_logits))
+    finite = np.isfinite(old_logits)
+    assert np.all(
+        np.abs(logits[finite] - old_logits[finite]) <= 2 * PARITY_TOL * np.maximum(1.0, np.abs(old_logits[finite]))
+    )
+    # the pass count, from the graphs themselves: one fused Attention per encoder block run
+    layers = backbone.cfg.layers
+    assert _graph_ops(exported[0]).get("Attention") == 2 * layers - 1  # block 0 shared by both passes
+    assert _graph_ops(all_groups[0]).get("Softmax") == layers * (1 + 2)  # frozen pass + both groups
+    assert new.metadata["backbone_passes"] == 2 and old.metadata["backbone_passes"] == 3
+    # only the exported (non-empty) groups are stacked: group 1 is empty
+    heads = next(t for t in onnx.load(exported[0]).graph.initializer if t.name == "stack_head_weight")
+    assert list(heads.dims) == [2, backbone.cfg.hidden, 2]
+
+
+def test_torch_graph_module_equals_the_reference(client, backbone, held_out):
+    """The traced module itself (torch, before ONNX) computes FedETClient.predict."""
+    from export.onnx_text_groups import TextGroupsGraph
+
+    classes = [0, 1, 2, 3]
+    module = TextGroupsGraph(backbone, [client.groups[0], client.groups[2]], [0, 2], client.selector, classes).eval()
+    with torch.no_grad():
+        label, group, logits = (
+            t.numpy() for t in module(torch.from_numpy(held_out.ids), torch.from_numpy(held_out.mask))
+        )
+    ref = text_classifier_reference(backbone, client.groups, client.selector, classes, held_out.ids, held_out.mask)
+    np.testing.assert_array_equal(label, ref["label"])
+    np.testing.assert_array_equal(group, ref["group"])
+    np.testing.assert_array_equal(np.isneginf(logits), np.isneginf(ref["logits"]))
+    finite = np.isfinite(ref["logits"])
+    np.testing.assert_allclose(logits[finite], ref["logits"][finite], rtol=1e-5, atol=1e-5)
+
+
+def _groups_state(backbone: FrozenBackbone, sizes: list[int], seed: int):
+    """Groups with ``sizes`` classes each (0 = empty), random Enhancers, one prototype per class
+    (the mean pooled embedding of its synthetic texts)."""
+    from fclcore.models.enhancer import EnhancerGroup
+
+    groups, group_of, c = [], {}, 0
+    for j, size in enumerate(sizes):
+        groups.append(EnhancerGroup(ECFG, list(range(c, c + size)), seed=seed + j))
+        group_of.update({k: j for k in range(c, c + size)})
+        c += size
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for g in groups:
+            for e in g.enhancers:
+                e.up.weight.add_(0.3 * torch.randn(e.up.weight.shape, generator=gen))
+    docs = synthetic_docs(list(range(c)), 6, seed=seed, length=16, ragged=True)
+    pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
+    protos = {k: pooled[docs.labels == k].mean(0) for k in range(c)}
+    return groups, protos, group_of, docs
+
+
+@pytest.mark.parametrize(
+    "sizes", [[3], [0, 3, 1], [1, 1, 1]], ids=["one-group", "empty-first-3-groups", "one-class-heads"]
+)
+def test_two_pass_other_states(backbone, tmp_path, sizes):
+    """A single-group state, an empty group at position 0 with unequal head widths (padded
+    columns), and one-class heads: parity with torch and with the all-groups graph."""
+    groups, protos, group_of, docs = _groups_state(backbone, sizes, seed=7 + len(sizes))
+    kw = dict(method=METHOD, parity_ids=docs.ids, parity_mask=docs.mask, max_length=24)
+    new = export_text_classifier(backbone, groups, protos, group_of, tmp_path / "new.onnx", **kw)
+    old = export_text_classifier(backbone, groups, protos, group_of, tmp_path / "old.onnx", graph="all-groups", **kw)
+    assert old["max_scaled_err"] <= PARITY_TOL
+    assert new["max_scaled_err"] <= PARITY_TOL and new["float32_ties"] == 0
+    assert new["groups"] == [j for j, n in enumerate(sizes) if n]
+    a = TextClassifierRuntime(tmp_path / "new.onnx", tokenizer=False).predict_ids(docs.ids, docs.mask)
+    b = TextClassifierRuntime(tmp_path / "old.onnx", tokenizer=False).predict_ids(docs.ids, docs.mask)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(np.isneginf(a[2]), np.isneginf(b[2]))
+    assert _graph_ops(tmp_path / "new.onnx").get("Attention") == 2 * backbone.cfg.layers - 1
+    assert TextClassifierRuntime(tmp_path / "old.onnx", tokenizer=False).metadata["backbone_passes"] == 1 + sum(
+        1 for n in sizes if n
+    )
+
+
+def test_int8_two_pass_keeps_the_groups_fp32(tmp_path):
+    """int8 of the two-pass graph: fused int8 attention and MatMuls in the backbone, the stacked
+    per-group tensors (gathered, so not constant MatMul weights) left fp32, labels agreeing
+    with torch and with the all-groups graph's int8 file."""
+    torch.manual_seed(1)
+    bb = FrozenBackbone(BertEncoder(tiny_config(hidden=128, heads=4, intermediate=512)))
+    cl = make_client(bb, EnhancerConfig(hidden=128, bottleneck=16, blocks=2), seed=1)
+    docs = synthetic_docs([0, 1, 2, 3], 10, seed=5, length=20, ragged=True)
+    kw = dict(method=METHOD, int8=True, parity_ids=docs.ids, parity_mask=docs.mask, max_length=32)
+    report = export_client_text_classifier(cl, tmp_path / "m.onnx", int8_min_agreement=0.75, **kw)
+    before = export_client_text_classifier(cl, tmp_path / "b.onnx", int8_min_agreement=0.0, graph="all-groups", **kw)
+    q = onnx.load(int8_path_for(tmp_path / "m.onnx"))
+    ops = {n.op_type for n in q.graph.node}
+    assert {"QAttention", "MatMulInteger"} <= ops and "Attention" not in ops
+    assert report["int8_quantized_ops"] == ["DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "QAttention"]
+    stacked = {t.name: t.data_type for t in q.graph.initializer if t.name.startswith("stack_")}
+    assert (
+        stacked["stack_down_weight_0"] == onnx.TensorProto.FLOAT
+        and stacked["stack_head_weight"] == onnx.TensorProto.FLOAT
+    )
+    gathers = [n.name for n in q.graph.node if n.op_type == "Gather" and n.input[0].startswith("stack_")]
+    assert gathers and set(gathers) <= set(report["int8_excluded_nodes"])
+    ref = text_classifier_reference(bb, cl.groups, cl.selector, [0, 1, 2, 3], docs.ids, docs.mask)
+    labels, groups, _ = TextClassifierRuntime(int8_path_for(tmp_path / "m.onnx"), tokenizer=False).predict_ids(
+        docs.ids, docs.mask
+    )
+    old_labels, _, _ = TextClassifierRuntime(int8_path_for(tmp_path / "b.onnx"), tokenizer=False).predict_ids(
+        docs.ids, docs.mask
+    )
+    assert float((labels == ref["label"]).mean()) == report["int8_label_agreement"] >= 0.75
+    assert float((groups == ref["group"]).mean()) == report["int8_group_agreement"]
+    assert float((labels == old_labels).mean()) >= 0.75
+    assert before["int8_label_agreement"] >= 0.75
+
+
+def test_files_without_backbone_passes_still_load(exported, client, tmp_path):
+    """Files written before the two-pass graph have no fcl.backbone_passes: still readable;
+    a bad value is refused."""
+    proto = onnx.load(exported[0])
+    meta = {
+        p.key[4:]: p.value for p in proto.metadata_props if p.key not in ("fcl.weights_sha256", "fcl.integrity_sha256")
+    }
+    del meta["backbone_passes"]
+    del proto.metadata_props[:]
+    (tmp_path / "old.onnx").write_bytes(seal(proto, meta).SerializeToString())
+    assert "backbone_passes" not in TextClassifierRuntime(tmp_path / "old.onnx").metadata
+    (tmp_path / "bad.onnx").write_bytes(_resealed(exported[0], backbone_passes=0))
+    with pytest.raises(ModelFileError, match="backbone_passes"):
+        TextClassifierRuntime(tmp_path / "bad.onnx")
+    with pytest.raises(ExportError, match="graph must be one of"):
+        export_client_text_classifier(client, tmp_path / "x.onnx", method=METHOD, max_length=24, graph="one-pass")
 
 
 # ------------------------------------------------------------------ atomicity and validation
@@ -320,7 +489,7 @@ def test_truncated_corrupted_and_tampered_files_rejected(exported, tmp_path):
         with pytest.raises(ModelFileError, match=str(bad)):
             TextClassifierRuntime(bad)
     proto = onnx.load(path)
-    init = next(t for t in proto.graph.initializer if t.name.endswith("head.weight"))
+    init = next(t for t in proto.graph.initializer if t.name == "stack_head_weight")
     w = numpy_helper.to_array(init).copy()
     w.flat[0] += 0.5
     init.CopyFrom(numpy_helper.from_array(w, init.name))
