@@ -181,12 +181,12 @@ def round_frame(client_frames: object, task: int = 1, rnd: int = 4) -> Frame:
 def test_a_device_waits_for_its_own_frame_only_when_the_round_names_it() -> None:
     daemon = ClientDaemon.__new__(ClientDaemon)  # the method reads only these
     daemon.cfg = SimpleNamespace(client_id="dev-1")
-    daemon.task, daemon.done_round, daemon.knowledge, daemon.mid_frames = 0, 3, {}, {}
+    daemon.task, daemon.done_round, daemon.knowledge_raw, daemon.mid_frames = 0, 3, {}, {}
     assert daemon._needs_knowledge(round_frame(True))
     assert daemon._needs_knowledge(round_frame(["dev-0", "dev-1"]))
     assert not daemon._needs_knowledge(round_frame(["dev-0"]))
     assert not daemon._needs_knowledge(round_frame(False))
-    daemon.knowledge[1] = round_frame(True)  # here already
+    daemon.knowledge_raw[1] = b"frame"  # here already (kept raw)
     assert not daemon._needs_knowledge(round_frame(["dev-1"]))
 
 
