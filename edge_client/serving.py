@@ -10,7 +10,7 @@ never reads a half-written model.  A failed export is logged and the previous mo
 in service: serving must never stop training.
 
 A MADE is exported by a short-lived child process (``python -m export.child``): the daemon
-writes the snapshot, the parity rows and the torch MADE's logits on them (``snapshot``
+writes the snapshot, the parity rows and the torch MADE's logits on them (``export.child.write_job``) (``snapshot``
 computes those, so the child needs no torch), and waits for it at most
 ``serve.export_timeout_s``.  The daemon thereby never imports onnx or onnxruntime and never
 holds the export's buffers (``firmware_notes/memory.md``).  The other formats are traced from
@@ -156,19 +156,19 @@ class ServedModelWriter:
 
     def _write_in_child(self, job: ServeJob) -> dict | None:
         """``python -m export.child`` on a job directory (format in ``export.child``)."""
-        from export.snapshot import SnapshotError, save_snapshot  # numpy only
+        from export.child import write_job  # numpy only: onnx is imported by the child
+        from export.snapshot import SnapshotError, save_snapshot
 
         served = job.served
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            save_snapshot(served, self.out_dir / "served.npz")
+            snapshot = self.out_dir / "served.npz"  # what `fcl export` reads, and the child too
+            save_snapshot(served, snapshot)
             with tempfile.TemporaryDirectory(prefix=".export-", dir=self.out_dir) as tmp:
                 job_dir = Path(tmp)
-                save_snapshot(served, job_dir / "served.npz")
-                np.save(job_dir / "parity.npy", np.ascontiguousarray(job.parity_inputs, np.float32), allow_pickle=False)
-                np.save(job_dir / "reference.npy", np.ascontiguousarray(job.reference, np.float32), allow_pickle=False)
-                spec = {"path": str(self.model_path.resolve()), "int8": self.int8, "toolkit_version": "0.1.0"}
-                (job_dir / "job.json").write_text(json.dumps(spec))
+                write_job(
+                    job_dir, snapshot.resolve(), job.parity_inputs, job.reference, self.model_path.resolve(), self.int8
+                )
                 done = subprocess.run(
                     [*self.child_command, str(job_dir)],
                     capture_output=True,

@@ -4,12 +4,13 @@ onnxruntime or the export's buffers (``edge_client.serving`` starts it; see
 
     python -m export.child JOB_DIR
 
-``JOB_DIR`` holds what the daemon wrote:
+``JOB_DIR`` holds what the daemon wrote with :func:`write_job`:
 
-* ``served.npz``: the snapshot (``export.snapshot``, read with ``allow_pickle=False``);
 * ``parity.npy`` and ``reference.npy``: the parity rows and the torch MADE's logits on them,
   computed by the daemon, so this process needs no torch;
-* ``job.json``: ``{"path": ..., "int8": bool, "toolkit_version": ...}``.
+* ``job.json``: ``{"served": ..., "path": ..., "int8": bool, "toolkit_version": ...}``, where
+  ``served`` is the snapshot the daemon serves next to its model (``export.snapshot``, read
+  with ``allow_pickle=False``).
 
 It runs ``export.onnx_made.export_served_model`` (the same verified, atomic publication as in
 process) and writes ``report.json``: ``{"ok": true, "report": {...}, "peak_rss_mb": ...}`` or
@@ -32,26 +33,26 @@ from fclcore.procmem import peak_rss_mb
 
 __all__ = ["run_job", "write_job"]
 
-JOB_FILES = ("served.npz", "parity.npy", "reference.npy", "job.json")
 
-
-def write_job(job_dir: Path, served, parity: np.ndarray, reference: np.ndarray, path: Path, int8: bool) -> None:
-    """Write a job for :func:`run_job` (the daemon's side)."""
-    from export.snapshot import save_snapshot
-
-    save_snapshot(served, job_dir / "served.npz")
+def write_job(job_dir: Path, snapshot: Path, parity: np.ndarray, reference: np.ndarray, path: Path, int8: bool) -> None:
+    """Describe an export of the snapshot at ``snapshot`` to ``path`` (the daemon's side; numpy only)."""
     np.save(job_dir / "parity.npy", np.ascontiguousarray(parity, dtype=np.float32), allow_pickle=False)
     np.save(job_dir / "reference.npy", np.ascontiguousarray(reference, dtype=np.float32), allow_pickle=False)
-    (job_dir / "job.json").write_text(json.dumps({"path": str(path), "int8": bool(int8), "toolkit_version": "0.1.0"}))
+    spec = {"served": str(snapshot), "path": str(path), "int8": bool(int8), "toolkit_version": "0.1.0"}
+    (job_dir / "job.json").write_text(json.dumps(spec))
 
 
 def run_job(job_dir: Path) -> dict:
     """Run the export a job describes; the ``report.json`` document."""
     try:
         job = json.loads((job_dir / "job.json").read_text())
-        if not isinstance(job, dict) or not isinstance(job.get("path"), str) or not isinstance(job.get("int8"), bool):
-            raise ValueError("job.json: expected {'path': str, 'int8': bool}")
-        served = load_snapshot(job_dir / "served.npz")
+        if (
+            not isinstance(job, dict)
+            or not all(isinstance(job.get(k), str) for k in ("served", "path"))
+            or not isinstance(job.get("int8"), bool)
+        ):
+            raise ValueError("job.json: expected {'served': str, 'path': str, 'int8': bool}")
+        served = load_snapshot(job["served"])
         parity = np.load(job_dir / "parity.npy", allow_pickle=False)
         reference = np.load(job_dir / "reference.npy", allow_pickle=False)
     except (OSError, ValueError, SnapshotError) as exc:
