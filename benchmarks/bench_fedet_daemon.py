@@ -4,11 +4,19 @@ Mosquitto broker this script starts, one OS process per device and one aggregato
 Writes ``benchmarks/results/fedet_daemon.json`` and ``.md``: average incremental accuracy
 (per task and overall), forgetting, upload bytes per device and round (class-sum rounds and
 training rounds apart) against the full fine-tuned model in float32, the devices' CPU
-seconds per training round, and wall-clock minutes.
+seconds per training round (each device's ``round_cpu_s``: process CPU time of the round,
+evaluation and background threads included), and wall-clock minutes.
+
+The CPU of a training round is compared with a "before": the median that the results file
+being replaced holds (with that file's command and the commit that wrote it), or
+``--before SECONDS``; and, with ``--before-run DIR``, also with a finished run directory of
+the earlier code re-measured here (``--before-run-commit`` names that code), e.g. a run of the
+same checkout without the change under test, made on the same machine the same day.
 
     python benchmarks/bench_fedet_daemon.py                      # the scenario as shipped
     python benchmarks/bench_fedet_daemon.py --set federation.seed=1
     python benchmarks/bench_fedet_daemon.py --from-run DIR      # re-measure a finished run
+    python benchmarks/bench_fedet_daemon.py --before-run OLD_RUN --before-run-commit cbdf8ff
 """
 
 from __future__ import annotations
@@ -33,6 +41,17 @@ from fcl_edge.broker import MosquittoProcess  # noqa: E402
 SCENARIO = ROOT / "configs" / "scenarios" / "bbc_fedet.yaml"
 
 
+def train_round_cpu(run: Path) -> dict[str, dict[str, float]]:
+    """Client -> {round: CPU seconds} of its training rounds (a task's first round, the class-sum
+    round, is not one)."""
+    per_task = json.loads((run / "summary.json").read_text())["rounds_per_task"]
+    out = {}
+    for wire in sorted((run / "clients").glob("*/wire.json")):
+        device = json.loads(wire.read_text())
+        out[wire.parent.name] = {r: s for r, s in device["round_cpu_s"].items() if int(r) % per_task}
+    return out
+
+
 def measure(run: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -40,15 +59,14 @@ def measure(run: Path) -> dict:
     per_task = summary["rounds_per_task"]
     sums = [e["bytes_up"] for e in rows if e["round"] % per_task == 0]
     train = [e for e in rows if e["round"] % per_task and e["n_samples"]]
-    cpu, rss = [], []
-    for wire in sorted((run / "clients").glob("*/wire.json")):
-        device = json.loads(wire.read_text())
-        cpu += [s for r, s in device["round_cpu_s"].items() if int(r) % per_task]
-        rss.append(device["max_rss_mb"])
+    by_client = train_round_cpu(run)
+    cpu = [s for rounds in by_client.values() for s in rounds.values()]
+    rss = [json.loads(w.read_text())["max_rss_mb"] for w in sorted((run / "clients").glob("*/wire.json"))]
     final = summary["final"]
     scenario = yaml.safe_load((run / "scenario.yaml").read_text())  # as the run resolved it
+    federation = scenario["federation"]
     return {
-        "fedet_settings": scenario["federation"]["fedet"],
+        "fedet_settings": federation.get("options", federation.get("fedet")),  # older runs: "fedet"
         "data": scenario["data"],
         "avg_incremental_accuracy": final["avg_incremental_accuracy"],
         "accuracy_after_task": final["accuracy_per_task"],
@@ -58,10 +76,61 @@ def measure(run: Path) -> dict:
         "upload_ratio_vs_full_fp32": float(max(e["bytes_up"] / e["dense_fp32_up"] for e in train)),
         "full_fp32_bytes": max(e["dense_fp32_up"] for e in train),
         "device_cpu_s_per_train_round": float(np.median(cpu)),
+        "device_cpu_s_per_train_round_mean": float(np.mean(cpu)),
+        "device_cpu_s_train_rounds": by_client,
         "device_peak_rss_mb": max(rss),
         "bytes_up_total": summary["bytes"]["up_total"],
         "bytes_down_total": summary["bytes"]["down_total"],
         "minutes": round(summary["duration_s"] / 60, 2),  # the aggregator's run, start to summary
+    }
+
+
+def git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def before_of(args: argparse.Namespace, out: Path) -> dict | None:
+    """The CPU seconds per training round to compare with, and where they come from."""
+    if args.before is not None:
+        return {"device_cpu_s_per_train_round": args.before, "from": "--before", "commit": args.before_commit}
+    previous = out.with_suffix(".json")
+    if not previous.exists():
+        return None
+    old = json.loads(previous.read_text())
+    rel = str(previous.relative_to(ROOT)) if previous.is_relative_to(ROOT) else str(previous)
+    return {
+        "device_cpu_s_per_train_round": old["device_cpu_s_per_train_round"],
+        "device_cpu_s_per_train_round_mean": old.get("device_cpu_s_per_train_round_mean"),
+        "avg_incremental_accuracy": old.get("avg_incremental_accuracy"),
+        "from": f"{rel} as it was before this run",
+        "command": old.get("command"),
+        "commit": old.get("commit") or git("log", "-1", "--format=%h", "--", rel) or None,
+    }
+
+
+def remeasured_before(run: Path, commit: str | None) -> dict:
+    """The same numbers from a finished run directory of the earlier code."""
+    cpu = [s for rounds in train_round_cpu(run).values() for s in rounds.values()]
+    summary = json.loads((run / "summary.json").read_text())
+    return {
+        "device_cpu_s_per_train_round": float(np.median(cpu)),
+        "device_cpu_s_per_train_round_mean": float(np.mean(cpu)),
+        "device_cpu_s_train_rounds": train_round_cpu(run),
+        "avg_incremental_accuracy": summary["final"]["avg_incremental_accuracy"],
+        "accuracy_after_task": summary["final"]["accuracy_per_task"],
+        "from": f"run directory {run}",
+        "commit": commit,
     }
 
 
@@ -99,7 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=str(ROOT / "benchmarks" / "results" / "fedet_daemon"), help="results path without extension"
     )
+    parser.add_argument("--commit", default=None, help="with --from-run: the commit the run was made with")
+    parser.add_argument("--before", type=float, default=None, help="the earlier CPU s per training round (median)")
+    parser.add_argument("--before-commit", default=None, help="with --before: the commit it was measured at")
+    parser.add_argument("--before-run", default=None, metavar="DIR", help="a run directory of the earlier code")
+    parser.add_argument("--before-run-commit", default=None, help="the commit --before-run was made with")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    before = before_of(args, out)  # read before the results file is replaced
+    again = remeasured_before(Path(args.before_run), args.before_run_commit) if args.before_run else None
     runs = Path(args.from_run or args.runs or tempfile.mkdtemp(prefix="fedet-daemon-"))
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"fcl simulate failed ({result.returncode}): {result.stderr[-2000:]}")
     res = {
         "command": "python benchmarks/bench_fedet_daemon.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        # the code that ran: this checkout (a re-measured run: --commit, else unknown)
+        "commit": args.commit if args.from_run else git("rev-parse", "--short", "HEAD") or None,
+        "uncommitted_changes": False if args.from_run else bool(git("status", "--porcelain", "--untracked-files=no")),
         "machine": {
             "platform": platform.platform(),
+            "cpu": cpu_model(),
             "cpus": os.cpu_count(),
             "load_before": round(load_before, 2),
             "load_after": round(os.getloadavg()[0], 2),
@@ -121,7 +202,19 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": args.set,
         **measure(runs),
     }
-    out = Path(args.out)
+    if before is not None:
+        res["cpu_before"] = before
+        res["cpu_s_per_round_ratio_vs_before"] = round(
+            res["device_cpu_s_per_train_round"] / before["device_cpu_s_per_train_round"], 4
+        )
+    if again is not None:
+        res["cpu_before_remeasured"] = again
+        res["cpu_s_per_round_ratio_vs_before_remeasured"] = round(
+            res["device_cpu_s_per_train_round"] / again["device_cpu_s_per_train_round"], 4
+        )
+        res["cpu_s_per_round_mean_ratio_vs_before_remeasured"] = round(
+            res["device_cpu_s_per_train_round_mean"] / again["device_cpu_s_per_train_round_mean"], 4
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     out.with_suffix(".md").write_text(
@@ -129,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             [
                 "# FedET through the client daemon, the aggregator service and Mosquitto",
                 "",
-                f"`{res['command']}` on {platform.platform()}, {os.cpu_count()} cores (load average "
+                f"`{res['command']}` at commit {res['commit'] or 'unknown'}"
+                f"{' with uncommitted changes' if res['uncommitted_changes'] else ''} on {platform.platform()}, "
+                f"{res['machine']['cpu'] or 'CPU unknown'}, {os.cpu_count()} cores (load average "
                 f"{res['machine']['load_before']} before, {res['machine']['load_after']} after).",
                 "",
                 "| measure | value |",
@@ -143,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| largest upload vs the full fine-tuned model in fp32 ({res['full_fp32_bytes']:,} B) | "
                 f"{100 * res['upload_ratio_vs_full_fp32']:.2f}% |",
                 f"| device CPU seconds per training round (median) | {res['device_cpu_s_per_train_round']:.2f} |",
+                f"| device CPU seconds per training round (mean) | {res['device_cpu_s_per_train_round_mean']:.2f} |",
+                *before_rows(res),
                 f"| device peak RSS (largest over devices) | {res['device_peak_rss_mb']:,.0f} MB |",
                 f"| run time (aggregator start to summary) | {res['minutes']:.1f} min |",
                 "",
@@ -151,6 +248,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(res, indent=2))
     return 0
+
+
+def before_rows(res: dict) -> list[str]:
+    rows = []
+    before = res.get("cpu_before")
+    if before is not None:
+        where = before["from"] + (f", commit {before['commit']}" if before.get("commit") else "")
+        where += f", `{before['command']}`" if before.get("command") else ""
+        rows += [
+            f"| CPU per training round before (median; {where}) | {before['device_cpu_s_per_train_round']:.2f} |",
+            f"| CPU per training round, now / before (median) | {res['cpu_s_per_round_ratio_vs_before']:.3f} |",
+        ]
+    again = res.get("cpu_before_remeasured")
+    if again is not None:
+        where = again["from"] + (f", commit {again['commit']}" if again.get("commit") else "")
+        rows += [
+            f"| CPU per training round before, re-measured (median / mean; {where}; its accuracy "
+            f"{again['avg_incremental_accuracy']:.4f}) | {again['device_cpu_s_per_train_round']:.2f} / "
+            f"{again['device_cpu_s_per_train_round_mean']:.2f} |",
+            f"| CPU per training round, now / re-measured before (median / mean) | "
+            f"{res['cpu_s_per_round_ratio_vs_before_remeasured']:.3f} / "
+            f"{res['cpu_s_per_round_mean_ratio_vs_before_remeasured']:.3f} |",
+        ]
+    return rows
 
 
 if __name__ == "__main__":

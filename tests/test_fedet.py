@@ -25,9 +25,14 @@ from fclcore.models.enhancer import (
     EnhancerGroup,
     FrozenBackbone,
     enhanced_logits,
+    enhanced_logits_from_prefix,
     group_to_tensors,
     mean_pool,
+    pooled_and_prefix,
     pooled_embeddings,
+    predict_logits,
+    predict_logits_from_prefix,
+    prefix_states,
     prototype_rows,
     tensors_to_group,
     tiny_config,
@@ -136,6 +141,88 @@ def test_fresh_group_is_the_identity(backbone):
     group.enhancers[0].up.weight.data.fill_(0.1)
     with torch.no_grad():
         assert not torch.allclose(enhanced_logits(backbone, group, ids, mask), want, atol=1e-3)
+
+
+def test_frozen_prefix_continues_to_the_same_logits(backbone):
+    """Embedding + block 0 computed once, then the rest of the pass from it: the logits of the
+    whole pass (padding included), and the pooled embeddings of the same frozen pass unchanged."""
+    group = EnhancerGroup(ECFG, [0, 1, 2], seed=3)
+    with torch.no_grad():
+        for e in group.enhancers:  # not the identity: every Enhancer, the first one too, matters
+            e.up.weight.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(1))
+    docs = synthetic_docs([0, 1], 5, seed=2)
+    mask = docs.mask.copy()
+    mask[::3, -5:] = 0  # some padded texts
+    ids_t, mask_t = torch.from_numpy(docs.ids), torch.from_numpy(mask)
+    with torch.no_grad():
+        want = enhanced_logits(backbone, group, ids_t, mask_t)
+        prefix = prefix_states(backbone, docs.ids, mask, batch_size=4)
+        assert prefix.shape == (10, 16, 32) and not prefix.requires_grad
+        torch.testing.assert_close(enhanced_logits_from_prefix(backbone, group, prefix, mask_t), want)
+    pooled, states = pooled_and_prefix(backbone, docs.ids, mask, batch_size=4)
+    np.testing.assert_array_equal(pooled, pooled_embeddings(backbone, docs.ids, mask, batch_size=4))
+    assert torch.equal(states, prefix)  # same batches, same values
+    rows = np.array([7, 1, 3, 9, 0])
+    np.testing.assert_allclose(
+        predict_logits_from_prefix(backbone, group, prefix, mask, batch_size=2, rows=rows),
+        predict_logits(backbone, group, docs.ids[rows], mask[rows]),
+        atol=1e-6,
+    )
+    group.enhancers[0].down.bias.data.add_(1.0)  # the prefix ends before Enhancer 0
+    with torch.no_grad():
+        moved = enhanced_logits(backbone, group, ids_t, mask_t)
+        assert not torch.allclose(moved, want, atol=1e-3)
+        torch.testing.assert_close(enhanced_logits_from_prefix(backbone, group, prefix, mask_t), moved)
+
+
+def test_prefix_cache_changes_no_round_and_unused_teachers_do_not_run(backbone, monkeypatch):
+    """Two tasks with replay, with and without the frozen-prefix cache: the same uploads.  f_old
+    runs once per task and only when the group had classes; f_t once per round."""
+    passes: list[tuple[bool, tuple[int, ...]]] = []
+    teacher = FedETClient._teacher_logits
+
+    def counted(self, group, s, prefix):
+        passes.append((self.cfg.prefix_cache, group.classes))
+        return teacher(self, group, s, prefix)
+
+    monkeypatch.setattr(FedETClient, "_teacher_logits", counted)
+    clients = [
+        FedETClient(FedETConfig(ECFG, 1, gamma=0.5, batch_size=4, seed=0, proto_init=10.0, prefix_cache=c), backbone, 0)
+        for c in (True, False)
+    ]
+    group_of, protos = {}, {}
+    for t, classes in enumerate([(0, 1), (2, 3)]):
+        docs = synthetic_docs(classes, 4, seed=20 + t)
+        pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
+        group_of.update({c: 0 for c in classes})
+        protos.update({c: pooled[docs.labels == c].mean(0) for c in classes})
+        for client in clients:
+            client.start_task(t, docs, pooled, dict(group_of), dict(protos))
+        for rnd in (2 * t, 2 * t + 1):
+            cached, plain = (client.train_round(rnd)[0] for client in clients)
+            assert cached.meta() == plain.meta()
+            for name, value in plain.tensors.items():
+                np.testing.assert_allclose(cached.tensors[name].to_dense(), value.to_dense(), atol=1e-5, err_msg=name)
+    s = clients[0].active[0]
+    assert len(s.distill_set) > len(s.data)  # task 1 distils on L_j + the memory's old-class rows
+    assert s.prefix is not None and s.prefix.shape == (len(s.distill_set), 16, 32)
+    assert clients[1].active[0].prefix is None
+    assert passes == [
+        *[(c, (0, 1)) for _ in range(2) for c in (True, False)],  # task 0: f_t per round, no f_old (no classes)
+        (True, (0, 1)),  # task 1, round 2: f_old, once for the task ...
+        (True, (2, 3)),  # ... and f_t
+        (False, (0, 1)),
+        (False, (2, 3)),
+        (True, (2, 3)),  # round 3: f_t only
+        (False, (2, 3)),
+    ]
+    s.prefix = None  # as after a restore: rebuilt at the next pass, to the same values
+    again = clients[0].train_round(4)[0]
+    s_plain = clients[1].active[0]
+    assert s_plain.prefix is None
+    plain = clients[1].train_round(4)[0]
+    for name, value in plain.tensors.items():
+        np.testing.assert_allclose(again.tensors[name].to_dense(), value.to_dense(), atol=1e-5, err_msg=name)
 
 
 def test_client_and_server_build_the_same_initial_groups(backbone):
@@ -426,6 +513,7 @@ def test_one_class_temporary_group_is_no_teacher(backbone):
     two.start_task(0, docs, pooled, {0: 0, 1: 0}, protos)
     before = {k: v.copy() for k, v in group_to_tensors(one.groups[0]).items()}
     up_one, up_two = one.train_round(0)[0], two.train_round(0)[0]
+    assert one.active[0].prefix is None and two.active[0].prefix is not None  # no pass over U at all
     assert all(np.array_equal(before[k], up_one.tensors[k].to_dense()) for k in before)
     assert any(not np.array_equal(before[k], up_two.tensors[k].to_dense()) for k in before)
 

@@ -7,6 +7,7 @@ Mosquitto, where only the changed group travels and every device serves an ONNX 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -165,6 +166,24 @@ def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
     original, _ = learners[0].client.predict(*_docs_and_pooled(learners[0], docs))
     again, _ = restored.client.predict(*_docs_and_pooled(restored, docs))
     assert (original == again).all()
+    # the frozen-prefix caches are not in the checkpoint: the restored device rebuilds them and
+    # trains on as a device without them does
+    plain = learner_for(dataclasses.replace(FED, options={**FED.options, "prefix_cache": False}), MAX_LENGTH, 0)
+    plain.start_task(0, None)
+    plain.load_state(json.loads(json.dumps(state_meta)), arrays)
+    assert restored.client.active and all(s.prefix is None for s in restored.client.active.values())
+    assert restored.evaluate([docs]) == plain.evaluate([docs]) == acc
+    restored._prefix = None  # pooled embeddings cached, prefix not: block 0 alone is run again
+    assert restored.evaluate([docs]) == acc and restored._prefix is not None
+    uploads = []
+    for r in (restored, plain):
+        r.phase = "train"  # (the checkpoint was taken at task 1's sums round) one more task-0 round
+        r.train_round(data[0].train, 1, SCHEDULE.place(1))
+        uploads.append(r.upload(1, SCHEDULE.place(1)))
+    assert all(s.prefix is not None for s in restored.client.active.values())
+    assert uploads[0].keys() == uploads[1].keys()
+    for name, value in uploads[1].items():
+        np.testing.assert_allclose(_dense(uploads[0][name]), _dense(value), atol=1e-5, err_msg=name)
     with pytest.raises(ValueError, match="prototypes"):
         parse_downlink(meta, {}, learners[0].enhancer, learners[0].options.num_groups)
 
@@ -195,6 +214,10 @@ def test_failed_distillation_falls_back_to_the_average(tmp_path, bbc):
     uploaded = {k[len("g0/") :]: v for k, v in f.tensors.items()}
     for name, value in uploaded.items():  # one upload: its average is itself
         np.testing.assert_allclose(downlink["g0/" + name], value.to_dense() if hasattr(value, "to_dense") else value)
+
+
+def _dense(t) -> np.ndarray:
+    return t.to_dense() if hasattr(t, "to_dense") else np.asarray(t)
 
 
 def _docs_and_pooled(learner: FedETLearner, data):

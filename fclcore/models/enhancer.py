@@ -386,6 +386,62 @@ def enhanced_logits(
     return group.head(mean_pool(h, attention_mask))  # (B, n) -> (B, C)
 
 
+def frozen_prefix(backbone: FrozenBackbone, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """(B, L) ids and mask -> (B, L, n): the embedding and the first encoder block, the part of
+    every pass that no Enhancer changes (Enhancer 0 comes after block 0).  Computed without
+    autograd: nothing below Enhancer 0 is trained, so no gradient ever flows into it."""
+    with torch.no_grad():
+        return backbone.encoder.blocks[0](backbone.encoder.embed(input_ids), attention_bias(attention_mask))
+
+
+def enhanced_logits_from_prefix(
+    backbone: FrozenBackbone, group: EnhancerGroup, prefix: Tensor, attention_mask: Tensor
+) -> Tensor:
+    """``enhanced_logits`` continued from ``frozen_prefix``'s (B, L, n) output: the same
+    operations in the same order, so the logits equal ``enhanced_logits``' (to float32
+    rounding when the prefix was computed in a batch of another size)."""
+    bias = attention_bias(attention_mask)
+    h = group.enhancers[0](prefix)
+    for block, enhancer in zip(backbone.encoder.blocks[1:], group.enhancers[1:]):
+        h = enhancer(block(h, bias))
+    return group.head(mean_pool(h, attention_mask))  # (B, n) -> (B, C)
+
+
+def prefix_states(backbone: FrozenBackbone, ids: np.ndarray, mask: np.ndarray, batch_size: int = 32) -> Tensor:
+    """(N, L) ids and mask -> (N, L, n) float32 ``frozen_prefix`` of every row, batched: a cache
+    for texts that pass through the model many times (N * L * n * 4 bytes)."""
+    n = backbone.cfg.hidden
+    out = torch.empty((len(ids), ids.shape[1], n), dtype=torch.float32)
+    for i in range(0, len(ids), batch_size):
+        out[i : i + batch_size] = frozen_prefix(
+            backbone, torch.from_numpy(ids[i : i + batch_size]), torch.from_numpy(mask[i : i + batch_size])
+        )
+    return out
+
+
+@torch.no_grad()
+def predict_logits_from_prefix(
+    backbone: FrozenBackbone,
+    group: EnhancerGroup,
+    prefix: Tensor,
+    mask: np.ndarray,
+    batch_size: int = 32,
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """``predict_logits`` from ``prefix_states`` instead of token ids: of every row of ``prefix``
+    and ``mask``, or of ``rows`` only (gathered batch by batch, never copied whole)."""
+    order = np.arange(len(prefix)) if rows is None else np.asarray(rows, dtype=np.int64)
+    was_training = group.training
+    group.eval()
+    out = []
+    for i in range(0, len(order), batch_size):
+        idx = order[i : i + batch_size]
+        states = prefix[i : i + batch_size] if rows is None else prefix[torch.from_numpy(idx)]
+        out.append(enhanced_logits_from_prefix(backbone, group, states, torch.from_numpy(mask[idx])).numpy())
+    group.train(was_training)
+    return np.concatenate(out) if out else np.zeros((0, len(group.classes)), np.float32)
+
+
 @torch.no_grad()
 def predict_logits(
     backbone: FrozenBackbone, group: EnhancerGroup, ids: np.ndarray, mask: np.ndarray, batch_size: int = 32
@@ -410,6 +466,26 @@ def pooled_embeddings(backbone: FrozenBackbone, ids: np.ndarray, mask: np.ndarra
         for i in range(0, len(ids), batch_size)
     ]
     return np.concatenate(out) if out else np.zeros((0, backbone.cfg.hidden), np.float32)
+
+
+@torch.no_grad()
+def pooled_and_prefix(
+    backbone: FrozenBackbone, ids: np.ndarray, mask: np.ndarray, batch_size: int = 32
+) -> tuple[np.ndarray, Tensor]:
+    """``pooled_embeddings`` and ``prefix_states`` of the same rows from one frozen pass (the
+    pooled values are ``pooled_embeddings``' bit for bit: same batches, same operations)."""
+    n = backbone.cfg.hidden
+    pooled = np.zeros((len(ids), n), np.float32)
+    states = torch.empty((len(ids), ids.shape[1], n), dtype=torch.float32)
+    for i in range(0, len(ids), batch_size):
+        m = torch.from_numpy(mask[i : i + batch_size])
+        h, bias = backbone.encoder.embed(torch.from_numpy(ids[i : i + batch_size])), attention_bias(m)
+        for k, block in enumerate(backbone.encoder.blocks):
+            h = block(h, bias)
+            if k == 0:
+                states[i : i + batch_size] = h
+        pooled[i : i + batch_size] = mean_pool(h, m).numpy()
+    return pooled, states
 
 
 # ------------------------------------------------------------------ the wire
@@ -534,8 +610,13 @@ __all__ = [
     "EnhancerGroup",
     "EnhancedTransformer",
     "enhanced_logits",
+    "enhanced_logits_from_prefix",
+    "frozen_prefix",
+    "prefix_states",
     "predict_logits",
+    "predict_logits_from_prefix",
     "pooled_embeddings",
+    "pooled_and_prefix",
     "trainable_parameters",
     "group_to_tensors",
     "tensors_to_group",

@@ -15,6 +15,13 @@ Per task, for every group j that receives new classes:
    the temporary group.  The paper distils on the memory alone, augmented; our memory is a
    few texts, and L_j is the data this device has anyway, so U includes it;
 5. the group is uploaded with its label histogram and entropy H(M^t) (server eq. 6).
+
+CPU (issue 20): every pass over U starts from the frozen prefix (embedding + encoder block 0,
+which no Enhancer changes) cached once per task (``_TaskGroup.prefix``, |U| x L x n float32:
+98 kB per 64-token text at n = 384; rebuilt after a restore, never checkpointed); a teacher
+pass whose logits the targets do not use is not run (f_old before the group has classes, a
+one-class f_t); the optimisers are ``fclcore.optim``'s (torch's update arithmetic without
+torch.optim's dynamo import).
 """
 
 from __future__ import annotations
@@ -31,12 +38,16 @@ from fclcore.models.enhancer import (
     EnhancerGroup,
     FrozenBackbone,
     enhanced_logits,
+    enhanced_logits_from_prefix,
     group_to_tensors,
     predict_logits,
+    predict_logits_from_prefix,
+    prefix_states,
     prototype_rows,
     trainable_parameters,
 )
 from fclcore.models.prototypes import PrototypeSelector, class_sums
+from fclcore.optim import AdamW, Optimizer
 from fclcore.text import EncodedDocs
 from methods.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
 from methods.fedet.memory import SampleMemory
@@ -57,6 +68,7 @@ class FedETConfig:
     distill_epochs: int = 1  # double-distillation epochs per round
     seed: int = 0
     proto_init: float = 0.0  # > 0: new head rows start as a nearest-prototype classifier of this logit scale
+    prefix_cache: bool = True  # keep the frozen prefix of U per task (CPU for |U| * 98 kB of RAM)
 
     def __post_init__(self) -> None:
         if self.num_groups < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -94,19 +106,27 @@ def train_epochs(
     docs: EncodedDocs,
     epochs: int,
     batch_size: int,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer | torch.optim.Optimizer,
     generator: torch.Generator,
     loss_fn,
+    prefix: torch.Tensor | None = None,
 ) -> float:
-    """Shuffled mini-batches; ``loss_fn(logits, batch_rows)`` -> scalar.  Returns the mean loss."""
+    """Shuffled mini-batches; ``loss_fn(logits, batch_rows)`` -> scalar.  Returns the mean loss.
+
+    ``prefix``: ``prefix_states`` of ``docs``' rows; each batch then starts after the frozen
+    prefix instead of at the token ids (the same logits, without recomputing block 0)."""
+    if prefix is not None and len(prefix) != len(docs):
+        raise ValueError(f"prefix has {len(prefix)} rows for {len(docs)} docs")
     group.train()
     losses = []
     for _ in range(epochs):
         for rows in torch.randperm(len(docs), generator=generator).split(batch_size):
             idx = rows.numpy()
-            logits = enhanced_logits(
-                backbone, group, torch.from_numpy(docs.ids[idx]), torch.from_numpy(docs.mask[idx])
-            )  # (b, C)
+            mask = torch.from_numpy(docs.mask[idx])
+            if prefix is None:
+                logits = enhanced_logits(backbone, group, torch.from_numpy(docs.ids[idx]), mask)  # (b, C)
+            else:
+                logits = enhanced_logits_from_prefix(backbone, group, prefix[rows], mask)
             loss = loss_fn(logits, rows)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -120,10 +140,11 @@ def train_epochs(
 class _TaskGroup:
     old: EnhancerGroup  # f_old: group j when the task started (frozen teacher)
     temp: EnhancerGroup  # f_t: the client's new classes of j
-    temp_opt: torch.optim.Optimizer
-    data: EncodedDocs  # L_j
+    temp_opt: Optimizer
+    data: EncodedDocs  # L_j: the first len(data) rows of U
     distill_set: EncodedDocs  # U
     old_logits: np.ndarray | None = None  # f_old on U (fixed for the task)
+    prefix: torch.Tensor | None = None  # frozen prefix of U (|U|, L, n): a cache, rebuilt after a restore
 
 
 class FedETClient:
@@ -135,8 +156,28 @@ class FedETClient:
         self.task = -1
         self.active: dict[int, _TaskGroup] = {}
 
-    def _optimizer(self, group: EnhancerGroup) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(trainable_parameters(group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+    def _optimizer(self, group: EnhancerGroup) -> Optimizer:
+        return AdamW(trainable_parameters(group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def _prefix(self, s: _TaskGroup) -> torch.Tensor | None:
+        """U's frozen prefix, computed at the first pass of the task (or after a restore) in
+        batches of the training batch size, so the training passes see the values they would
+        compute themselves."""
+        if not self.cfg.prefix_cache:
+            return None
+        if s.prefix is None:
+            u = s.distill_set
+            if len(s.data) > len(u) or not np.array_equal(u.ids[: len(s.data)], s.data.ids):
+                raise ValueError("the task's L_j must be the first rows of U")
+            s.prefix = prefix_states(self.backbone, u.ids, u.mask, self.cfg.batch_size)
+        return s.prefix
+
+    def _teacher_logits(self, group: EnhancerGroup, s: _TaskGroup, prefix: torch.Tensor | None) -> np.ndarray:
+        """(|U|, C) logits of a frozen teacher on U."""
+        u = s.distill_set
+        if prefix is None:
+            return predict_logits(self.backbone, group, u.ids, u.mask)
+        return predict_logits_from_prefix(self.backbone, group, prefix, u.mask)
 
     @staticmethod
     def task_statistics(docs: EncodedDocs, pooled: np.ndarray) -> dict[int, tuple[np.ndarray, int]]:
@@ -191,7 +232,11 @@ class FedETClient:
         gen = torch.Generator().manual_seed(seeded(self.cfg.seed, self.client_index, rnd, j))
         bs = self.cfg.batch_size
         rows = torch.from_numpy(np.array(s.temp.rows(s.data.labels)))
-        if len(s.temp.classes) > 1:  # a one-class head has nothing to learn (its CE is always 0)
+        teaches = len(s.temp.classes) > 1  # a one-class head has nothing to learn (its CE is always 0)
+        if not s.old.classes and not teaches:  # one new class and no old ones: nothing to distil,
+            return self._upload(j, s)  # the group goes up as it is (no pass over U at all)
+        prefix = self._prefix(s)
+        if teaches:
             train_epochs(
                 self.backbone,
                 s.temp,
@@ -201,13 +246,18 @@ class FedETClient:
                 s.temp_opt,
                 gen,
                 lambda logits, b: F.cross_entropy(logits, rows[b]),
+                None if prefix is None else prefix[: len(s.data)],
             )
-        if s.old_logits is None:
-            s.old_logits = predict_logits(self.backbone, s.old, s.distill_set.ids, s.distill_set.mask)
-        temp_logits = predict_logits(self.backbone, s.temp, s.distill_set.ids, s.distill_set.mask)
+        if s.old_logits is None:  # f_old is fixed for the task; a group without classes has no logits
+            n_u = len(s.distill_set)
+            s.old_logits = self._teacher_logits(s.old, s, prefix) if s.old.classes else np.zeros((n_u, 0), np.float32)
+        # f_t is fixed once this round's training is done: one pass over U (a one-class f_t is no teacher)
+        temp_logits = (
+            self._teacher_logits(s.temp, s, prefix) if teaches else np.zeros((len(s.distill_set), 0), np.float32)
+        )
         targets, have = self._targets(j, s, torch.from_numpy(s.old_logits), torch.from_numpy(temp_logits))
         student = self.groups[j]
-        if have.any():  # else: one new class and no old ones, nothing to distil; the group goes up as it is
+        if have.any():
             train_epochs(
                 self.backbone,
                 student,
@@ -217,7 +267,12 @@ class FedETClient:
                 self._optimizer(student),
                 gen,
                 lambda logits, b: distillation_loss(logits, targets[b], have),
+                prefix,
             )
+        return self._upload(j, s)
+
+    def _upload(self, j: int, s: _TaskGroup) -> GroupUpload:
+        student = self.groups[j]
         counts = {int(c): int((s.data.labels == c).sum()) for c in s.temp.classes}
         return GroupUpload(
             j,
@@ -235,7 +290,7 @@ class FedETClient:
         A one-class temporary group is no teacher: its centred logit is always 0, and pulling
         the student's row towards it would erase that class's initialisation."""
         student = self.groups[j]
-        if len(s.temp.classes) < 2:
+        if len(s.temp.classes) < 2:  # (its logits are not even computed: ``_train_group``)
             temp = temp[:, :0]
         dd = double_distillation_targets(old, temp)  # (|U|, m + n_local) in [old..., temp...] order
         cols = student.rows(s.old.classes + (s.temp.classes if temp.shape[1] else ()))
@@ -245,9 +300,12 @@ class FedETClient:
         have[cols] = True
         return targets, have
 
-    def predict(self, docs: EncodedDocs, pooled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def predict(
+        self, docs: EncodedDocs, pooled: np.ndarray, prefix: torch.Tensor | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(predicted class, routed group) per text: selector first, then the routed group's head
-        (-1 where the routed group has no classes yet)."""
+        (-1 where the routed group has no classes yet).  ``prefix``: the texts' ``prefix_states``
+        (then block 0 is not run again)."""
         routes = self.selector.route(pooled)
         preds = np.full(len(docs), -1, dtype=np.int64)
         for j in np.unique(routes):
@@ -255,6 +313,9 @@ class FedETClient:
             group = self.groups[int(j)]
             if not group.classes:  # routed to a group this device has not set up yet: no answer
                 continue
-            logits = predict_logits(self.backbone, group, docs.ids[idx], docs.mask[idx])
+            if prefix is None:
+                logits = predict_logits(self.backbone, group, docs.ids[idx], docs.mask[idx])
+            else:
+                logits = predict_logits_from_prefix(self.backbone, group, prefix, docs.mask, rows=idx)
             preds[idx] = np.array(group.classes)[logits.argmax(1)]
         return preds, routes

@@ -13,6 +13,11 @@ Each task runs in two phases that the aggregator announces in the round's meta
 Downlink tensors: ``prototypes`` (C, H) over ``meta.fedet.classes`` and, for each group the
 aggregator changed in the previous round, ``g<j>/<name>``.  Test data is scored as
 accuracy: the selector routes each text to a group, whose head predicts over all seen classes.
+
+CPU (issue 20): the frozen features of a data set are computed once (its pooled embeddings
+for the selector; for the current task's test texts, which are scored every round, also the
+frozen prefix that ``methods.fedet.client`` describes: 98 kB per 64-token text, dropped when
+the task changes).
 """
 
 from __future__ import annotations
@@ -35,12 +40,15 @@ from fclcore.models.enhancer import (
     group_prefix,
     group_to_tensors,
     load_minilm,
+    pooled_and_prefix,
     pooled_embeddings,
+    prefix_states,
     prototype_rows,
     tensors_to_group,
     trainable_parameters,
 )
 from fclcore.models.prototypes import class_sums
+from fclcore.optim import AdamW
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import TextGroupsServed
@@ -80,6 +88,7 @@ class FedETLearner(Learner):
             spec.distill_epochs,
             fed.seed,
             spec.proto_init,
+            spec.prefix_cache,
         )
         self.client = FedETClient(self.cfg, self.backbone, client_index)
         self.phase = "sums"
@@ -88,6 +97,7 @@ class FedETLearner(Learner):
         self.started = -1  # the last task whose Algorithm-1 set-up ran
         self.out: tuple[dict[str, Tensor], dict] = ({}, {})
         self._pooled: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id(x) -> (x, embeddings), frozen
+        self._prefix: tuple[np.ndarray, torch.Tensor] | None = None  # (x, frozen prefix) of one test set
 
     @staticmethod
     def groups_of(options: FedETOptions) -> int:
@@ -111,6 +121,19 @@ class FedETLearner(Learner):
             cached = (data.x, pooled_embeddings(self.backbone, docs.ids, docs.mask))
             self._pooled[id(data.x)] = cached
         return cached[1]
+
+    def _embed_with_prefix(self, data: Dataset) -> tuple[np.ndarray, torch.Tensor]:
+        """Pooled embeddings and frozen prefix of the test set scored every round (one set
+        only: the cache of the previous one is dropped).  Both come from one frozen pass."""
+        if self._prefix is None or self._prefix[0] is not data.x:
+            self._prefix = None  # free the previous set's prefix before building this one
+            cached, docs = self._pooled.get(id(data.x)), encoded(data)
+            if cached is not None and cached[0] is data.x:  # pooled already: only block 0 to run
+                self._prefix = (data.x, prefix_states(self.backbone, docs.ids, docs.mask))
+            else:
+                pooled, prefix = pooled_and_prefix(self.backbone, docs.ids, docs.mask)
+                self._pooled[id(data.x)], self._prefix = (data.x, pooled), (data.x, prefix)
+        return self._embed(data), self._prefix[1]
 
     # -- training ------------------------------------------------------------------------
     def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float | None]:
@@ -154,13 +177,17 @@ class FedETLearner(Learner):
     def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
         """Accuracy on each task's test texts (None where not scored); 0 before any prototype."""
         out: list[float | None] = []
-        for data in tests:
+        for i, data in enumerate(tests):
             if data is None or len(data) == 0:
                 out.append(None)
             elif not self.prototypes:
                 out.append(0.0)
             else:
-                preds, _ = self.client.predict(encoded(data), self._embed(data))
+                if i == self.task and self.cfg.prefix_cache:  # scored every round: keep its frozen prefix
+                    pooled, prefix = self._embed_with_prefix(data)
+                else:  # an earlier task's texts, scored once per task
+                    pooled, prefix = self._embed(data), None
+                preds, _ = self.client.predict(encoded(data), pooled, prefix)
                 out.append(round(float((preds == data.y).mean()), 6))
         return out
 
@@ -295,7 +322,7 @@ class GroupFedAvgLearner(FedETLearner):
             return []
         rows = torch.from_numpy(np.array(group.rows(docs.labels)))
         generator = torch.Generator().manual_seed(seeded(self.cfg.seed, self.client_index, rnd))
-        optimizer = torch.optim.AdamW(trainable_parameters(group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        optimizer = AdamW(trainable_parameters(group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         train_epochs(
             self.backbone,
             group,
