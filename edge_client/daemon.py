@@ -88,6 +88,9 @@ class ClientDaemon:
         self.rejected: dict[str, int] = {}
         self.round_bytes_down: dict[int, int] = {}  # PUBLISH bytes of each round's announcement
         self.round_cpu_s: dict[int, float] = {}  # CPU seconds this process spent on each round
+        # this thread's CPU seconds per round by phase: "eval" (the held-out report), "train"
+        # (task start, training, upload); the rest of round_cpu_s is I/O and background threads
+        self.round_cpu_phases: dict[int, dict[str, float]] = {}
         self.round_rss_mb: dict[int, list[float | None]] = {}  # [RSS, peak RSS] in MiB after each round
         self.knowledge: dict[int, Frame] = {}  # task -> knowledge frame from the aggregator, until the task starts
         self.knowledge_raw: dict[int, bytes] = {}
@@ -600,13 +603,14 @@ class ClientDaemon:
         return self.cfg.data.client_index if self.cfg.data else zlib.crc32(self.cfg.client_id.encode()) & 0xFFFF
 
     def _round(self, frame: Frame) -> None:
-        cpu_start = time.process_time()
+        cpu_start, thread_start = time.process_time(), time.thread_time()
         rnd, task = frame.header.round, frame.header.task
         place, previous = _places(frame)
         task_ended = task != self.task and self.task >= 0
         if self.task < 0:  # a fresh device (one enrolling at task t too) evaluates with its tasks started
             self._start_tasks(task)
         report = self._evaluate(rnd - 1, previous)
+        eval_cpu = time.thread_time() - thread_start
         served = self._served(after_round=rnd - 1, previous=previous, task_ended=task_ended)
         if task != self.task:
             self._start_tasks(task)
@@ -617,6 +621,7 @@ class ClientDaemon:
                 raise RejectedFrame(f"knowledge: {exc}") from None
         n_samples, train_nll = self.learner.train_round(self._arrived(rnd, task), rnd, place)
         tensors = self.learner.upload(rnd, place)
+        train_cpu = time.thread_time() - thread_start - eval_cpu
         meta = {
             "n_samples": n_samples,
             "train_nll": None if train_nll is None else round(train_nll, 4),
@@ -633,6 +638,7 @@ class ClientDaemon:
         self.serving.submit(served)  # exported in the background, never before the update is out
         release_free_memory()  # the round's freed buffers go back to the OS, not into next round's peak
         self.round_cpu_s[rnd] = round(time.process_time() - cpu_start, 4)
+        self.round_cpu_phases[rnd] = {"eval": round(eval_cpu, 4), "train": round(train_cpu, 4)}
         self.round_rss_mb[rnd] = [rss_mb(), peak_rss_mb()]
         meter = self.link.meter.snapshot()
         self.link.publish_status(
@@ -749,6 +755,7 @@ class ClientDaemon:
                     "rejected": self.rejected,
                     "round_bytes_down": self.round_bytes_down,
                     "round_cpu_s": self.round_cpu_s,
+                    "round_cpu_phases": self.round_cpu_phases,
                     "round_rss_mb": self.round_rss_mb,
                     "max_rss_mb": peak_rss_mb(),
                     "export_child_peak_rss_mb": self.serving.child_peak_rss_mb,

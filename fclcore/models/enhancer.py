@@ -20,7 +20,7 @@ import struct
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -119,30 +119,56 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
 _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4"}
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Tensors of a safetensors file (u64 header size, JSON header, raw little-endian data).
+def read_safetensors(path: str | Path, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Tensors of a safetensors file (u64 header size, JSON header, raw little-endian data):
+    all of them, or only ``names`` (a missing name is an error)."""
+    return dict(iter_safetensors(path, names))
+
+
+def iter_safetensors(
+    path: str | Path, names: Sequence[str] | None = None, into: Mapping[str, np.ndarray] | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) of each tensor of ``read_safetensors``, one at a time; a tensor named in
+    ``into`` is read into that (C-contiguous, same shape and dtype) array instead of a new one.
 
     Every offset and size is checked against the file before it is used; no code is executed.
-    """
-    raw = Path(path).read_bytes()
-    if len(raw) < 8:
-        raise ValueError(f"{path}: {len(raw)} bytes, expected a safetensors file (>= 8 bytes)")
-    (n,) = struct.unpack_from("<Q", raw)
-    if n > len(raw) - 8:
-        raise ValueError(f"{path}: header size {n} exceeds the file ({len(raw)} bytes)")
-    header, data = json.loads(raw[8 : 8 + n]), memoryview(raw)[8 + n :]
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = np.dtype(_ST_DTYPES.get(info.get("dtype"), "V"))
-        if dtype.kind == "V":
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-        shape, (start, end) = tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        if not 0 <= start <= end <= len(data) or end - start != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{path}: tensor {name!r} offsets {start}..{end} do not fit shape {shape}")
-        out[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(shape).copy()
-    return out
+    The file is never held whole: ``load_minilm`` reads each tensor into its parameter, so it
+    peaks at the parameters alone, not at three copies of the file."""
+    path = Path(path)
+    with path.open("rb") as f:
+        size = path.stat().st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: {size} bytes, expected a safetensors file (>= 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"{path}: header size {n} exceeds the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: header is not a JSON object")
+        wanted = [k for k in header if k != "__metadata__"] if names is None else list(names)
+        for name in wanted:
+            info = header.get(name)
+            if not isinstance(info, dict):
+                raise ValueError(f"{path}: no tensor {name!r}")
+            dtype = np.dtype(_ST_DTYPES.get(info.get("dtype"), "V"))
+            if dtype.kind == "V":
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+            shape, (start, end) = tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            if not 0 <= start <= end <= size - 8 - n or end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"{path}: tensor {name!r} offsets {start}..{end} do not fit shape {shape}")
+            array = np.empty(shape, dtype=dtype) if into is None or name not in into else into[name]
+            if array.shape != shape or array.dtype != dtype or not array.flags.c_contiguous:
+                raise ValueError(
+                    f"{path}: tensor {name!r} is {dtype}{list(shape)}, the target {array.dtype}{list(array.shape)}"
+                )
+            f.seek(8 + n + start)
+            if f.readinto(memoryview(array).cast("B")) != end - start:
+                raise ValueError(f"{path}: tensor {name!r} is cut short")
+            yield name, array
 
 
 def _hf_name(ours: str) -> str:
@@ -186,15 +212,9 @@ def load_minilm(model_dir: str | Path | None = None) -> BertEncoder:
     """all-MiniLM-L6-v2 as a ``BertEncoder`` from ``config.json`` + ``model.safetensors``."""
     d = Path(model_dir) if model_dir is not None else default_minilm_dir()
     encoder = BertEncoder(BertConfig.from_hf_json(d / "config.json"))
-    weights = read_safetensors(d / "model.safetensors")
-    state = {}
-    for name, param in encoder.state_dict().items():
-        hf = _hf_name(name)
-        if hf not in weights or weights[hf].shape != tuple(param.shape):
-            got = weights[hf].shape if hf in weights else "missing"
-            raise ValueError(f"{d}: {hf}: expected shape {tuple(param.shape)}, got {got}")
-        state[name] = torch.from_numpy(weights[hf])
-    encoder.load_state_dict(state)
+    params = {_hf_name(name): param.detach().numpy() for name, param in encoder.state_dict().items()}
+    for _ in iter_safetensors(d / "model.safetensors", list(params), into=params):  # each read into its parameter
+        pass
     return encoder
 
 

@@ -42,7 +42,7 @@ def load_embedding(rms: float, model_dir: str | Path | None = None) -> tuple[Ten
     """MiniLM's wordpiece table (V, D) with the [PAD] row zeroed, rescaled once to RMS ``rms``
     (notes G7), and the scale factor c (the unscaled rows are ``table / c``)."""
     d = Path(model_dir) if model_dir is not None else default_tokenizer_json().parent
-    table = torch.from_numpy(read_safetensors(d / "model.safetensors")[WORD_EMBEDDINGS].copy())
+    table = torch.from_numpy(read_safetensors(d / "model.safetensors", [WORD_EMBEDDINGS])[WORD_EMBEDDINGS])
     table[0] = 0.0
     c = float(rms / table[1:].pow(2).mean().sqrt())
     return table * c, c
