@@ -101,7 +101,8 @@ class AggregatorService:
         self.run_id = ""  # set by _resume: this run's identity (fclcore.runid), kept across restarts
         self.fresh = False  # no committed state: a new run, whose start clears an earlier run's retained messages
         self.open_round = 0  # the round being run (a failure announcement names it)
-        self.round_sum: tuple[int, RunningSum] | None = None  # (round, sums) of a streaming strategy's open round
+        # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
+        self.round_sum: tuple[int, RunningSum, set[str]] | None = None
         self.tensor_bytes: dict[str, dict[str, int]] = {}  # client -> bytes by kind of its accepted update
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
         self.fingerprint = fingerprint(to_dict(self.fed), cfg.input_dim)
@@ -301,17 +302,17 @@ class AggregatorService:
         updates = [received[c] for c in sorted(received)]  # arrival order must not change the result
         if not self.strategy.streams:
             return self.strategy.aggregate(updates, self.global_params)
-        running = self._round_sum(rnd)
-        if running.count != len(received):  # each accepted update folded exactly once
-            raise AssertionError(f"round {rnd}: {running.count} updates folded, {len(received)} accepted")
+        running, folded = self._round_sum(rnd)
+        if folded != set(received):  # each accepted update went through ``fold`` exactly once
+            raise AssertionError(f"round {rnd}: folded {sorted(folded)}, accepted {sorted(received)}")
         self.round_sum = None
         return self.strategy.close(running, updates, self.global_params)
 
-    def _round_sum(self, rnd: int) -> RunningSum:
-        """Round ``rnd``'s running sum; a new (empty) one when the round has none yet."""
+    def _round_sum(self, rnd: int) -> tuple[RunningSum, set[str]]:
+        """Round ``rnd``'s running sum and who is in it; a new (empty) one when the round has none yet."""
         if self.round_sum is None or self.round_sum[0] != rnd:
-            self.round_sum = (rnd, self.strategy.running_sum(self.global_params))
-        return self.round_sum[1]
+            self.round_sum = (rnd, self.strategy.running_sum(self.global_params), set())
+        return self.round_sum[1], self.round_sum[2]
 
     def _send_downlinks(self, rnd: int, task: int, roster: list[str]) -> dict[str, tuple[int, int]]:
         """Publish the strategy's per-client frames for round ``rnd`` (retained, before the round);
@@ -472,8 +473,12 @@ class AggregatorService:
         if kind is Kind.UPDATE:
             self.tensor_bytes[update.client] = self.strategy.bytes_by_kind(update.frame.tensors, update.frame.meta)
             if self.strategy.streams:
+                running, folded = self._round_sum(rnd)
+                if update.client in folded:  # the inbox refuses a second update per round; never fold one
+                    raise AssertionError(f"round {rnd}: a second fold for {update.client}")
                 try:
-                    update = self.strategy.fold(self._round_sum(rnd), update)
+                    update = self.strategy.fold(running, update)
+                    folded.add(update.client)
                 except ValueError as exc:  # the sums are unchanged (RunningSum checks before it adds)
                     why = Rejection("fold", str(exc), update.client)
                     self._reject(topics.update_topic(self.fed.name, update.client), why, rnd)
