@@ -3,6 +3,12 @@
 One thread owns all state: paho's network thread only puts raw messages on a queue, and
 this loop decodes, validates and applies them, so no lock guards the model.  No torch is
 imported on this path.
+
+A strategy whose server step is a weighted sum (``Strategy.streams``) has each accepted
+update folded into the round's ``RunningSum`` as it arrives; the round then keeps only the
+update's metadata (and what the strategy asks to keep), so it holds O(model) memory.  The sum
+lives in memory only: after a restart it is rebuilt from the round's journal, which replays
+each accepted update through the same accept path once.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from aggregator.metrics import AggregatorMetrics
 from aggregator.runlog import RunLog
 from aggregator.state import Committed, StateStore, fingerprint
 from fclcore import topics
+from fclcore.aggregation import RunningSum
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
 from fclcore.config import to_dict
@@ -94,6 +101,9 @@ class AggregatorService:
         self.run_id = ""  # set by _resume: this run's identity (fclcore.runid), kept across restarts
         self.fresh = False  # no committed state: a new run, whose start clears an earlier run's retained messages
         self.open_round = 0  # the round being run (a failure announcement names it)
+        # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
+        self.round_sum: tuple[int, RunningSum, set[str]] | None = None
+        self.tensor_bytes: dict[str, dict[str, int]] = {}  # client -> bytes by kind of its accepted update
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
         self.fingerprint = fingerprint(to_dict(self.fed), cfg.input_dim)
         self.next_round = self._resume()
@@ -271,8 +281,7 @@ class AggregatorService:
             if self.stop.is_set():
                 return  # SIGTERM: the round stays open; its journal carries over to the restart
             if len(received) >= self._quorum(len(roster)):
-                updates = [received[c] for c in sorted(received)]  # arrival order must not change the sums
-                self.global_params = self.strategy.aggregate(updates, self.global_params)
+                self.global_params = self._close_model(rnd, received)
                 self._record_round(
                     rnd, task, roster, received, down, payload_down, attempt, time.monotonic() - started, knowledge
                 )
@@ -287,6 +296,23 @@ class AggregatorService:
                 self._quorum(len(roster)),
             )
         raise NotEnoughClients(f"round {rnd} missed its quorum in {self.fed.rounds.max_attempts} attempts")
+
+    def _close_model(self, rnd: int, received: dict[str, Update]) -> dict[str, np.ndarray]:
+        """The round's next global model: from the running sums (streaming) or every update (batch)."""
+        updates = [received[c] for c in sorted(received)]  # arrival order must not change the result
+        if not self.strategy.streams:
+            return self.strategy.aggregate(updates, self.global_params)
+        running, folded = self._round_sum(rnd)
+        if folded != set(received):  # each accepted update went through ``fold`` exactly once
+            raise AssertionError(f"round {rnd}: folded {sorted(folded)}, accepted {sorted(received)}")
+        self.round_sum = None
+        return self.strategy.close(running, updates, self.global_params)
+
+    def _round_sum(self, rnd: int) -> tuple[RunningSum, set[str]]:
+        """Round ``rnd``'s running sum and who is in it; a new (empty) one when the round has none yet."""
+        if self.round_sum is None or self.round_sum[0] != rnd:
+            self.round_sum = (rnd, self.strategy.running_sum(self.global_params), set())
+        return self.round_sum[1], self.round_sum[2]
 
     def _send_downlinks(self, rnd: int, task: int, roster: list[str]) -> dict[str, tuple[int, int]]:
         """Publish the strategy's per-client frames for round ``rnd`` (retained, before the round);
@@ -367,8 +393,7 @@ class AggregatorService:
                 client, payload, packet_bytes, rnd, set(received), Kind.UPDATE, self.global_params
             )
             if isinstance(result, Update):
-                self._accept(result, rnd, payload, journal=False)
-                received[result.client] = result
+                self._accept(result, rnd, payload, received, journal=False)
         if received:
             log.info("round %d: %d update(s) recovered from the journal", rnd, len(received))
         return received
@@ -431,14 +456,38 @@ class AggregatorService:
         if isinstance(result, Rejection):
             self._reject(item.topic, result, open_round)
             return
-        self._accept(result, open_round, item.payload, journal=kind is Kind.UPDATE)
-        received[result.client] = result
+        self._accept(result, open_round, item.payload, received, journal=kind is Kind.UPDATE, kind=kind)
 
-    def _accept(self, update: Update, rnd: int, payload: bytes, journal: bool) -> None:
-        if journal:
-            self.store.journal(rnd, update.client, payload, update.packet_bytes)
+    def _accept(
+        self,
+        update: Update,
+        rnd: int,
+        payload: bytes,
+        received: dict[str, Update],
+        journal: bool,
+        kind: Kind = Kind.UPDATE,
+    ) -> None:
+        """Take a checked message into round ``rnd``: an update is folded (streaming strategies)
+        before it is journaled, so a crash in between loses nothing that a restart would not
+        replay; a replayed update (``journal=False``) is folded into the rebuilt sum once."""
+        if kind is Kind.UPDATE:
+            self.tensor_bytes[update.client] = self.strategy.bytes_by_kind(update.frame.tensors, update.frame.meta)
+            if self.strategy.streams:
+                running, folded = self._round_sum(rnd)
+                if update.client in folded:  # the inbox refuses a second update per round; never fold one
+                    raise AssertionError(f"round {rnd}: a second fold for {update.client}")
+                try:
+                    update = self.strategy.fold(running, update)
+                    folded.add(update.client)
+                except ValueError as exc:  # the sums are unchanged (RunningSum checks before it adds)
+                    why = Rejection("fold", str(exc), update.client)
+                    self._reject(topics.update_topic(self.fed.name, update.client), why, rnd)
+                    return
+            if journal:
+                self.store.journal(rnd, update.client, payload, update.packet_bytes)
         if "eval" in update.frame.meta:
             self.runlog.evaluation(update.client, update.frame.meta["eval"])
+        received[update.client] = update
 
     def _reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)
@@ -493,11 +542,7 @@ class AggregatorService:
                 train_nll=_number(meta.get("train_nll")),
                 rejected_by_client=_counts(meta.get("rejected")),
                 base_values=_count(meta.get("base_values")),
-                **(
-                    {"tensor_bytes_by_kind": self.strategy.bytes_by_kind(update.frame.tensors, update.frame.meta)}
-                    if update
-                    else {}
-                ),
+                **({"tensor_bytes_by_kind": self.tensor_bytes[client]} if update else {}),
             )
             if "attention" in meta:
                 self.runlog.write("attention", round=rnd, task=task, client=client, **_attention(meta["attention"]))

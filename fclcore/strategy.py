@@ -7,6 +7,12 @@ The service runs the rounds; a ``Strategy`` says what a round carries and what i
 * ``normalize``: validate one update once (names, shapes, the method's metadata) and return
   its full-shape tensors, or a ``Checked`` that also keeps the method's parsed view;
 * ``aggregate``: accepted updates -> the next global model;
+* ``streams`` / ``running_sum`` / ``fold`` / ``close``: a method whose server step is a
+  weighted sum says so (``streams = True``); the service then folds each accepted update into a
+  ``fclcore.aggregation.RunningSum`` as it arrives, keeps only what ``fold`` leaves of it
+  (metadata, knowledge-base entries), and closes the round from the sums (O(model) memory
+  and work however many devices reply).  Its ``aggregate`` is the same fold-then-close over
+  a list, so both paths give one result;
 * ``state`` / ``restore``: what a restarted service needs beyond the global model.
 
 Everything here is NumPy; a strategy that trains on the server imports torch in its own
@@ -15,11 +21,12 @@ module and its spec says ``server_torch``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from fclcore.aggregation import RunningSum
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.schedule import TaskSchedule
 from fclcore.schema import FederationSpec
@@ -102,7 +109,30 @@ class Strategy:
         raise NotImplementedError
 
     def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The next global model from a round's accepted updates (sorted by client).  A streaming
+        strategy gets this for free: every update folded into a fresh sum, then ``close``."""
+        if not self.streams:
+            raise NotImplementedError
+        running = self.running_sum(current)
+        kept = [self.fold(running, u) for u in updates]
+        return self.close(running, kept, current)
+
+    # -- streaming (only for ``streams = True``) ---------------------------------------------
+    streams = False  # True: the server step is a weighted sum that ``fold`` / ``close`` compute
+
+    def running_sum(self, current: Mapping[str, np.ndarray]) -> RunningSum:
+        """An empty sum for a round over the global model ``current`` (what ``fold`` adds to)."""
+        return RunningSum.over(current)
+
+    def fold(self, running: RunningSum, update: Update) -> Update:
+        """Add ``update``'s summed part to ``running`` (ValueError, with nothing added, if it does
+        not fit) and return what the round keeps of it for ``close``.  Must not change the
+        strategy's own state: that happens in ``close``, when the round commits."""
         raise NotImplementedError
+
+    def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
+        """The next global model from the round's sums and what ``fold`` kept (sorted by client)."""
+        return running.result(current)
 
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         """Server-side state beyond the global model, for the checkpoint: (JSON meta, arrays)."""
@@ -110,6 +140,13 @@ class Strategy:
 
     def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         """Inverse of ``state``; ValueError if the checkpoint does not fit this strategy."""
+
+
+def without_tensors(update: Update, keep: Mapping[str, Tensor] | None = None) -> Update:
+    """``update`` with its decoded tensors dropped (all, or all but ``keep``): what a streaming
+    round holds once the sums have them; header and metadata stay."""
+    frame = Frame(update.frame.header, update.frame.meta, {})
+    return replace(update, frame=frame, tensors=dict(keep or {}))
 
 
 def tensor_nbytes(t: Tensor) -> int:

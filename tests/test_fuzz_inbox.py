@@ -199,10 +199,12 @@ def test_message_handler_rejects_without_side_effects(tmp_path) -> None:
             counts["accepted"] += 1
             service.inbox.last_seq.clear()
             service.store.clear_journal()
+            service.round_sum = None  # the round's running sum (fedavg streams): start it afresh too
         else:
             counts["rejected"] += 1
             assert service.inbox.last_seq == seq_before
             assert service.store.journaled(OPEN) == []
+            assert service.round_sum is None  # nothing was folded
     for reason, n in service.runlog.rejections.items():
         reasons[reason] = n
     assert sum(counts.values()) == N_HANDLER >= 45_000 and counts["rejected"] > N_HANDLER * 0.8, counts
@@ -213,6 +215,7 @@ def test_message_handler_rejects_without_side_effects(tmp_path) -> None:
         assert reasons.get(reason, 0) > 0, reasons
     # and the round still works afterwards: a clean update is accepted
     service.inbox.last_seq.clear()
+    service.round_sum = None
     received = {}
     good = _valid(service, "c0", time.time_ns() // 1000 + 1, rng)
     service.queue.put(Incoming(update_topic, good, len(good) + 20))

@@ -16,13 +16,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fclcore.aggregation import template_check, weighted_average
+from fclcore.aggregation import RunningSum, template_check
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.made_spec import init_params, made_masks, mask_for_param, param_shapes
 from fclcore.masked_upload import UNITS, unpack
 from fclcore.orders import upload_order
 from fclcore.schema import FederationSpec
-from fclcore.strategy import Downlinks, Strategy, Update
+from fclcore.strategy import Downlinks, Strategy, Update, without_tensors
 from methods.confedmade.wire import KB_PREFIX, entry_id, knowledge_key, knowledge_meta
 
 
@@ -39,7 +39,10 @@ class KnowledgeEntry:
 
 class FedAvgStrategy(Strategy):
     """Sample-weighted averaging of every trainable MADE tensor; the FedAvg-family baselines
-    differ only on the device (proximal term, EWC penalty, replay)."""
+    differ only on the device (proximal term, EWC penalty, replay).  A weighted sum, so each
+    update is folded into the round's sums as it arrives (``Strategy.streams``)."""
+
+    streams = True
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, aux_dir: str | None = None) -> None:
         super().__init__(fed, options, input_dim, aux_dir)
@@ -56,8 +59,9 @@ class FedAvgStrategy(Strategy):
     def normalize(self, frame: Frame) -> dict[str, Tensor]:
         return template_check(self.shapes)(frame)
 
-    def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return weighted_average([(u.tensors, float(u.n_samples)) for u in updates], current)
+    def fold(self, running: RunningSum, update: Update) -> Update:
+        running.add(update.tensors, float(update.n_samples))
+        return without_tensors(update)
 
 
 class DecomposedStrategy(FedAvgStrategy):
@@ -97,15 +101,18 @@ class DecomposedStrategy(FedAvgStrategy):
             raise ValueError(f"tensors: unexpected {extra}")
         return out
 
-    def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        base = [
-            ({k: v for k, v in u.tensors.items() if not k.startswith(KB_PREFIX)}, float(u.n_samples)) for u in updates
-        ]
-        merged = weighted_average(base, current)
-        rnd = updates[0].frame.header.round
+    def fold(self, running: RunningSum, update: Update) -> Update:
+        """The base is summed; a task end's ``kb:`` tensors are kept for the knowledge base."""
+        base = {k: v for k, v in update.tensors.items() if not k.startswith(KB_PREFIX)}
+        running.add(base, float(update.n_samples))
+        return without_tensors(update, keep={k: v for k, v in update.tensors.items() if k.startswith(KB_PREFIX)})
+
+    def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
+        merged = running.result(current)
+        rnd = kept[0].frame.header.round
         if self.is_task_end(rnd):
             task = self.schedule.task_of(rnd)
-            for u in sorted(updates, key=lambda u: u.client):
+            for u in sorted(kept, key=lambda u: u.client):
                 kb = {k[len(KB_PREFIX) :]: v for k, v in u.tensors.items() if k.startswith(KB_PREFIX)}
                 self.knowledge.append(KnowledgeEntry(u.client, task, kb))
         return merged

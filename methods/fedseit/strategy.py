@@ -18,11 +18,11 @@ from typing import Sequence
 
 import numpy as np
 
-from fclcore.aggregation import weighted_average
+from fclcore.aggregation import RunningSum
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.masked_upload import UNITS, unpack
 from fclcore.schema import FederationSpec
-from fclcore.strategy import Checked, Downlinks, Rejected, Strategy, Update, tensor_nbytes
+from fclcore.strategy import Checked, Downlinks, Rejected, Strategy, Update, tensor_nbytes, without_tensors
 from methods.fedseit import sit
 from methods.fedseit.config import FedSeITOptions
 from methods.fedseit.wire import (
@@ -46,6 +46,8 @@ class Parsed:
 
 
 class FedSeITStrategy(Strategy):
+    streams = True  # the bases are a weighted sum; centres and A_t are kept per update (small)
+
     def __init__(self, fed: FederationSpec, options: FedSeITOptions, input_dim: int, aux_dir: str | None = None):
         super().__init__(fed, options, input_dim, aux_dir)
         self.opts = options
@@ -160,12 +162,14 @@ class FedSeITStrategy(Strategy):
             raise Rejected("centres", f"{CENTRES}: NaN, infinite or all-zero centres")
         return np.array(t, dtype=np.float32)
 
-    def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        merged = weighted_average(
-            [({k: v for k, v in u.tensors.items() if k in self.shapes}, float(u.n_samples)) for u in updates], current
-        )
-        place = self.schedule.place(updates[0].frame.header.round)
-        for u in updates:
+    def fold(self, running: RunningSum, update: Update) -> Update:
+        running.add({k: v for k, v in update.tensors.items() if k in self.shapes}, float(update.n_samples))
+        return without_tensors(update, keep={k: v for k, v in update.tensors.items() if k.startswith(KB_PREFIX)})
+
+    def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
+        merged = running.result(current)
+        place = self.schedule.place(kept[0].frame.header.round)
+        for u in kept:
             if u.parsed is not None and u.parsed.centres is not None:
                 self.keys[(u.client, place.task)] = u.parsed.centres
             if place.task_end:

@@ -17,9 +17,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from fclcore.aggregation import RunningSum
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.schema import FederationSpec
-from fclcore.strategy import Checked, Rejected, Strategy, Update, tensor_nbytes
+from fclcore.strategy import Checked, Rejected, Strategy, Update, tensor_nbytes, without_tensors
 from methods.ngfl.config import NGFLOptions
 from methods.ngfl.fusion import HeadUpload, fuse_heads
 from methods.ngfl.table import MAX_LABELS, GlobalTable, TableError, UploadTable, check_labels
@@ -36,6 +37,7 @@ class Parsed:
 
 class NGFLStrategy(Strategy):
     min_samples = 0  # a skip notice trains nothing
+    streams = True  # the extractor is a plain mean, folded as updates arrive; head rows are kept for fusion
 
     def __init__(self, fed: FederationSpec, options: NGFLOptions, input_dim: int, aux_dir: str | None = None) -> None:
         super().__init__(fed, options, input_dim)
@@ -115,15 +117,21 @@ class NGFLStrategy(Strategy):
         return Checked(tensors, Parsed(head, announce))
 
     # -- the round -------------------------------------------------------------------------
-    def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rnd = updates[0].frame.header.round if updates else 0
-        senders = [u for u in sorted(updates, key=lambda u: u.client) if u.parsed.head is not None]
+    def running_sum(self, current: Mapping[str, np.ndarray]) -> RunningSum:
+        return RunningSum(self.shapes)  # the extractor only: the head is fused from its rows at close
+
+    def fold(self, running: RunningSum, update: Update) -> Update:
+        """A sender's extractor joins the unweighted mean; its head rows stay in ``parsed``."""
+        if update.parsed.head is not None:
+            running.add({name: update.tensors[name] for name in self.shapes}, 1.0)
+        return without_tensors(update)
+
+    def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
+        rnd = kept[0].frame.header.round if kept else 0
+        senders = [u for u in sorted(kept, key=lambda u: u.client) if u.parsed.head is not None]
         params = {k: v for k, v in current.items() if k not in (HEAD_W, HEAD_B)}
         if senders:
-            for name in self.shapes:
-                params[name] = np.mean([np.asarray(u.tensors[name], np.float64) for u in senders], axis=0).astype(
-                    np.float32
-                )
+            params.update(running.result({name: current[name] for name in self.shapes}))
         weight = current.get(HEAD_W, np.zeros((0, self.dim), np.float32))
         bias = current.get(HEAD_B, np.zeros(0, np.float32))
         weight, bias = fuse_heads(
@@ -137,7 +145,7 @@ class NGFLStrategy(Strategy):
         )
         if self.o.alignment == "pre":  # the round's announced labels sorted, each credited to its first announcer
             firsts: dict[str, str] = {}
-            for u in sorted(updates, key=lambda u: u.client):
+            for u in sorted(kept, key=lambda u: u.client):
                 for label in u.parsed.announce:
                     firsts.setdefault(label, u.client)
             added: list[str] = []
