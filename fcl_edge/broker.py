@@ -94,7 +94,7 @@ def probe_broker(url: str, timeout: float = 5.0) -> None:
         while not answered and time.monotonic() < deadline:
             client.loop(0.1)
     except OSError as exc:  # refused, unresolvable, TLS failure (ssl.SSLError is an OSError)
-        raise BrokerUnreachable(f"broker {url} unreachable: {exc.strerror or exc}") from None
+        raise BrokerUnreachable(f"could not connect to {url}: {exc.strerror or exc}") from None
     finally:
         if answered and not answered[0].is_failure:
             client.disconnect()

@@ -334,7 +334,9 @@ def _prepare_out(out_dir: Path, force: bool) -> Path:
         probe = out_dir / ".fcl-write-test"
         probe.write_bytes(b"")
         probe.unlink()
-    except OSError as exc:
+    except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:  # the path itself is wrong
+        raise ConfigError(f"--out {out_dir}: cannot create it: {exc.strerror or exc}") from None
+    except OSError as exc:  # permissions, a read-only or full file system
         raise StateError(f"--out {out_dir}: cannot write there: {exc.strerror or exc}") from None
     return out_dir
 
