@@ -340,11 +340,21 @@ def _broker(args: argparse.Namespace) -> int:
 
 
 def _serve(run: Callable[[threading.Event], int]) -> int:
-    """Run a daemon; SIGTERM/SIGINT only set an event that its loop checks."""
+    """Run a daemon; SIGTERM/SIGINT only set an event that its loop checks.  A directory it
+    cannot write (out_dir, state_dir: permissions, a read-only or full disk) is STATE_ERROR."""
+    import errno
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    return int(run(stop))
+    try:
+        return int(run(stop))
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fcl: error: cannot write the state: {where}{exc.strerror or exc}", file=sys.stderr)
+        return int(ExitCode.STATE_ERROR)
 
 
 if __name__ == "__main__":

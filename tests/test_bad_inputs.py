@@ -86,6 +86,11 @@ CASES = {
         2,
         "unknown method",
     ),
+    "aggregator with an unwritable out_dir": Case(
+        ("aggregator", "--config", "{w}/configs/aggregator.yaml", "--set", "out_dir=/sys/fcl-edge-state"),
+        6,
+        "cannot write the state",
+    ),
     "client with an unknown dataset": Case(
         ("client", "--config", "{w}/configs/client-0.yaml", "--set", "data.dataset=nope"), 2, "data.dataset"
     ),
