@@ -200,6 +200,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.in_process and args.broker:
         raise ConfigError("--in-process and --broker: choose one")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
     return simulate(
         args.scenario,
         args.out,

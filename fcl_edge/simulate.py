@@ -529,8 +529,10 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float,
     late = {n: c for n, c in codes.items() if c != 0}
     if late:
         name = next(iter(late))
-        why = "did not finish in time" if late[name] is None else f"exited {late[name]}"
-        print(f"fcl: error: {name} {why}: {_reason(out_dir, name, procs[name])}", file=sys.stderr)
+        if late[name] is None:
+            print(f"fcl: error: {name} did not finish within --timeout; stopped it", file=sys.stderr)
+        else:
+            print(f"fcl: error: {name} exited {late[name]}: {_reason(out_dir, name, procs[name])}", file=sys.stderr)
         return int(ExitCode.CLIENT_FAILED)
     return int(ExitCode.OK)
 

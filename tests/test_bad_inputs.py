@@ -51,6 +51,7 @@ CASES = {
     "missing data directory": Case(
         _sim("--set", "data.dataset=mnist", "--set", "data.path={w}/no-mnist"), 2, "MNIST directory not found"
     ),
+    "negative --timeout": Case(_sim("--timeout", "-1"), 2, "--timeout"),
     # the broker
     "unreachable broker": Case(_sim("--broker", "mqtt://127.0.0.1:{closed}"), 3, "Connection refused"),
     "broker url that is not mqtt": Case(_sim("--broker", "http://127.0.0.1:1"), 2, "expected mqtt://"),
