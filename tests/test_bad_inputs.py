@@ -169,3 +169,28 @@ def test_force_replaces_an_earlier_run_and_keeps_other_files(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     assert not (out / "report").exists() and (out / "notes.txt").read_text() == "mine"
     assert (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "log, reason",
+    [
+        ("a INFO x: started\nfcl: error: training diverged at round 3 (loss=inf): lower lr\n", "training diverged"),
+        (
+            "a INFO x: started\na ERROR edge_client.daemon: could not connect to mqtt://h:1\na INFO x: bye\n",
+            "could not",
+        ),
+        (
+            "a ERROR x: earlier\nTraceback (most recent call last):\n  File 'x'\nKeyError: 'round'\n",
+            "KeyError: 'round'",
+        ),
+        ("a INFO x: only this\n", "a INFO x: only this"),
+        ("", "nothing in"),
+    ],
+)
+def test_a_failed_participant_is_named_by_its_own_last_words(log: str, reason: str, tmp_path: Path) -> None:
+    from fcl_edge.simulate import last_reason
+
+    path = tmp_path / "client-0.log"
+    path.write_text(log)
+    assert reason in last_reason(path)
+    assert "\n" not in last_reason(path)
