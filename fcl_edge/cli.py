@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fcl", description="Federated continual learning on edge devices over MQTT.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser(
         "simulate",
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a continual federated scenario through an MQTT broker. Starts an "
         "embedded broker unless --broker is given. The scenario, the run directory and the "
         "broker are checked before any process starts.",
-        epilog=f"methods (federation.method): {', '.join(_method_names())}",
+        lazy_epilog=lambda: f"methods (federation.method): {', '.join(_method_names())}",
     )
     p.add_argument("scenario", help="scenario YAML (see configs/scenarios/)")
     p.add_argument("--out", required=True, help="run directory for metrics.jsonl, summary.json, logs (new or empty)")
@@ -171,6 +171,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", help="write this file once the broker listens (for a parent process)")
     p.set_defaults(run=_broker)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser whose epilog is computed only when its help is shown (the method
+    list needs the registry; ``fcl status`` on a small device should not pay for it)."""
+
+    def __init__(self, *args, lazy_epilog: Callable[[], str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_epilog = lazy_epilog
+
+    def format_help(self) -> str:
+        if self.lazy_epilog is not None:
+            self.epilog = self.lazy_epilog()
+        return super().format_help()
 
 
 def _version() -> str:

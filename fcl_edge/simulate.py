@@ -526,13 +526,13 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float,
             f"fcl: error: {first} exited {codes[first]}: {_reason(out_dir, first, procs[first])}{also}", file=sys.stderr
         )
         return int(ExitCode.CLIENT_FAILED)
-    late = {n: c for n, c in codes.items() if c != 0}
-    if late:
-        name = next(iter(late))
-        if late[name] is None:
+    unfinished = {n: c for n, c in codes.items() if c != 0}  # after the aggregator ended (or the timeout)
+    if unfinished:
+        name, code = next(iter(unfinished.items()))
+        if code is None:
             print(f"fcl: error: {name} did not finish within --timeout; stopped it", file=sys.stderr)
         else:
-            print(f"fcl: error: {name} exited {late[name]}: {_reason(out_dir, name, procs[name])}", file=sys.stderr)
+            print(f"fcl: error: {name} exited {code}: {_reason(out_dir, name, procs[name])}", file=sys.stderr)
         return int(ExitCode.CLIENT_FAILED)
     return int(ExitCode.OK)
 

@@ -194,3 +194,13 @@ def test_a_failed_participant_is_named_by_its_own_last_words(log: str, reason: s
     path.write_text(log)
     assert reason in last_reason(path)
     assert "\n" not in last_reason(path)
+
+
+def test_simulate_help_lists_exactly_the_registered_methods() -> None:
+    import methods
+
+    result = subprocess.run(
+        [sys.executable, "-m", "fcl_edge.cli", "simulate", "--help"], capture_output=True, text=True, timeout=60
+    )
+    listed = " ".join(result.stdout.split("methods (federation.method):", 1)[1].split())
+    assert listed.split(", ") == methods.names()
