@@ -7,7 +7,9 @@ Event kinds written to metrics.jsonl (field ``event``):
 * ``round`` — one per closed round: accepted clients, duration, attempt;
 * ``eval`` — a client's held-out NLL per task for the global model after ``round``;
 * ``round_summary`` — mean over clients of the current task's NLL after ``round``;
-* ``rejected`` — a dropped message with its reason (also counted in summary.json);
+* ``rejected`` — a message the aggregator dropped, with its reason (counted in summary.json
+  ``rejected``); what each device dropped is its ``rejected_by_client`` in ``round_client``
+  (cumulative), and its latest count is summary.json ``rejected_by_client``;
 * ``resumed`` — the aggregator restarted from its committed state (lines after the last
   committed round were dropped and that round runs again);
 * ``membership`` — with a membership table: a client ``retired`` when a task started, or
@@ -42,7 +44,8 @@ class RunLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
         self._lock = threading.Lock()
-        self.rejections: Counter[str] = Counter()
+        self.rejections: Counter[str] = Counter()  # reason -> messages the aggregator dropped
+        self.client_rejections: dict[str, dict[str, int]] = {}  # client -> its latest reason -> count
         self.bytes: dict[str, Counter] = defaultdict(Counter)  # client -> up/down/payload totals
         self.dense_fp32_up = 0
         self.evals: dict[str, dict[int, dict]] = defaultdict(dict)  # client -> round -> report
@@ -68,6 +71,7 @@ class RunLog:
     ) -> None:
         totals = self.bytes[client]
         totals.update(up=up, payload_up=payload_up, down=down, payload_down=payload_down)
+        self._note_client_rejections(client, extra.get("rejected_by_client"))
         self.dense_fp32_up += dense_fp32_up
         self.write(
             "round_client",
@@ -113,11 +117,17 @@ class RunLog:
                         payload_down=event["payload_down"],
                     )
                     self.dense_fp32_up += event.get("dense_fp32_up", 0)
+                    self._note_client_rejections(event["client"], event.get("rejected_by_client"))
                 elif event["event"] == "eval":
                     report = {k: v for k, v in event.items() if k not in ("event", "client")}
                     self.evals[event["client"]][report["round"]] = report
         self.rejections = Counter(rejections)
         self.write("resumed", offset=offset)
+
+    def _note_client_rejections(self, client: str, counts: object) -> None:
+        """A device reports its drops so far with each update: the latest report is its total."""
+        if isinstance(counts, dict):
+            self.client_rejections[client] = dict(counts)
 
     def rejected(self, reason: str, detail: str, **fields: object) -> None:
         self.rejections[reason] += 1
@@ -178,6 +188,7 @@ class RunLog:
                 "per_client": {c: dict(v) for c, v in sorted(self.bytes.items())},
             },
             "rejected": dict(self.rejections),
+            "rejected_by_client": {c: n for c, n in sorted(self.client_rejections.items()) if n},
             "final": {**mean_metrics(per_client), "per_client": per_client},
             "fleet": self._fleet(clients, task_ends),
             **extra,

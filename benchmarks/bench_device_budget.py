@@ -65,6 +65,7 @@ def measure(name: str, rounds_per_task: int, work: Path, broker_url: str) -> dic
         str(out),
         "--broker",
         broker_url,
+        "--force",  # a re-run replaces the earlier run
     ]
     if shorten:
         cmd += ["--set", f"federation.rounds_per_task={rounds_per_task}"]

@@ -102,7 +102,12 @@ def run_method(args: argparse.Namespace, name: str, seed: int) -> dict:
     out = Path(args.work) / f"seed{seed}" / name
     started = time.perf_counter()
     code = simulate(
-        str(SCENARIO), str(out), overrides=overrides(args, name, seed), timeout=args.timeout, in_process=True
+        str(SCENARIO),
+        str(out),
+        overrides=overrides(args, name, seed),
+        timeout=args.timeout,
+        in_process=True,
+        force=True,
     )
     if code != 0:
         raise SystemExit(f"{name} (seed {seed}): fcl simulate --in-process exited {code}; logs in {out / 'logs'}")

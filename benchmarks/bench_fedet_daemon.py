@@ -147,6 +147,7 @@ def run_scenario(overrides: list[str], runs: Path, tmp: Path) -> subprocess.Comp
             str(runs),
             "--broker",
             broker.url,
+            "--force",  # a re-run replaces the earlier run
         ]
         for item in overrides:
             cmd += ["--set", item]

@@ -129,7 +129,12 @@ def run_one(job: tuple) -> tuple:
     out = Path(args.work) / f"{name}-{lam}-s{seed}"
     started = time.perf_counter()
     code = simulate(
-        str(SCENARIO), str(out), overrides=overrides(args, name, lam, seed), timeout=args.timeout, in_process=True
+        str(SCENARIO),
+        str(out),
+        overrides=overrides(args, name, lam, seed),
+        timeout=args.timeout,
+        in_process=True,
+        force=True,
     )
     if code != 0:
         raise SystemExit(f"{name}/{lam} seed {seed}: fcl simulate --in-process exited {code}; logs in {out / 'logs'}")

@@ -181,6 +181,7 @@ def run_one(job: tuple) -> tuple:
         overrides=overrides(args, scenario, name, seed, beta),
         timeout=args.timeout,
         in_process=True,
+        force=True,
     )
     if code != 0:
         raise SystemExit(f"{tag}: fcl simulate --in-process exited {code}; logs in {out / 'logs'}")

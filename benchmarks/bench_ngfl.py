@@ -100,7 +100,12 @@ def run_one(job: tuple) -> tuple:
     out = Path(work) / f"{regime}-{setting}-s{seed}"
     started = time.perf_counter()
     code = simulate(
-        str(SCENARIO), str(out), overrides=overrides(setting, regime, seed), timeout=timeout, in_process=True
+        str(SCENARIO),
+        str(out),
+        overrides=overrides(setting, regime, seed),
+        timeout=timeout,
+        in_process=True,
+        force=True,
     )
     if code != 0:
         raise SystemExit(f"{out.name}: fcl simulate --in-process exited {code}; logs in {out / 'logs'}")

@@ -71,6 +71,7 @@ def run_one(name: str, path: Path, overrides: list[str], out: Path, broker: str)
         str(out),
         "--broker",
         broker,
+        "--force",  # a re-run replaces the earlier run
         "--set",
         f"federation.name=seqmnist-{name.replace(' ', '')[:40].replace('*', '').replace('(', '')}",
     ]

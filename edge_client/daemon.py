@@ -44,6 +44,7 @@ from fclcore.data import (
     load_dataset,
     pool_task_split,
 )
+from fclcore.errors import TrainingDiverged
 from fclcore.exitcodes import ExitCode
 from fclcore.learner import Learner
 from fclcore.membership import ACTIVE, NOT_ENROLLED, RETIRED, Membership
@@ -124,15 +125,16 @@ class ClientDaemon:
         self.control = ControlServer(
             self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path
         )
+        self.subscribed = (  # exact topics: a message on any other was misrouted by the broker
+            topics.round_topic(cfg.federation),
+            topics.knowledge_topic(cfg.federation, cfg.client_id),
+            topics.status_topic(cfg.federation, topics.AGGREGATOR_ID),
+        )
         self.link = link_factory(
             cfg.broker,
             f"fcl-{cfg.federation}-{cfg.client_id}",
             status_topic=topics.status_topic(cfg.federation, cfg.client_id),
-            subscriptions=[
-                topics.round_topic(cfg.federation),
-                topics.knowledge_topic(cfg.federation, cfg.client_id),
-                topics.status_topic(cfg.federation, topics.AGGREGATOR_ID),
-            ],
+            subscriptions=list(self.subscribed),
             on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())),
         )
         torch.set_num_threads(cfg.threads)
@@ -260,12 +262,19 @@ class ClientDaemon:
             self._on_aggregator_status(payload)
             return False
         try:
+            if topic not in self.subscribed:
+                raise RejectedFrame(f"topic: {topic} is not a topic this device subscribed to")
             return self._act(topic, payload, size)
         except RejectedFrame as exc:
-            reason = str(exc).split(":", 1)[0]
-            self.rejected[reason] = self.rejected.get(reason, 0) + 1
-            log.warning("dropped downlink message: %s", exc)
+            self._drop(exc, topic)
             return False
+
+    def _drop(self, exc: RejectedFrame, topic: str | None = None) -> None:
+        """Every downlink message this device drops is counted here, by reason (its updates
+        report the counts: metrics.jsonl ``rejected_by_client``, summary.json likewise)."""
+        reason = str(exc).split(":", 1)[0]
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        log.warning("dropped downlink message%s: %s", f" on {topic}" if topic else "", exc)
 
     def _act(self, topic: str, payload: bytes, size: int) -> bool:
         frame, fed = self._check(payload)
@@ -516,7 +525,7 @@ class ClientDaemon:
         try:
             return self._handle_round(frame, size)
         except RejectedFrame as exc:
-            log.warning("dropped downlink message: %s", exc)
+            self._drop(exc)
             return False
 
     def _handle_round(self, frame: Frame, size: int) -> bool:
@@ -622,6 +631,7 @@ class ClientDaemon:
         n_samples, train_nll = self.learner.train_round(self._arrived(rnd, task), rnd, place)
         tensors = self.learner.upload(rnd, place)
         train_cpu = time.thread_time() - thread_start - eval_cpu
+        check_finite(rnd, train_nll, tensors, self.fed.wire.value_dtype)  # nothing non-finite leaves the device
         meta = {
             "n_samples": n_samples,
             "train_nll": None if train_nll is None else round(train_nll, 4),
@@ -765,6 +775,22 @@ class ClientDaemon:
             )
         )
         os.replace(tmp, self.out_dir / "wire.json")
+
+
+def check_finite(rnd: int, loss: float | None, tensors: dict, value_dtype: str) -> None:
+    """Raise ``TrainingDiverged`` if the round's loss or any value of its update is not a finite
+    number in the wire's value type (a float32 value beyond float16's range would become inf)."""
+    if loss is not None and not np.isfinite(loss):
+        raise TrainingDiverged(f"training diverged at round {rnd} (loss={loss}): lower `federation.train.lr`")
+    bound = float(np.finfo(np.dtype(value_dtype)).max)
+    for name, tensor in tensors.items():
+        values = np.asarray(getattr(tensor, "values", tensor), dtype=np.float64)
+        if values.size and not np.all(np.abs(values) <= bound):  # False for nan too
+            shown = "" if loss is None else f"loss={loss:.4g}, "
+            raise TrainingDiverged(
+                f"training diverged at round {rnd} ({shown}update {name!r} is not finite in {value_dtype}): "
+                "lower `federation.train.lr`"
+            )
 
 
 def _run_of(frame: Frame) -> str:

@@ -119,6 +119,10 @@ def run_export(args: argparse.Namespace) -> int:
     if args.parity_rows < 1:
         _err("export", f"--parity-rows must be >= 1, got {args.parity_rows}")
         return int(ExitCode.BAD_INPUT)
+    problem = _output_problem(args.out)
+    if problem:  # before the export's work, not after it
+        _err("export", f"--out {args.out}: {problem}")
+        return int(ExitCode.BAD_INPUT)
     if os.path.isdir(args.snapshot):
         return _export_state_dir(args)
     try:
@@ -136,6 +140,18 @@ def run_export(args: argparse.Namespace) -> int:
         return int(ExitCode.FAILURE)
     print(json.dumps(report, indent=2))
     return int(ExitCode.OK)
+
+
+def _output_problem(out: str) -> str | None:
+    """Why the ONNX file cannot be written at ``out`` (None if it can be tried)."""
+    if os.path.isdir(out):
+        return "is a directory; give the path of the .onnx file to write"
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        return f"its directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"its directory {parent} is not writable"
+    return None
 
 
 def _export_state_dir(args: argparse.Namespace) -> int:

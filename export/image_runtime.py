@@ -47,6 +47,7 @@ import onnxruntime as ort
 
 from export import _meta
 from export.runtime import InputError, ModelFileError, open_validated, session_options, validate_model_bytes
+from fclcore.npfile import refusal
 
 __all__ = ["FORMAT", "CHUNK_ROWS", "ImageClassifierRuntime", "parse_metadata", "load_images"]
 
@@ -134,8 +135,7 @@ def load_images(source: str | os.PathLike) -> np.ndarray:
     except IsADirectoryError:
         raise InputError(f"{where}: is a directory, not a .npy file") from None
     except (ValueError, EOFError) as exc:  # object arrays (pickles), not a .npy file, truncated
-        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-        raise InputError(f"{where}: not a plain numeric .npy file: {first}") from None
+        raise InputError(f"{where}: not a plain numeric .npy file: {refusal(exc)}") from None
     except OSError as exc:
         raise InputError(f"{where}: cannot read input: {exc.strerror or exc}") from None
     if not isinstance(a, np.ndarray):  # an .npz archive

@@ -31,6 +31,7 @@ import onnxruntime as ort
 from export import _meta
 from export._proto import INTEGRITY_KEY, ProtoError, integrity_digest, parse_model, weights_digest
 from fclcore.errors import BadInput
+from fclcore.npfile import refusal
 
 __all__ = ["ModelFileError", "InputError", "MadeRuntime", "ModelWatcher", "load_inputs", "parse_row", "session_options"]
 
@@ -454,7 +455,7 @@ def load_inputs(source: str, input_dim: int, *, binary: bool = True) -> np.ndarr
             try:
                 a = np.load(source, allow_pickle=False)
             except ValueError as exc:  # object arrays, bad header
-                raise InputError(f"{source}: not a plain numeric .npy file: {str(exc).splitlines()[0][:160]}") from None
+                raise InputError(f"{source}: not a plain numeric .npy file: {refusal(exc)}") from None
             if not isinstance(a, np.ndarray):
                 raise InputError(f"{source}: expected one array in a .npy file")
             return _validate_inputs(a, input_dim, source, binary)

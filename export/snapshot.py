@@ -33,6 +33,7 @@ import numpy as np
 
 from fclcore.errors import BadInput
 from fclcore.made_spec import MadeConfig
+from fclcore.npfile import refusal
 
 __all__ = ["SnapshotError", "save_snapshot", "load_snapshot", "SNAPSHOT_FORMAT"]
 
@@ -108,8 +109,7 @@ def load_snapshot(path: str | os.PathLike) -> Any:
         raise SnapshotError(f"{where}: no such snapshot file") from None
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as exc:
         # allow_pickle=False raises ValueError for object arrays; truncated zips raise BadZipFile/EOFError.
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SnapshotError(f"{where}: cannot read snapshot: {msg[:200]}") from None
+        raise SnapshotError(f"{where}: cannot read snapshot: {refusal(exc, 200)}") from None
     made_meta = meta.get("made", meta)
     if not isinstance(made_meta, dict):
         raise SnapshotError(f"{where}: 'made' must be a JSON object")

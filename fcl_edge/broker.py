@@ -12,13 +12,16 @@ import subprocess
 import time
 from pathlib import Path
 
+from fclcore.errors import BrokerUnreachable, ConfigError
 from fclcore.exitcodes import ExitCode
 
 log = logging.getLogger(__name__)
 
 
-def run_embedded_broker(host: str = "127.0.0.1", port: int = 1883) -> int:
-    """Serve MQTT on host:port until SIGTERM/SIGINT."""
+def run_embedded_broker(host: str = "127.0.0.1", port: int = 1883, ready_file: str | None = None) -> int:
+    """Serve MQTT on host:port until SIGTERM/SIGINT.  ``ready_file`` is written once the
+    broker listens, so a parent waits for it instead of probing the port with a bare TCP
+    connection (which the broker logs as a failed MQTT session)."""
     try:
         from amqtt.broker import Broker
     except ImportError:
@@ -32,9 +35,11 @@ def run_embedded_broker(host: str = "127.0.0.1", port: int = 1883) -> int:
     }
 
     async def serve() -> None:
-        broker = Broker(config)
+        broker = _subscribed_retained_only(Broker)(config)
         await broker.start()
         log.info("embedded broker listening on %s:%d", host, port)
+        if ready_file:
+            Path(ready_file).write_text(f"{host}:{port}\n")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -44,6 +49,63 @@ def run_embedded_broker(host: str = "127.0.0.1", port: int = 1883) -> int:
 
     asyncio.run(serve())
     return int(ExitCode.OK)
+
+
+def _subscribed_retained_only(broker_class: type) -> type:
+    """amqtt 0.12's Broker, delivering retained messages only to sessions that subscribed to them.
+
+    On every CONNECT, amqtt 0.12 walks the broker-wide subscription table (every session's
+    filters) and sends the connecting session the retained messages matching *any* of them: a
+    device then received the other devices' retained JSON status (matched by the aggregator's
+    ``status/+``) on a topic it never subscribed to, and dropped it as a corrupt frame.  The
+    walk also awaits inside the loop, so a concurrent SUBSCRIBE ends it with "dictionary
+    changed size during iteration" and the connection is dropped.  MQTT 3.1.1 (3.3.1.3) sends
+    retained messages on a new subscription only, which is what this keeps."""
+
+    class Broker(broker_class):
+        async def _publish_retained_messages_for_subscription(self, subscription, session) -> None:
+            holders = self._subscriptions.get(subscription[0], ())
+            if any(holder.client_id == session.client_id for holder, _ in holders):
+                await super()._publish_retained_messages_for_subscription(subscription, session)
+
+    return Broker
+
+
+def probe_broker(url: str, timeout: float = 5.0) -> None:
+    """Raise ``BrokerUnreachable`` unless an MQTT broker at ``url`` accepts a connection
+    (CONNECT answered by a successful CONNACK) within ``timeout`` seconds."""
+    import paho.mqtt.client as mqtt
+
+    from fclcore.schema import parse_broker_url
+
+    try:
+        host, port = parse_broker_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"--broker: {exc}") from None
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fcl-probe-{os.getpid()}", clean_session=True)
+    client.connect_timeout = timeout
+    answered: list = []
+    client.on_connect = lambda _c, _u, _f, reason, _p: answered.append(reason)
+    try:
+        if url.startswith("mqtts://"):
+            client.tls_set()
+        client.connect(host, port, keepalive=max(5, int(timeout)))
+        deadline = time.monotonic() + timeout
+        while not answered and time.monotonic() < deadline:
+            client.loop(0.1)
+    except OSError as exc:  # refused, unresolvable, TLS failure (ssl.SSLError is an OSError)
+        raise BrokerUnreachable(f"could not connect to {url}: {exc.strerror or exc}") from None
+    finally:
+        if answered and not answered[0].is_failure:
+            client.disconnect()
+            client.loop(0.1)
+        sock = client.socket()
+        if sock is not None:
+            sock.close()
+    if not answered:
+        raise BrokerUnreachable(f"broker {url} did not answer an MQTT CONNECT within {timeout:.0f} s")
+    if answered[0].is_failure:
+        raise BrokerUnreachable(f"broker {url} refused the connection: {answered[0]}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

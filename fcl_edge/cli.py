@@ -26,30 +26,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return code
     except FclError as exc:  # the toolkit's own errors: one line, the documented exit code
         print(f"fcl: error: {exc}", file=sys.stderr)
         return int(exc.exit_code)
-    except FileNotFoundError as exc:
-        print(f"fcl: error: {exc}", file=sys.stderr)
+    except BrokenPipeError:  # the reader of stdout went away (``fcl infer ... | head -1``): done
+        _quiet_stdout()
+        return int(ExitCode.OK)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fcl: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return int(ExitCode.BAD_INPUT)
     except KeyboardInterrupt:
         return int(ExitCode.INTERRUPTED)
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of a closed pipe stays silent."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fcl", description="Federated continual learning on edge devices over MQTT.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser(
         "simulate",
         help="run a scenario: broker + aggregator + N clients as processes",
         description="Run a continual federated scenario through an MQTT broker. Starts an "
-        "embedded broker unless --broker is given.",
+        "embedded broker unless --broker is given. The scenario, the run directory and the "
+        "broker are checked before any process starts.",
+        lazy_epilog=lambda: f"methods (federation.method): {', '.join(_method_names())}",
     )
     p.add_argument("scenario", help="scenario YAML (see configs/scenarios/)")
-    p.add_argument("--out", required=True, help="run directory for metrics.jsonl, summary.json, logs")
+    p.add_argument("--out", required=True, help="run directory for metrics.jsonl, summary.json, logs (new or empty)")
+    p.add_argument(
+        "--force", action="store_true", help="--out may hold an earlier run: what that run wrote is removed first"
+    )
     p.add_argument("--broker", help="mqtt://host:port of an existing broker (default: start an embedded one)")
     p.add_argument(
         "--set",
@@ -147,8 +168,39 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=1883)
+    p.add_argument("--ready-file", help="write this file once the broker listens (for a parent process)")
     p.set_defaults(run=_broker)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser whose epilog is computed only when its help is shown (the method
+    list needs the registry; ``fcl status`` on a small device should not pay for it)."""
+
+    def __init__(self, *args, lazy_epilog: Callable[[], str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_epilog = lazy_epilog
+
+    def format_help(self) -> str:
+        if self.lazy_epilog is not None:
+            self.epilog = self.lazy_epilog()
+        return super().format_help()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fcl-edge")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _method_names() -> list[str]:
+    """The registry's names (importing the method packages is cheap: learners load lazily)."""
+    import methods
+
+    return methods.names()
 
 
 def _served_from_state(state_dir: str) -> object:
@@ -162,6 +214,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.in_process and args.broker:
         raise ConfigError("--in-process and --broker: choose one")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
     return simulate(
         args.scenario,
         args.out,
@@ -169,6 +223,7 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides=args.set,
         timeout=args.timeout,
         in_process=args.in_process,
+        force=args.force,
     )
 
 
@@ -297,15 +352,25 @@ def _keygen(args: argparse.Namespace) -> int:
 def _broker(args: argparse.Namespace) -> int:
     from fcl_edge.broker import run_embedded_broker
 
-    return run_embedded_broker(args.host, args.port)
+    return run_embedded_broker(args.host, args.port, args.ready_file)
 
 
 def _serve(run: Callable[[threading.Event], int]) -> int:
-    """Run a daemon; SIGTERM/SIGINT only set an event that its loop checks."""
+    """Run a daemon; SIGTERM/SIGINT only set an event that its loop checks.  A directory it
+    cannot write (out_dir, state_dir: permissions, a read-only or full disk) is STATE_ERROR."""
+    import errno
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    return int(run(stop))
+    try:
+        return int(run(stop))
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fcl: error: cannot write the state: {where}{exc.strerror or exc}", file=sys.stderr)
+        return int(ExitCode.STATE_ERROR)
 
 
 if __name__ == "__main__":

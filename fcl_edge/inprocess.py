@@ -9,12 +9,14 @@ quick experiments use this; the wire protocol itself is tested against Mosquitto
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from fclcore.config import load_config
+from fclcore.errors import FclError
 from fclcore.exitcodes import ExitCode
 from fclcore.inproc import InProcessBroker, link_factory
 from fclcore.schema import AggregatorConfig, ClientConfig
@@ -30,6 +32,7 @@ class Participant:
         self.name = name
         self.stop = threading.Event()
         self.returncode: int | None = None
+        self.reason: str | None = None  # why it failed, in one line (fcl simulate prints it)
         self._service = None
         self._build = build
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -42,9 +45,12 @@ class Participant:
         try:
             self._service = self._build(self.stop)
             self.returncode = int(self._service.run())
-        except Exception:
+        except FclError as exc:  # the toolkit's own errors: one line, their exit code (as fcl does)
+            log.error("%s: %s", self.name, exc)
+            self.reason, self.returncode = str(exc), int(exc.exit_code)
+        except Exception as exc:
             log.exception("%s failed", self.name)
-            self.returncode = int(ExitCode.FAILURE)
+            self.reason, self.returncode = f"{type(exc).__name__}: {exc}", int(ExitCode.FAILURE)
 
     def poll(self) -> int | None:
         return None if self._thread.is_alive() else self.returncode
@@ -86,9 +92,17 @@ def build_participants(configs: dict[str, tuple[str, Path]], broker: InProcessBr
     return out
 
 
-def log_to(path: Path) -> logging.Handler:
-    """Every participant's log lines into one file (they share the process's loggers)."""
+@contextlib.contextmanager
+def logging_to(path: Path) -> Iterator[None]:
+    """Every participant's log lines into one file, and only there (as each process of a
+    multi-process run has its own log): stderr keeps ``fcl simulate``'s own lines."""
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    return handler
+    root = logging.getLogger()
+    before = root.handlers[:]
+    root.handlers = [handler]
+    try:
+        yield
+    finally:
+        root.handlers = before
+        handler.close()

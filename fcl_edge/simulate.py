@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import yaml
 from tqdm import tqdm
 
 import methods
-from fcl_edge.broker import free_port, wait_for_port
+from fcl_edge.broker import free_port, probe_broker
 from fclcore.config import ConfigError, load_config, to_dict
 from fclcore.data import (
     DataError,
@@ -34,6 +35,7 @@ from fclcore.data import (
     pool_task_split,
     random_client_tasks,
 )
+from fclcore.errors import BrokerUnreachable, StateError
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership, preset
 from fclcore.schedule import TaskSchedule
@@ -247,9 +249,14 @@ def simulate(
     overrides: Sequence[str] = (),
     timeout: float = 3600.0,
     in_process: bool = False,
+    force: bool = False,
 ) -> int:
+    """Everything that can be checked is checked before any process starts: the scenario, the
+    run directory and the broker; a participant that fails stops the others."""
     p = plan(scenario_path, overrides)
-    out_dir = Path(out)
+    out_dir = _prepare_out(Path(out), force)
+    if broker:
+        probe_broker(broker)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     _start_afresh(out_dir)
     (out_dir / "scenario.yaml").write_text(yaml.safe_dump(to_dict(p.scenario), sort_keys=False))
@@ -275,24 +282,63 @@ def simulate(
 
 def _simulate_in_process(p: Plan, out_dir: Path, timeout: float) -> int:
     """The same services as threads over the in-process transport (``fcl_edge.inprocess``)."""
-    from fcl_edge.inprocess import build_participants, log_to
+    from fcl_edge.inprocess import build_participants, logging_to
     from fclcore.inproc import InProcessBroker
 
     broker = InProcessBroker()
-    handler = log_to(out_dir / "logs" / "in-process.log")
     participants = {}  # the started ones: _follow adds the late clients as it starts them
+    with logging_to(out_dir / "logs" / "in-process.log"):
+        try:
+            built = build_participants(write_configs(p, out_dir, "mqtt://in-process:1883"), broker)
+            late = _late_starts(p)
+            participants = {name: part.start() for name, part in built.items() if name not in late}
+            starts = {name: (after, built[name].start) for name, after in late.items()}
+            return _follow(p, out_dir, participants, timeout, starts)
+        finally:
+            for participant in participants.values():
+                _stop(participant)
+            broker.stop()
+
+
+# What a run writes into its directory: ``--force`` removes these (and only these) first.
+RUN_ENTRIES = (
+    "metrics.jsonl",
+    "summary.json",
+    "scenario.yaml",
+    "logs",
+    "configs",
+    "clients",
+    "state",
+    "keys",
+    "aux",
+    "report",
+)
+
+
+def _prepare_out(out_dir: Path, force: bool) -> Path:
+    """The run directory, empty: a non-empty one is refused (an earlier run's report would
+    mix with this one's) unless ``force``, which removes what an earlier run wrote there."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir}: exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not force:
+            raise ConfigError(f"--out {out_dir}: not empty; choose a new directory or pass --force to replace the run")
+        for name in RUN_ENTRIES:
+            entry = out_dir / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink(missing_ok=True)
     try:
-        built = build_participants(write_configs(p, out_dir, "mqtt://in-process:1883"), broker)
-        late = _late_starts(p)
-        participants = {name: part.start() for name, part in built.items() if name not in late}
-        starts = {name: (after, built[name].start) for name, after in late.items()}
-        return _follow(p, out_dir, participants, timeout, starts)
-    finally:
-        for participant in participants.values():
-            _stop(participant)
-        broker.stop()
-        logging.getLogger().removeHandler(handler)
-        handler.close()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".fcl-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:  # the path itself is wrong
+        raise ConfigError(f"--out {out_dir}: cannot create it: {exc.strerror or exc}") from None
+    except OSError as exc:  # permissions, a read-only or full file system
+        raise StateError(f"--out {out_dir}: cannot write there: {exc.strerror or exc}") from None
+    return out_dir
 
 
 def _start_afresh(out_dir: Path) -> None:
@@ -310,10 +356,16 @@ def _start_broker(broker: str | None, out_dir: Path) -> tuple[subprocess.Popen |
             raise ConfigError(f"--broker: {exc}") from None
         return None, broker
     port = free_port()
-    proc = _spawn("broker", "broker", None, out_dir, extra=["--port", str(port)])
-    if not wait_for_port("127.0.0.1", port, 20):
-        _stop(proc)
-        raise ConfigError(f"embedded broker did not start; see {out_dir / 'logs' / 'broker.log'}")
+    ready = out_dir / "logs" / "broker.ready"
+    ready.unlink(missing_ok=True)
+    proc = _spawn("broker", "broker", None, out_dir, extra=["--port", str(port), "--ready-file", str(ready)])
+    deadline = time.monotonic() + 20
+    while not ready.exists():  # written once it listens (a bare TCP probe would log as a failed session)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            raise BrokerUnreachable(f"embedded broker did not start: {last_reason(out_dir / 'logs' / 'broker.log')}")
+        time.sleep(0.05)
+    ready.unlink()
     return proc, f"mqtt://127.0.0.1:{port}"
 
 
@@ -409,17 +461,27 @@ def _follow(
     deadline = time.monotonic() + timeout
     score = "mean acc" if methods.lookup(fed.method).metric == "accuracy" else "mean NLL"
     tqdm.write(f"{'round':>5} {'task':>4} {score:>9} {'bytes up':>10} {'bytes down':>11}")
-    with tqdm(total=fed.total_rounds, unit="round", dynamic_ncols=True) as bar:
+    failed: list[str] = []  # the participants that failed on their own, before any was stopped
+    with tqdm(total=fed.total_rounds, unit="round", dynamic_ncols=True, disable=not sys.stderr.isatty()) as bar:
         while procs["aggregator"].poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
             for event in tail.read():
                 _show(event, rounds, bar)
                 _start_late(event, late, procs)
-            if any(proc.poll() not in (None, 0) for proc in procs.values()):
+            if _failed(procs):
                 break
         for event in tail.read():
             _show(event, rounds, bar)
-    return _outcome(out_dir, procs, deadline)
+    failed = _failed(procs)
+    if failed:  # one failed: the run cannot finish, so the others are stopped now, not waited for
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+    return _outcome(out_dir, procs, deadline, failed)
+
+
+def _failed(procs: dict) -> list[str]:
+    return [name for name, proc in procs.items() if proc.poll() not in (None, 0)]
 
 
 def _start_late(event: dict, late: dict[str, tuple[int, Callable[[], Any]]], procs: dict) -> None:
@@ -447,34 +509,84 @@ def _show(event: dict, rounds: dict[int, dict], bar: tqdm) -> None:
         tqdm.write(f"{event['round']:>5} {row['task']:>4} {score:>9.3f} {row['up']:>10,} {row['down']:>11,}")
 
 
-def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float) -> int:
+def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float, failed: Sequence[str] = ()) -> int:
     codes = {}
     for name, proc in procs.items():
         try:
             codes[name] = proc.wait(timeout=max(1.0, min(30.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             codes[name] = None
-    failed = {n: c for n, c in codes.items() if c != 0}
     summary_path = out_dir / "summary.json"
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-        final, b = summary.get("final", {}), summary["bytes"]
-        fleet = "avg_accuracy" not in final and "avg_nll" not in final and summary.get("fleet")
-        final = fleet or final  # no device reported at every task end (membership): the fleet's matrix
-        score = ("fleet " if fleet else "") + (
-            f"avg incremental accuracy {final.get('avg_incremental_accuracy')}"
-            if "avg_accuracy" in final
-            else f"avg NLL {final.get('avg_nll')}"
-        )
-        print(
-            f"{score}  forgetting {final.get('forgetting')}  "
-            f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,})"
-        )
-        print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
+    if summary_path.exists() and not failed:
+        _print_result(out_dir, summary_path)
     if failed:
-        print(f"fcl: error: processes failed (exit codes {failed}); logs in {out_dir / 'logs'}", file=sys.stderr)
+        first = failed[0]
+        also = f" (also failed: {', '.join(failed[1:])})" if len(failed) > 1 else ""
+        print(
+            f"fcl: error: {first} exited {codes[first]}: {_reason(out_dir, first, procs[first])}{also}", file=sys.stderr
+        )
+        return int(ExitCode.CLIENT_FAILED)
+    unfinished = {n: c for n, c in codes.items() if c != 0}  # after the aggregator ended (or the timeout)
+    if unfinished:
+        name, code = next(iter(unfinished.items()))
+        if code is None:
+            print(f"fcl: error: {name} did not finish within --timeout; stopped it", file=sys.stderr)
+        else:
+            print(f"fcl: error: {name} exited {code}: {_reason(out_dir, name, procs[name])}", file=sys.stderr)
         return int(ExitCode.CLIENT_FAILED)
     return int(ExitCode.OK)
+
+
+def _print_result(out_dir: Path, summary_path: Path) -> None:
+    summary = json.loads(summary_path.read_text())
+    final, b = summary.get("final", {}), summary["bytes"]
+    fleet = "avg_accuracy" not in final and "avg_nll" not in final and summary.get("fleet")
+    final = fleet or final  # no device reported at every task end (membership): the fleet's matrix
+    score = ("fleet " if fleet else "") + (
+        f"avg incremental accuracy {final.get('avg_incremental_accuracy')}"
+        if "avg_accuracy" in final
+        else f"avg NLL {final.get('avg_nll')}"
+    )
+    print(
+        f"{score}  forgetting {final.get('forgetting')}  "
+        f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,})"
+    )
+    print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
+
+
+def _reason(out_dir: Path, name: str, proc: object) -> str:
+    """A participant's own one-line reason: what it recorded (in-process), else its log's."""
+    reason = getattr(proc, "reason", None)
+    if reason:
+        return reason
+    shared = out_dir / "logs" / "in-process.log"  # --in-process: one log, each line names its thread
+    if shared.exists():
+        return last_reason(shared, only=f" {name} ")
+    return last_reason(out_dir / "logs" / f"{name}.log")
+
+
+_LOGGED_ERROR = re.compile(r" (?:ERROR|CRITICAL) [\w.]+: (.*)$")
+_FCL_ERROR = re.compile(r"fcl[\w ]*: error: (.*)$")
+
+
+def last_reason(log_path: Path, limit: int = 300, only: str = "") -> str:
+    """The line of a log that says why its process ended: its ``fcl: error:`` line, else its
+    last ERROR record, else (a crash) the traceback's exception line, else its last line."""
+    try:
+        with open(log_path, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, 2) - 65536))
+            text = handle.read().decode("utf-8", "replace")
+        lines = [line.strip() for line in text.splitlines() if line.strip() and only in line]
+    except OSError as exc:
+        return f"(no log: {exc.strerror or exc})"
+    if not lines:
+        return f"(nothing in {log_path})"
+    found = next((m.group(1) for line in reversed(lines) if (m := _FCL_ERROR.match(line))), None)
+    if found is None and any(line.startswith("Traceback (") for line in lines):
+        found = lines[-1]
+    if found is None:
+        found = next((m.group(1) for line in reversed(lines) if (m := _LOGGED_ERROR.search(line))), lines[-1])
+    return found if len(found) <= limit else found[: limit - 3] + "..."
 
 
 def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -196,7 +197,14 @@ def collect(options: BrokerOptions, federation: str | None, wait_s: float) -> li
         with lock:
             received.append((message.topic, bytes(message.payload)))
 
+    def on_connect_fail(c, userdata):  # paho calls this inside its ``except OSError``
+        exc = sys.exc_info()[1]
+        unreachable.append(getattr(exc, "strerror", None) or str(exc) or "connection failed")
+        subscribed.set()
+
+    unreachable: list[str] = []  # a refused or unresolvable address: retrying for the timeout would not help
     client.on_connect = on_connect
+    client.on_connect_fail = on_connect_fail
     client.on_subscribe = lambda *args: subscribed.set()
     client.on_message = on_message
     try:
@@ -204,6 +212,8 @@ def collect(options: BrokerOptions, federation: str | None, wait_s: float) -> li
         client.loop_start()
         if not subscribed.wait(options.connect_timeout_s):
             raise StatusError(f"could not connect to {options.url} within {options.connect_timeout_s:g} s")
+        if unreachable:
+            raise StatusError(f"could not connect to {options.url}: {unreachable[0]}")
         if refused:
             raise StatusError(f"broker {options.url} refused the connection: {refused[0]}")
         time.sleep(wait_s)  # retained messages come right after SUBACK; live ones keep coming

@@ -33,6 +33,8 @@ def load_config(cls: type[T], path: str | os.PathLike, overrides: typing.Sequenc
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read file: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not a YAML file (not UTF-8 text)") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -57,7 +59,7 @@ def _resolve_extends(raw: dict, path: Path, source: str, depth: int) -> dict:
     parent_path = path.parent / parent_name
     try:
         parent = yaml.safe_load(parent_path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"{source}: extends: cannot load {parent_path}: {exc}") from None
     if not isinstance(parent, dict):
         raise ConfigError(f"{source}: extends: {parent_path} is not a mapping")

@@ -40,3 +40,10 @@ class StateError(FclError, RuntimeError):
     """A state directory cannot be read back or written (exit 6)."""
 
     exit_code = ExitCode.STATE_ERROR
+
+
+class TrainingDiverged(BadInput):
+    """A device's loss or update stopped being finite: the training settings need changing (exit 2).
+
+    Retrying cannot help (the same round diverges again from the same checkpoint), so this is
+    bad input, the code systemd does not restart."""

@@ -33,7 +33,8 @@ TEMPLATE=$REPO/configs/services/client.yaml
 UNIT_SOURCE=$REPO/deploy/systemd/$UNIT
 
 usage() {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  # the header comment, from line 2 to the first line that is not a comment
+  sed -n '2,/^[^#]/{/^#/!q;s/^# \{0,1\}//;p}' "$0"
   cat <<'EOF'
 
 Options:
