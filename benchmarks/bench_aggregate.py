@@ -25,7 +25,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # allow `python benchmarks/bench_aggregate.py` without installing
     sys.path.insert(0, str(REPO))
+
+from bench_codec import machine_info  # noqa: E402  (a sibling script: benchmarks/ is sys.path[0])
 
 from fclcore.aggregation import RunningSum, weighted_average  # noqa: E402
 from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, decode, encode  # noqa: E402
@@ -228,12 +229,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], load_before: tuple) ->
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
         model={"params": sum(a * b for a, b in model_shapes(args.params, args.tensors).values()), "dense_mb": None},
         machine={
-            "processor": platform.processor(),
-            "machine": platform.machine(),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
+            **machine_info(),
             "flwr": flwr_version(),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
