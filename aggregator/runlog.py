@@ -3,7 +3,10 @@
 Event kinds written to metrics.jsonl (field ``event``):
 
 * ``round_client`` — one per (round, client): bytes_up/bytes_down (MQTT PUBLISH packet
-  bytes), payload_up/payload_down, status (accepted | missing), n_samples, train_nll;
+  bytes), payload_up/payload_down, up_kinds/down_kinds (the packet bytes by kind: ``model``,
+  ``knowledge``, ``control``), dense_fp32_up/dense_fp32_down (what dense float32 FedAvg would
+  have sent: the reference), sync (the sync frames the device fetched), status (accepted |
+  missing), n_samples, train_nll;
 * ``round`` — one per closed round: accepted clients, duration, attempt;
 * ``eval`` — a client's held-out NLL per task for the global model after ``round``;
 * ``round_summary`` — mean over clients of the current task's NLL after ``round``;
@@ -48,6 +51,9 @@ class RunLog:
         self.client_rejections: dict[str, dict[str, int]] = {}  # client -> its latest reason -> count
         self.bytes: dict[str, Counter] = defaultdict(Counter)  # client -> up/down/payload totals
         self.dense_fp32_up = 0
+        self.dense_fp32_down = 0
+        self.kinds: dict[str, Counter] = {"up": Counter(), "down": Counter()}  # direction -> kind -> bytes
+        self.syncs: Counter[str] = Counter()  # sync frames fetched by devices, by reason
         self.evals: dict[str, dict[int, dict]] = defaultdict(dict)  # client -> round -> report
 
     def write(self, event: str, **fields: object) -> None:
@@ -67,12 +73,15 @@ class RunLog:
         down: int,
         payload_down: int,
         dense_fp32_up: int,
+        dense_fp32_down: int = 0,
         **extra: object,
     ) -> None:
         totals = self.bytes[client]
         totals.update(up=up, payload_up=payload_up, down=down, payload_down=payload_down)
         self._note_client_rejections(client, extra.get("rejected_by_client"))
+        self._note_kinds(extra)
         self.dense_fp32_up += dense_fp32_up
+        self.dense_fp32_down += dense_fp32_down
         self.write(
             "round_client",
             round=rnd,
@@ -83,6 +92,7 @@ class RunLog:
             payload_up=payload_up,
             payload_down=payload_down,
             dense_fp32_up=dense_fp32_up,
+            dense_fp32_down=dense_fp32_down,
             **extra,
         )
 
@@ -117,12 +127,19 @@ class RunLog:
                         payload_down=event["payload_down"],
                     )
                     self.dense_fp32_up += event.get("dense_fp32_up", 0)
+                    self.dense_fp32_down += event.get("dense_fp32_down", 0)
+                    self._note_kinds(event)
                     self._note_client_rejections(event["client"], event.get("rejected_by_client"))
                 elif event["event"] == "eval":
                     report = {k: v for k, v in event.items() if k not in ("event", "client")}
                     self.evals[event["client"]][report["round"]] = report
         self.rejections = Counter(rejections)
         self.write("resumed", offset=offset)
+
+    def _note_kinds(self, record: dict) -> None:
+        for direction in ("up", "down"):
+            self.kinds[direction].update(record.get(f"{direction}_kinds") or {})
+        self.syncs.update(record.get("sync") or {})
 
     def _note_client_rejections(self, client: str, counts: object) -> None:
         """A device reports its drops so far with each update: the latest report is its total."""
@@ -185,6 +202,10 @@ class RunLog:
                 "payload_up_total": sum(c["payload_up"] for c in self.bytes.values()),
                 "payload_down_total": sum(c["payload_down"] for c in self.bytes.values()),
                 "dense_fp32_up_total": self.dense_fp32_up,
+                "dense_fp32_down_total": self.dense_fp32_down,
+                "up_by_kind": dict(self.kinds["up"]),
+                "down_by_kind": dict(self.kinds["down"]),
+                "syncs": dict(self.syncs),
                 "per_client": {c: dict(v) for c, v in sorted(self.bytes.items())},
             },
             "rejected": dict(self.rejections),

@@ -24,6 +24,7 @@ import numpy as np
 
 import methods
 from aggregator.clients import ClientSet
+from aggregator.downlink import ModelDownlink
 from aggregator.inbox import Inbox, Rejection, is_finite_number
 from aggregator.metrics import AggregatorMetrics
 from aggregator.runlog import RunLog
@@ -31,7 +32,7 @@ from aggregator.state import Committed, StateStore, fingerprint
 from fclcore import topics
 from fclcore.aggregation import RunningSum
 from fclcore.checkpoint import CheckpointError
-from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
+from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
@@ -39,12 +40,14 @@ from fclcore.membership import Membership
 from fclcore.runid import new_run_id, started_us
 from fclcore.schema import AggregatorConfig
 from fclcore.sdnotify import Notifier, WatchdogThread
-from fclcore.signing import load_keys
+from fclcore.signing import MAGIC as SIGNED_MAGIC
+from fclcore.signing import TAG_BYTES, is_signed, load_keys
 from fclcore.strategy import Update
 from fclcore.transport import MqttLink, TransportError, parse_status, publish_packet_bytes
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
+KNOWLEDGE_PREFIX = "kb:"  # tensors of an update that are knowledge-base entries (the methods' wire convention)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,12 @@ class AggregatorService:
         self.schedule = self.strategy.schedule
         self.global_params = self.strategy.initial_model()
         self.limits = CodecLimits(max_frame_bytes=int(self.fed.wire.max_frame_mb * 2**20))
+        self.downlink = ModelDownlink(
+            self.fed.wire.value_dtype,
+            methods.positions_for(self.fed, cfg.input_dim, "aggregator config"),
+            self.fed.wire.catchup_versions,
+        )
+        self.announced_model_bytes = 0  # payload bytes of the model in the latest announcement
         keys = None
         if cfg.keys_dir:
             try:
@@ -104,6 +113,7 @@ class AggregatorService:
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
         self.tensor_bytes: dict[str, dict[str, int]] = {}  # client -> bytes by kind of its accepted update
+        self.up_kinds: dict[str, dict[str, int]] = {}  # client -> its accepted update's packet bytes by kind
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
         self.fingerprint = fingerprint(to_dict(self.fed), cfg.input_dim)
         self.next_round = self._resume()
@@ -232,6 +242,7 @@ class AggregatorService:
         federation left on the broker (a broker with persistence keeps them across restarts),
         so no device acts on them.  Devices also ignore frames of another run (``meta.run``)."""
         topics_ = [topics.round_topic(self.fed.name)]
+        topics_ += [topics.model_topic(self.fed.name, which) for which in ("full", "catchup")]
         topics_ += [topics.knowledge_topic(self.fed.name, c) for c in self.cfg.expected_clients]
         for topic in topics_:
             self.link.publish(topic, b"", retain=True, tag="clear")
@@ -361,12 +372,35 @@ class AggregatorService:
             meta["failed"] = failed[:200]
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
-        tensors = {} if failed is not None else self.global_params
-        payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
+        tensors: dict = {}
+        dtype = self.fed.wire.value_dtype
+        if failed is None:
+            tensors, ref = self.downlink.prepare(rnd, self.global_params, lambda t: self._roundtrip(header, t))
+            self.global_params = self.downlink.served  # the model as every device decodes it
+            meta["model"] = ref.to_meta()
+            self._publish_sync(rnd, task)
+        payload = encode(Frame(header, meta, tensors), dtype, self.limits)
         topic = topics.round_topic(self.fed.name)
         self.link.publish(topic, payload, retain=True, tag=f"{kind.name.lower()}:{rnd}")
         self.retained[topic] = payload
+        self.announced_model_bytes = len(payload) - len(encode(Frame(header, meta, {}), dtype, self.limits))
         return publish_packet_bytes(topic, len(payload)), len(payload)
+
+    def _roundtrip(self, header: Header, tensors: dict) -> dict:
+        """``tensors`` as a device decodes them from an announcement with ``header``."""
+        payload = encode(Frame(header, {}, tensors), self.fed.wire.value_dtype, self.limits)
+        return decode(payload, self.limits).tensors
+
+    def _publish_sync(self, rnd: int, task: int) -> None:
+        """The retained sync frames of the model about to be announced (published first, so a
+        device that sees the announcement finds them): the full model and the catch-up."""
+        for which, (tensors, ref, dtype) in self.downlink.sync_frames().items():
+            self.sequence += 1
+            header = Header(Kind.MODEL, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
+            payload = encode(Frame(header, {"run": self.run_id, "model": ref.to_meta()}, tensors), dtype, self.limits)
+            topic = topics.model_topic(self.fed.name, which)
+            self.link.publish(topic, payload, retain=True, tag=f"sync:{which}")
+            self.retained[topic] = payload
 
     def _schedule_meta(self, rnd: int) -> dict:
         """This round's place in the task schedule and the previous round's (what the device's
@@ -472,6 +506,7 @@ class AggregatorService:
         replay; a replayed update (``journal=False``) is folded into the rebuilt sum once."""
         if kind is Kind.UPDATE:
             self.tensor_bytes[update.client] = self.strategy.bytes_by_kind(update.frame.tensors, update.frame.meta)
+            self.up_kinds[update.client] = _up_kinds(update, payload, self.fed.wire.value_dtype, self.limits)
             if self.strategy.streams:
                 running, folded = self._round_sum(rnd)
                 if update.client in folded:  # the inbox refuses a second update per round; never fold one
@@ -524,19 +559,26 @@ class AggregatorService:
         duration: float,
         knowledge: dict[str, tuple[int, int]],
     ) -> None:
+        model_down = self.announced_model_bytes
         for client in roster:
             update = received.get(client)
             meta = update.frame.meta if update else {}
             kb_bytes, kb_payload = knowledge.get(client, (0, 0))
+            sync = _counts(meta.get("sync")) or {}  # the sync frames this device fetched for this round
+            sync_bytes = sync.pop("bytes", 0)
             self.runlog.round_client(
                 rnd,
                 task,
                 client,
                 up=update.packet_bytes if update else 0,
                 payload_up=update.payload_bytes if update else 0,
-                down=down + kb_bytes,
-                payload_down=payload_down + kb_payload,
+                down=down + kb_bytes + sync_bytes,
+                payload_down=payload_down + kb_payload + sync_bytes,
                 dense_fp32_up=self.strategy.dense_fp32_bytes if update else 0,
+                dense_fp32_down=self.strategy.dense_fp32_bytes,
+                up_kinds=self.up_kinds.get(client, {}) if update else _kinds(0, 0, 0),
+                down_kinds=_kinds(model_down + sync_bytes, kb_bytes, down - model_down),
+                **({"sync": sync} if sync else {}),
                 status="accepted" if update else "missing",
                 n_samples=meta.get("n_samples"),
                 train_nll=_number(meta.get("train_nll")),
@@ -560,6 +602,7 @@ class AggregatorService:
             up=sum(u.packet_bytes for u in received.values()),
             down=sum(down + knowledge.get(c, (0, 0))[0] for c in roster),
         )
+        self.up_kinds.clear()
         meter = self.link.meter.snapshot()
         self.link.publish_status(
             "online",
@@ -630,3 +673,20 @@ def _counts(value: object) -> dict[str, int] | None:
         return None
     clean = {k: _count(v) for k, v in value.items() if isinstance(k, str) and len(k) <= 64}
     return clean if len(clean) == len(value) and None not in clean.values() else None
+
+
+def _kinds(model: int, knowledge: int, control: int) -> dict[str, int]:
+    """Bytes by kind: the model, knowledge-base entries, and control (headers, metadata, MQTT)."""
+    return {"model": int(model), "knowledge": int(knowledge), "control": int(control)}
+
+
+def _up_kinds(update: Update, payload: bytes, value_dtype: str, limits: CodecLimits) -> dict[str, int]:
+    """An update's packet bytes by kind: its tensors' records (``kb:`` tensors are knowledge
+    entries), and the rest (header, metadata, signature, MQTT header) as control."""
+    frame = update.frame
+    frame_len = len(payload) - (len(SIGNED_MAGIC) + TAG_BYTES if is_signed(payload) else 0)
+    tensors = frame_len - len(encode(Frame(frame.header, frame.meta, {}), limits=limits))
+    kb = {k: v for k, v in frame.tensors.items() if k.startswith(KNOWLEDGE_PREFIX)}
+    empty = len(encode(Frame(frame.header, {}, {}), limits=limits))
+    knowledge = len(encode(Frame(frame.header, {}, kb), value_dtype, limits)) - empty if kb else 0
+    return _kinds(tensors - knowledge, knowledge, update.packet_bytes - tensors)

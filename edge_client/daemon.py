@@ -28,6 +28,7 @@ import torch
 
 import methods
 from edge_client.control import ControlServer
+from edge_client.replica import CATCHUP, FULL, ModelReplica
 from edge_client.serving import ServedModelWriter
 from edge_client.state import ClientState, ClientStateStore
 from edge_client.taskdir import TaskDirectory
@@ -130,6 +131,11 @@ class ClientDaemon:
             topics.knowledge_topic(cfg.federation, cfg.client_id),
             topics.status_topic(cfg.federation, topics.AGGREGATOR_ID),
         )
+        # subscribed only while the device resyncs (``ModelReplica``): "full" or "catchup"
+        self.sync_topics = {topics.model_topic(cfg.federation, w): w for w in (FULL, CATCHUP)}
+        self.replica: ModelReplica | None = None  # the global model as announced, kept in step by deltas
+        self.syncing: str | None = None  # the sync frame being fetched
+        self.parked: tuple[str, bytes, int] | None = None  # the announcement that waits for it
         self.link = link_factory(
             cfg.broker,
             f"fcl-{cfg.federation}-{cfg.client_id}",
@@ -262,7 +268,7 @@ class ClientDaemon:
             self._on_aggregator_status(payload)
             return False
         try:
-            if topic not in self.subscribed:
+            if topic not in self.subscribed and topic not in self.sync_topics:
                 raise RejectedFrame(f"topic: {topic} is not a topic this device subscribed to")
             return self._act(topic, payload, size)
         except RejectedFrame as exc:
@@ -287,6 +293,10 @@ class ClientDaemon:
                 self.newer.setdefault(run, {})[frame.header.task] = (frame, payload, size)  # kept until it is joined
                 return False
             return self._on_knowledge(topic, frame, payload, size)
+        if kind is Kind.MODEL:
+            if run != self.run_id:
+                raise RejectedFrame(f"run: a model of run {run}, this device is in run {self.run_id}")
+            return self._on_sync(topic, frame, size)
         if kind is Kind.REQUEST:
             if run != self.run_id:
                 raise RejectedFrame(f"run: a request of run {run}, this device is in run {self.run_id}")
@@ -316,6 +326,10 @@ class ClientDaemon:
             # seen again after a reconnect or a restart, or re-announced: the round is still open
             self._resend(frame.header.round, "its round is still open")
             return False
+        model = self._model(frame, fed, (topic, payload, size))
+        if model is None:
+            return False  # the announcement waits for a sync frame
+        frame = dataclasses.replace(frame, tensors=model)
         self.unacked = None  # a later round or the end: the last update was taken or is moot
         self._load(frame, fed)
         if kind is Kind.FINISH:
@@ -564,9 +578,9 @@ class ClientDaemon:
         h = frame.header
         if h.federation != self.cfg.federation or h.client != topics.AGGREGATOR_ID:
             raise RejectedFrame(f"sender: {h.client!r} of {h.federation!r} is not this federation's aggregator")
-        if h.kind not in (Kind.ROUND, Kind.FINISH, Kind.KNOWLEDGE, Kind.REQUEST):
+        if h.kind not in (Kind.ROUND, Kind.FINISH, Kind.KNOWLEDGE, Kind.REQUEST, Kind.MODEL):
             raise RejectedFrame(f"kind: {h.kind.name} is not a downlink message")
-        if h.kind in (Kind.KNOWLEDGE, Kind.REQUEST):
+        if h.kind in (Kind.KNOWLEDGE, Kind.REQUEST, Kind.MODEL):
             return frame, self.fed
         try:
             fed = from_dict(FederationSpec, frame.meta.get("federation"), "round message", "federation")
@@ -586,6 +600,51 @@ class ClientDaemon:
             raise RejectedFrame(f"tasks: federation has {fed.num_tasks} tasks, this device has {len(self.data.train)}")
         _places(frame)  # the schedule is checked before anything acts on the frame
         return frame, fed
+
+    # -- the global model: deltas and resyncs ------------------------------------------------
+    def _model(self, frame: Frame, fed: FederationSpec, message: tuple[str, bytes, int]) -> dict | None:
+        """The whole global model an announcement brings, or None while the sync frame it needs
+        is fetched (``message`` is handled again once the replica has caught up)."""
+        if self.replica is None:
+            self.replica = ModelReplica(methods.positions_for(fed, frame.meta["input_dim"], "round message"))
+        try:
+            got = self.replica.take(frame)
+        except ValueError as exc:
+            raise RejectedFrame(f"model: {exc}") from None
+        if isinstance(got, str):
+            self.parked = message
+            self._fetch(got)
+            return None
+        self._fetch(None)
+        return got
+
+    def _fetch(self, which: str | None) -> None:
+        """Subscribe to sync frame ``which`` (None: to none), leaving the one fetched before."""
+        if which == self.syncing:
+            return
+        if self.syncing is not None:
+            self.link.unsubscribe(topics.model_topic(self.cfg.federation, self.syncing))
+        if which is not None:
+            log.info("fetching the %s model (holding version %s)", which, self.replica.version)
+            self.link.subscribe(topics.model_topic(self.cfg.federation, which))
+        else:
+            self.parked = None
+        self.syncing = which
+
+    def _on_sync(self, topic: str, frame: Frame, size: int) -> bool:
+        which = self.sync_topics[topic]
+        if which != self.syncing or self.replica is None:
+            return False  # a retained copy delivered after the fetch ended
+        try:
+            wanted = self.replica.sync(frame, which, size)
+        except ValueError as exc:
+            raise RejectedFrame(f"model: {exc}") from None
+        if wanted is not None:
+            self._fetch(wanted)
+            return False
+        parked = self.parked
+        self._fetch(None)
+        return self._act(*parked) if parked is not None else False
 
     def _load(self, frame: Frame, fed: FederationSpec) -> None:
         """Create the learner on the first round, then merge the global tensors."""
@@ -637,6 +696,7 @@ class ClientDaemon:
             "train_nll": None if train_nll is None else round(train_nll, 4),
             **({"eval": report} if report is not None else {}),
             "rejected": dict(self.rejected),
+            **({"sync": sync} if (sync := self.replica.report() if self.replica else {}) else {}),
             **self.learner.report(place),
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
@@ -764,6 +824,7 @@ class ClientDaemon:
                     "client": self.cfg.client_id,
                     "rejected": self.rejected,
                     "round_bytes_down": self.round_bytes_down,
+                    "model_syncs": dict(self.replica.totals) if self.replica else {},
                     "round_cpu_s": self.round_cpu_s,
                     "round_cpu_phases": self.round_cpu_phases,
                     "round_rss_mb": self.round_rss_mb,

@@ -90,6 +90,7 @@ class Kind(enum.IntEnum):
     ACK = 6  # aggregator -> client acknowledgement
     KNOWLEDGE = 7  # aggregator -> one client: knowledge-base entries for its next task
     REQUEST = 8  # aggregator -> clients: re-send your update for this round (meta.missing names who)
+    MODEL = 9  # aggregator -> a device that must resync, retained: the global model (full or catch-up)
 
 
 @dataclass(frozen=True)

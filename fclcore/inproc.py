@@ -72,6 +72,11 @@ class Session:
     def subscribe(self, pattern: str) -> None:
         self.broker._subscribe(self, pattern)
 
+    def unsubscribe(self, pattern: str) -> None:
+        with self.broker._lock:
+            if pattern in self.filters:
+                self.filters.remove(pattern)
+
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> bool:
         """False if the session has ended (the message was not handed to the broker)."""
         return self.broker._publish(topic, payload, retain, self)
@@ -282,6 +287,21 @@ class InProcessLink:
                 self._offline.append((topic, payload, retain, info))
         self.meter.record("up", topic, len(payload), tag)
         return info
+
+    def subscribe(self, topic: str) -> None:
+        """Add a subscription (kept across reconnects); the broker sends its retained message."""
+        with self._lock:
+            if topic not in self.subscriptions:
+                self.subscriptions.append(topic)
+                if self._session is not None:
+                    self._session.subscribe(topic)
+
+    def unsubscribe(self, topic: str) -> None:
+        with self._lock:
+            if topic in self.subscriptions:
+                self.subscriptions.remove(topic)
+                if self._session is not None:
+                    self._session.unsubscribe(topic)
 
     def publish_status(self, state: str, **extra: object) -> PublishInfo:
         """Retained status; ``extra`` fields are remembered and repeated in later statuses."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from fclcore.config import from_dict
 from fclcore.errors import ConfigError
@@ -43,6 +43,10 @@ class MethodSpec:
     summary: str = ""  # one line for ``--help`` and the docs
     example_scenario: str = ""  # a shipped scenario file that runs this method
     smoke_overrides: tuple[str, ...] = ()  # ``--set`` items that shrink it to seconds (contract tests)
+    # "module:function" (fed, options, input_dim, rnd) -> {tensor: bool mask} or None: the entries
+    # round ``rnd``'s aggregation can change, derived from the seed on both sides, so the model
+    # delta sends their values without positions (``fclcore.model_sync``); "" for none
+    downlink_positions: str = ""
 
     def parse_options(self, raw: Any, source: str = "federation") -> Any:
         """The options dataclass from ``federation.options``; ConfigError naming the key."""
@@ -53,6 +57,13 @@ class MethodSpec:
 
     def learner_class(self) -> type["Learner"]:
         return _load(self.learner)
+
+    def positions(self, fed: Any, options: Any, input_dim: int) -> Callable[[int], Any]:
+        """``rnd`` -> the derived delta positions of round ``rnd`` (None without a positions function)."""
+        if not self.downlink_positions:
+            return lambda rnd: None
+        function = _load(self.downlink_positions)
+        return lambda rnd: function(fed, options, input_dim, rnd)
 
     def data_length(self, options: Any) -> int | None:
         """Tokens per text for text methods (their options' ``max_length``), else None."""

@@ -165,10 +165,15 @@ class RoundSpec:
 class WireSpec:
     value_dtype: Literal["float32", "float16"] = "float32"
     max_frame_mb: float = 64.0  # frames above this are rejected on both sides
+    # a device behind by up to this many model versions catches up from one retained frame of
+    # the entries changed meanwhile; further behind (or just joined) it fetches the full model
+    catchup_versions: int = 4
 
     def __post_init__(self) -> None:
         if not 0 < self.max_frame_mb <= 255:  # MQTT caps a packet just under 256 MiB
             raise ValueError(f"max_frame_mb: expected a size in (0, 255] MB, got {self.max_frame_mb}")
+        if not 0 <= self.catchup_versions <= 64:
+            raise ValueError(f"catchup_versions: expected 0-64, got {self.catchup_versions}")
 
 
 @dataclass

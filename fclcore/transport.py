@@ -189,6 +189,18 @@ class MqttLink:
         self.meter.record("up", topic, len(payload), tag)
         return info
 
+    def subscribe(self, topic: str) -> None:
+        """Add a subscription (kept across reconnects); the broker sends its retained message."""
+        if topic not in self.subscriptions:
+            self.subscriptions.append(topic)
+            if self.connected.is_set():
+                self._client.subscribe(topic, qos=QOS)
+
+    def unsubscribe(self, topic: str) -> None:
+        if topic in self.subscriptions:
+            self.subscriptions.remove(topic)
+            self._client.unsubscribe(topic)
+
     def publish_status(self, state: str, **extra: object) -> mqtt.MQTTMessageInfo:
         """Retained status; ``extra`` fields are remembered and repeated in later statuses."""
         self.status_fields.update(extra)

@@ -22,7 +22,7 @@ from fclcore.errors import ConfigError
 from fclcore.method import REGISTRY, MethodSpec, lookup
 from fclcore.schema import FederationSpec
 
-__all__ = ["REGISTRY", "MethodSpec", "learner_for", "lookup", "names", "resolve", "strategy_for"]
+__all__ = ["REGISTRY", "MethodSpec", "learner_for", "lookup", "names", "positions_for", "resolve", "strategy_for"]
 
 
 def names() -> list[str]:
@@ -51,3 +51,10 @@ def learner_for(fed: FederationSpec, input_dim: int, client_index: int, source: 
     """The device half of ``fed.method`` (imports only the method's learner module)."""
     spec, options, fed = resolve(fed, source)
     return spec.learner_class()(fed, options, input_dim, client_index)
+
+
+def positions_for(fed: FederationSpec, input_dim: int, source: str = "federation"):
+    """``rnd`` -> the positions round ``rnd``'s aggregation can change, as both halves derive
+    them (``MethodSpec.downlink_positions``), or None."""
+    spec, options, fed = resolve(fed, source)
+    return spec.positions(fed, options, input_dim)

@@ -5,6 +5,8 @@ round is counted and dropped."""
 
 from __future__ import annotations
 
+import time
+
 import paho.mqtt.client as mqtt
 from support.fleet import Fleet
 
@@ -38,7 +40,8 @@ def test_late_join_and_dead_device(mosquitto, tmp_path, repo_root) -> None:
             late = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="straggler")
             late.connect("127.0.0.1", mosquitto.port)
             late.loop_start()
-            stale = encode(Frame(Header(Kind.UPDATE, "quickstart", 1, 0, "client-1", 2**62), {"n_samples": 3}, {}))
+            now_us = time.time_ns() // 1000  # on the aggregator's clock: dropped for its round, not its sequence
+            stale = encode(Frame(Header(Kind.UPDATE, "quickstart", 1, 0, "client-1", now_us), {"n_samples": 3}, {}))
             late.publish("fcl/quickstart/update/client-1", stale, qos=1).wait_for_publish(5)
             late.loop_stop()
         codes = fleet.wait()

@@ -25,7 +25,7 @@ _FEDAVG = "methods.confedmade.fedavg_learner:"
 _DECOMPOSED = "methods.confedmade.decomposed_learner:"
 
 
-def _spec(name: str, strategy: str, learner: str, summary: str) -> MethodSpec:
+def _spec(name: str, strategy: str, learner: str, summary: str, positions: str = "") -> MethodSpec:
     return MethodSpec(
         name=name,
         package="confedmade",
@@ -36,6 +36,7 @@ def _spec(name: str, strategy: str, learner: str, summary: str) -> MethodSpec:
         served_format="made",
         summary=summary,
         example_scenario="configs/scenarios/digits_continual.yaml",
+        downlink_positions=positions,
         smoke_overrides=(
             "federation.model.hidden_sizes=[32]",
             "tasks.shared=[[0, 1], [2, 3]]",
@@ -50,6 +51,7 @@ register(
         "ConFedMADEStrategy",
         _DECOMPOSED + "ConFedMADELearner",
         "ConFedMADE: decomposed MADE, uploads inside the round's MADE mask, knowledge base",
+        "methods.confedmade.wire:delta_positions",
     ),
     _spec(
         "fedweit-made-star",

@@ -6,9 +6,19 @@
 * A knowledge frame (the per-client downlink at a task start) carries the chosen entries:
   ``meta = {"for_task": t, "entries": [{"id", "client", "task"}, ...]}`` and one tensor per
   entry and weight, named ``<entry id>|<weight name>``.  An entry id is ``<client>/t<task>``.
+* The model delta of a round's announcement (``fclcore.model_sync``) sends ConFedMADE's weights
+  as their values inside the aggregated round's MADE mask (``delta_positions``): uploads carry
+  nothing outside it, so nothing else can change, and both halves derive the mask from the seed.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fclcore.made_spec import made_masks, mask_for_param, param_shapes
+from fclcore.orders import upload_order
 
 KB_PREFIX = "kb:"  # prefix of the task-adaptive tensors a task's last update carries
 MAX_ENTRIES = 4096
@@ -38,3 +48,12 @@ def parse_knowledge_meta(meta: object) -> list[str]:
     ):
         raise ValueError("knowledge: expected meta.entries, a list of entries with string ids")
     return [e["id"] for e in entries]
+
+
+def delta_positions(fed: Any, options: Any, input_dim: int, rnd: int) -> dict[str, np.ndarray] | None:
+    """The weight entries round ``rnd``'s masked FedAvg can change: the round's MADE mask."""
+    if not options.upload_made_mask:
+        return None
+    made = fed.model.made_config(input_dim)
+    masks = made_masks(made, upload_order(made, options, rnd))
+    return {name: mask_for_param(masks, name) > 0 for name in param_shapes(made) if name.endswith(".weight")}

@@ -1,0 +1,231 @@
+"""The global model on the downlink: versions, deltas, hashes (the contract both halves use).
+
+The aggregator numbers its global model: version ``v`` is the model after ``v`` committed
+rounds, the one round ``v`` is announced with.  A round announcement (ROUND or FINISH) carries
+the model as a *delta* from the version before, holding only the tensors whose values changed,
+each coded the cheapest of three ways:
+
+* **derived**: the values at positions both sides derive from the seed (a method's
+  ``MethodSpec.downlink_positions``; for ConFedMADE, the aggregated round's MADE mask), as a
+  1-D array in row-major order: no index information on the wire;
+* **sparse**: a ``SparseTensor`` (the codec then picks an index list or a bitmap);
+* **dense**: the whole tensor (also for a tensor that is new or changed shape).
+
+Its metadata is ``meta.model = {"version": v, "base": b, "hash": h, "derived": [...],
+"removed": [...]}``: the frame turns any model of a version in ``[b, v)`` into version ``v``
+(``b = v - 1`` for a round's delta; ``base: null`` for a full model), and ``h`` is the hash of
+the whole model as the device must then hold it.  A device that does not hold a version in
+``[b, v)`` (it just joined, restarted or missed rounds), or whose hash differs after applying,
+fetches a sync frame instead: the catch-up frame (every entry changed over the last few
+versions) or the full model, both published retained and coded without loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from fclcore.codec import SparseTensor, Tensor
+
+# (federation, options, input_dim, rnd) -> {tensor name: bool mask of its shape} or None: the
+# positions the aggregation of round ``rnd`` can change, derived on both sides from the seed
+Positions = Callable[..., "Mapping[str, np.ndarray] | None"]
+MAX_NAMES = 4096
+_HASH_CHARS = 32
+
+
+def model_hash(params: Mapping[str, np.ndarray]) -> str:
+    """A digest of a whole model: names, shapes and float32 values (order of the mapping ignored)."""
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        value = np.ascontiguousarray(params[name], dtype="<f4")
+        digest.update(name.encode() + b"\0" + repr(value.shape).encode() + b"\0")
+        digest.update(value.data)
+    return digest.hexdigest()[:_HASH_CHARS]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What a frame says about the model it carries (``meta.model``)."""
+
+    version: int
+    base: int | None  # the frame applies to any held version in [base, version); None: a full model
+    hash: str
+    derived: tuple[str, ...] = ()  # tensors sent as values at derived positions
+    removed: tuple[str, ...] = ()  # tensors the new version no longer has
+
+    def to_meta(self) -> dict:
+        return {
+            "version": self.version,
+            "base": self.base,
+            "hash": self.hash,
+            "derived": list(self.derived),
+            "removed": list(self.removed),
+        }
+
+    def applies_to(self, held: int | None) -> bool:
+        """Whether a device holding version ``held`` can apply this frame."""
+        return self.base is None or (held is not None and self.base <= held < self.version)
+
+    @classmethod
+    def of(cls, meta: Mapping) -> ModelRef | None:
+        """The frame's ``meta.model``, None when it has none; ValueError when it is malformed."""
+        raw = meta.get("model")
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError("model: expected an object with version, base and hash")
+        version, base, digest = raw.get("version"), raw.get("base"), raw.get("hash")
+        if not _count(version) or not (base is None or (_count(base) and base < version)):
+            raise ValueError(f"model: expected version >= 0 and base null or below it, got {version!r}, {base!r}")
+        if not isinstance(digest, str) or len(digest) != _HASH_CHARS:
+            raise ValueError(f"model.hash: expected {_HASH_CHARS} hex characters")
+        derived, removed = _names(raw.get("derived", []), "derived"), _names(raw.get("removed", []), "removed")
+        if base is None and (derived or removed):
+            raise ValueError("model: a full model has no derived or removed tensors")
+        return cls(int(version), None if base is None else int(base), digest, derived, removed)
+
+
+def delta(
+    held: Mapping[str, np.ndarray] | None,
+    new: Mapping[str, np.ndarray],
+    positions: Mapping[str, np.ndarray] | None = None,
+    value_bytes: int = 4,
+) -> tuple[dict[str, Tensor], tuple[str, ...], tuple[str, ...]]:
+    """(tensors, derived names, removed names) that turn ``held`` into ``new``; everything,
+    dense, when ``held`` is None.  ``value_bytes``: bytes per value on the wire (picks the
+    cheapest coding per tensor)."""
+    if held is None:
+        return {k: np.asarray(v, dtype=np.float32) for k, v in new.items()}, (), ()
+    tensors: dict[str, Tensor] = {}
+    derived = []
+    for name, value in new.items():
+        value = np.asarray(value, dtype=np.float32)
+        before = held.get(name)
+        if before is None or before.shape != value.shape:
+            tensors[name] = value
+            continue
+        pos = positions.get(name) if positions else None
+        coded = _cheapest(value, _differs(before, value), pos, value_bytes)
+        if coded is not None:
+            tensors[name] = coded
+            if pos is not None and coded is not value and not isinstance(coded, SparseTensor):
+                derived.append(name)
+    removed = tuple(sorted(set(held) - set(new)))
+    return tensors, tuple(derived), removed
+
+
+def apply(
+    held: Mapping[str, np.ndarray] | None,
+    ref: ModelRef,
+    tensors: Mapping[str, Tensor],
+    positions: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """The model after a frame (``ref`` and its tensors); ``held`` is not changed (a tensor the
+    frame does not touch is shared with it).  ValueError naming the tensor if the frame does
+    not fit ``held``: the caller then resyncs, it never keeps a half-applied model."""
+    if ref.base is None:
+        if any(isinstance(t, SparseTensor) for t in tensors.values()):
+            raise ValueError("model: a full model is dense")
+        return {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
+    if held is None:
+        raise ValueError("model: a delta needs a held model")
+    out = dict(held)
+    for name in ref.removed:
+        if out.pop(name, None) is None:
+            raise ValueError(f"{name}: removed, but not in the held model")
+    missing = sorted(set(ref.derived) - set(tensors))
+    if missing:
+        raise ValueError(f"{missing[0]}: listed as derived but not sent")
+    for name, t in tensors.items():
+        before = held.get(name)
+        if name in ref.derived:
+            pos = positions.get(name) if positions else None
+            if before is None or pos is None or pos.shape != before.shape:
+                raise ValueError(f"{name}: derived positions do not fit the held model")
+            values = np.asarray(t)
+            if isinstance(t, SparseTensor) or values.shape != (int(np.count_nonzero(pos)),):
+                raise ValueError(f"{name}: expected {int(np.count_nonzero(pos))} values at the derived positions")
+            value = before.copy()
+            value[pos] = values
+        elif isinstance(t, SparseTensor):
+            if before is None or before.shape != t.shape:
+                raise ValueError(f"{name}: a sparse change of a tensor the held model lacks or shapes otherwise")
+            value = before.copy()
+            value.reshape(-1)[t.indices] = t.values
+        else:
+            value = np.array(t, dtype=np.float32)
+        out[name] = value
+    return out
+
+
+def changes(held: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """name -> bool mask of the entries that differ; None when a tensor appeared, vanished or
+    changed shape (only a full model then bridges the two)."""
+    if set(held) != set(new) or any(held[k].shape != new[k].shape for k in new):
+        return None
+    return {k: _differs(held[k], new[k]) for k in new}
+
+
+def catchup(
+    steps: list[Mapping[str, np.ndarray]], new: Mapping[str, np.ndarray], value_bytes: int
+) -> dict[str, Tensor]:
+    """The tensors of a catch-up frame: ``new``'s values wherever any of ``steps`` (``changes``
+    masks of consecutive versions) changed an entry, sparse or dense, whichever is smaller."""
+    tensors: dict[str, Tensor] = {}
+    for name, value in new.items():
+        mask = np.zeros(value.shape, dtype=bool)
+        for step in steps:
+            mask |= step[name]
+        coded = _cheapest(value, mask, None, value_bytes)
+        if coded is not None:
+            tensors[name] = coded
+    return tensors
+
+
+def _cheapest(value: np.ndarray, changed: np.ndarray, pos: np.ndarray | None, value_bytes: int) -> Tensor | None:
+    """``value``'s ``changed`` entries coded the cheapest way: the values at the derived
+    positions ``pos`` (a 1-D array; only when they cover every change), a SparseTensor, or the
+    whole tensor; None when nothing changed."""
+    nnz = int(np.count_nonzero(changed))
+    if nnz == 0:
+        return None
+    index_bytes = 2 if value.size <= 65536 else 4
+    sparse = 4 + nnz * value_bytes + min(nnz * index_bytes, -(-value.size // 8))  # count, index list or bitmap
+    costs = {"dense": value.size * value_bytes, "sparse": sparse}
+    if pos is not None and pos.shape == value.shape and not np.any(changed & ~pos):
+        costs["derived"] = int(np.count_nonzero(pos)) * value_bytes
+    best = min(costs, key=costs.__getitem__)
+    if best == "derived":
+        return np.ascontiguousarray(value[pos])
+    if best == "sparse":
+        flat = np.flatnonzero(changed)
+        return SparseTensor(value.shape, flat, value.reshape(-1)[flat])
+    return value
+
+
+def lossless_dtype(params: Mapping[str, Tensor]) -> str:
+    """float16 when every value survives it exactly, else float32 (sync frames must not round)."""
+    for t in params.values():
+        values = t.values if isinstance(t, SparseTensor) else np.asarray(t)
+        if values.dtype != np.float16 and not np.array_equal(values.astype(np.float16).astype(np.float32), values):
+            return "float32"
+    return "float16"
+
+
+def _differs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Entries whose float32 bits differ (so 0.0 and -0.0 count as a change, as in the hash)."""
+    return np.ascontiguousarray(a, dtype="<f4").view("<u4") != np.ascontiguousarray(b, dtype="<f4").view("<u4")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
+
+
+def _names(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NAMES or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"model.{where}: expected a list of tensor names")
+    return tuple(value)
