@@ -11,7 +11,8 @@ like any device update.  Per tensor ``t`` of the round's sum the frame carries::
     weight:t weight.lo:t   the per-element weight sum, as the same kind of pair
 
 each a ``SparseTensor`` over the elements some device sent (dense when every element had
-weight), so the frame costs four times the union of the devices' sparsity.  The mean, not the
+weight; the codec may also send a dense-enough one dense, with weight 0 where nobody sent), so
+the frame costs about four times the union of the devices' sparsity.  The mean, not the
 sum, travels because it stays in the model's range where a sum of sample-weighted values may
 not fit float32.  ``meta``: ``n_samples`` (the site's devices' total, for the logs) and
 ``partial`` ({"updates": how many device updates the sum holds}).
@@ -36,8 +37,9 @@ PARTS = ("mean:", "mean.lo:", "weight:", "weight.lo:")
 MAX_UPDATES = 2**31 - 1
 
 
-def check_hierarchy(strategy: Strategy, method: str) -> None:
-    """ConfigError unless ``method``'s server step is a sum a site can pre-compute."""
+def check_hierarchy(strategy: Strategy | type[Strategy], method: str) -> None:
+    """ConfigError unless ``method``'s server step is a sum a site can pre-compute (a strategy
+    or its class: both say so in class attributes)."""
     if not (strategy.streams and strategy.partial_sums):
         raise ConfigError(
             f"method {method!r} cannot run under a hierarchy of aggregators: its server step is not "
@@ -76,32 +78,26 @@ def decode_partial(frame: Frame, shapes: Mapping[str, tuple[int, ...]]) -> Runni
         raise ValueError(f"meta.partial.updates: expected an integer in [1, {MAX_UPDATES}], got {updates!r}")
     running = RunningSum(shapes)
     for name in shapes:
-        index, mean = _pair(frame.tensors, "mean", name, running.sums[name].size)
-        weight_index, weight = _pair(frame.tensors, "weight", name, running.sums[name].size)
-        if not np.array_equal(index, weight_index):
-            raise ValueError(f"partial sum {name}: mean and weight cover different elements")
-        if not (np.isfinite(mean).all() and np.isfinite(weight).all() and (weight > 0).all()):
-            raise ValueError(f"partial sum {name}: expected finite means and weights > 0")
-        if weight.size and weight.max() > MAX_WEIGHT * updates:
-            raise ValueError(f"partial sum {name}: a weight above {updates} updates' worth")
-        running.sums[name][index] = mean * weight
-        running.sparse_weight[name] = np.zeros(running.sums[name].size, np.float64)
-        running.sparse_weight[name][index] = weight
+        size = running.sums[name].size
+        mean = _flat(frame.tensors[f"mean:{name}"], size) + _flat(frame.tensors[f"mean.lo:{name}"], size)
+        weight = _flat(frame.tensors[f"weight:{name}"], size) + _flat(frame.tensors[f"weight.lo:{name}"], size)
+        if not (weight >= 0).all() or weight.max(initial=0.0) > MAX_WEIGHT * updates:
+            raise ValueError(f"partial sum {name}: expected weights in [0, {updates} x 2**53]")
+        sent = weight > 0  # the codec may send a dense-enough sparse tensor dense, with zeros elsewhere
+        running.sums[name][sent] = mean[sent] * weight[sent]
+        running.sparse_weight[name] = np.where(sent, weight, 0.0)
     running.count = updates
     running.total_weight = float(frame.meta["n_samples"])
     return running
 
 
-def _pair(tensors: Mapping[str, Tensor], prefix: str, name: str, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(flat indices, float64 high + low values) of one mean/weight pair."""
-    high, low = tensors[f"{prefix}:{name}"], tensors[f"{prefix}.lo:{name}"]
-    if isinstance(high, SparseTensor) != isinstance(low, SparseTensor):
-        raise ValueError(f"partial sum {prefix}:{name}: high and low parts differ in kind")
-    if isinstance(high, SparseTensor):
-        if not np.array_equal(high.indices, low.indices):
-            raise ValueError(f"partial sum {prefix}:{name}: high and low parts cover different elements")
-        return high.indices, high.values.astype(np.float64) + low.values.astype(np.float64)
-    return np.arange(size), np.ravel(high).astype(np.float64) + np.ravel(low).astype(np.float64)
+def _flat(tensor: Tensor, size: int) -> np.ndarray:
+    """A tensor's values as a flat float64 array over all ``size`` elements (0 where a sparse one is not)."""
+    if isinstance(tensor, SparseTensor):
+        out = np.zeros(size, np.float64)
+        out[tensor.indices] = tensor.values
+        return out
+    return np.ravel(tensor).astype(np.float64)
 
 
 class Sites:

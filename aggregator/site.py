@@ -68,9 +68,9 @@ class SiteAggregator:
     def __init__(self, cfg: SiteConfig, stop: threading.Event | None = None, link_factory=MqttLink) -> None:
         self.cfg = cfg
         self.stop = stop or threading.Event()
-        method, _, self.fed = methods.resolve(cfg.federation, "site config")
+        spec, _, self.fed = methods.resolve(cfg.federation, "site config")
+        check_hierarchy(spec.strategy_class(), self.fed.method)  # before building it: no method's own errors
         self.strategy = methods.strategy_for(self.fed, cfg.input_dim)
-        check_hierarchy(self.strategy, self.fed.method)
         self.shape_model = self.strategy.initial_model()  # names and shapes only: the sums' template
         self.limits = CodecLimits(max_frame_bytes=int(self.fed.wire.max_frame_mb * 2**20))
         try:
