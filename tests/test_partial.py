@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import yaml
 
 import methods
 from aggregator.partial import Sites, check_hierarchy, decode_partial, encode_partial
+from aggregator.service import AggregatorService
 from fclcore.aggregation import RunningSum, weighted_average
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
-from fclcore.config import load_config
+from fclcore.config import load_config, to_dict
 from fclcore.errors import ConfigError
-from fclcore.schema import Scenario
+from fclcore.exitcodes import ExitCode
+from fclcore.schema import AggregatorConfig, Scenario
 
 SHAPES = {"w": (6, 5), "b": (5,), "never": (3,)}
 
@@ -121,3 +124,26 @@ def test_without_sites_the_root_normalizes_as_before() -> None:
     spec, _, fed = _fed("fedavg")
     strategy = methods.strategy_for(fed, 64)
     assert Sites([], strategy, "fedavg").normalizer(strategy.normalize) == strategy.normalize
+
+
+@pytest.mark.parametrize("method", ["fedet", "filver"])
+def test_fcl_site_refuses_a_batch_method_in_one_line(method: str, tmp_path, repo_root) -> None:
+    from conftest import run_fcl
+
+    sc = load_config(Scenario, repo_root / "configs/scenarios/quickstart.yaml", [f"federation.method={method}"])
+    path = tmp_path / "site.yaml"
+    raw = {"federation": to_dict(sc.federation), "site_id": "site-a", "expected_clients": ["d0"]}
+    path.write_text(yaml.safe_dump({**raw, "out_dir": str(tmp_path / "out")}))
+    done = run_fcl("site", "--config", str(path), timeout=120)
+    assert done.returncode == ExitCode.BAD_INPUT, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"method '{method}' cannot run under a hierarchy" in lines[0], done.stderr
+
+
+def test_the_root_refuses_sites_for_a_method_that_is_not_a_plain_sum(tmp_path) -> None:
+    sc = load_config(Scenario, "configs/scenarios/quickstart.yaml", ["federation.method=confedmade"])
+    cfg = AggregatorConfig(sc.federation, ["site-a", "d0"], out_dir=str(tmp_path), sites=["site-a"])
+    with pytest.raises(ConfigError, match="method 'confedmade' cannot run under a hierarchy"):
+        AggregatorService(cfg)
+    with pytest.raises(ValueError, match="sites: expected ids from expected_clients"):
+        AggregatorConfig(sc.federation, ["d0"], sites=["site-a"])
