@@ -27,6 +27,7 @@ from aggregator.clients import ClientSet
 from aggregator.downlink import ModelDownlink
 from aggregator.inbox import Inbox, Rejection, is_finite_number
 from aggregator.metrics import AggregatorMetrics
+from aggregator.partial import Sites
 from aggregator.runlog import RunLog
 from aggregator.state import Committed, StateStore, fingerprint
 from fclcore import topics
@@ -91,10 +92,11 @@ class AggregatorService:
             admit=self._admit,
             membership=self.membership,
         )
+        self.sites = Sites(cfg.sites, self.strategy, self.fed.method)  # senders whose frames are partial sums
         self.inbox = Inbox(
             self.fed.name,
             self.clients,
-            self.strategy.normalize,
+            self.sites.normalizer(self.strategy.normalize),
             self.fed.num_tasks,
             self.limits,
             keys=keys,
@@ -512,7 +514,7 @@ class AggregatorService:
                 if update.client in folded:  # the inbox refuses a second update per round; never fold one
                     raise AssertionError(f"round {rnd}: a second fold for {update.client}")
                 try:
-                    update = self.strategy.fold(running, update)
+                    update = self.sites.fold(self.strategy, running, update)
                     folded.add(update.client)
                 except ValueError as exc:  # the sums are unchanged (RunningSum checks before it adds)
                     why = Rejection("fold", str(exc), update.client)

@@ -93,6 +93,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.set_defaults(run=_aggregator)
 
+    p = sub.add_parser(
+        "site",
+        help="run a site aggregator (one level of a hierarchy)",
+        description="Run a site aggregator: it collects the updates of its own devices on its own broker "
+        "(bridged to the root's: deploy/mosquitto/site-bridge.conf) for each round the root announces, and "
+        "forwards one partial sum per round to the root (docs/scaling-out.md).",
+    )
+    p.add_argument("--config", required=True, help="site YAML (see configs/services/site.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.set_defaults(run=_site)
+
     p = sub.add_parser("client", help="run the edge client daemon", description="Run the edge client daemon.")
     p.add_argument("--config", required=True, help="client YAML (see configs/services/client.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
@@ -236,6 +247,15 @@ def _aggregator(args: argparse.Namespace) -> int:
     cfg = load_config(AggregatorConfig, args.config, args.set)
     methods.resolve(cfg.federation, args.config)  # an unknown method or option: one line, exit 2
     return _serve(lambda stop: AggregatorService(cfg, stop).run())
+
+
+def _site(args: argparse.Namespace) -> int:
+    from aggregator.site import SiteAggregator
+    from fclcore.config import load_config
+    from fclcore.schema import SiteConfig
+
+    cfg = load_config(SiteConfig, args.config, args.set)
+    return _serve(lambda stop: SiteAggregator(cfg, stop).run())
 
 
 def _client(args: argparse.Namespace) -> int:

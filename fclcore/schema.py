@@ -233,10 +233,13 @@ class AggregatorConfig:
     max_clients: int = 10_000  # enrolled devices at most
     drop_after_missed: Optional[int] = None  # a device that missed this many rounds in a row leaves the roster
     max_clock_skew_s: float = 30.0  # an update's sequence may run this far ahead of the aggregator's clock
+    sites: list[str] = field(default_factory=list)  # ids in expected_clients that are site aggregators
 
     def __post_init__(self) -> None:
         if not self.expected_clients:
             raise ValueError("expected_clients: expected at least one client id")
+        if not set(self.sites) <= set(self.expected_clients):
+            raise ValueError(f"sites: expected ids from expected_clients, got {sorted(set(self.sites))[:5]}")
         if self.max_clients < len(self.expected_clients) or (self.drop_after_missed or 1) < 1:
             raise ValueError("expected max_clients >= len(expected_clients) and drop_after_missed >= 1 or null")
         for cid in self.expected_clients:
@@ -247,6 +250,37 @@ class AggregatorConfig:
             raise ValueError(f"max_clock_skew_s: expected a positive number of seconds, got {self.max_clock_skew_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected a TCP port in [0, 65535], got {self.metrics_port}")
+
+
+@dataclass
+class SiteConfig:
+    """A site aggregator (aggregator.site): it runs the rounds the root announces with its own
+    devices, on its own broker bridged to the root's, and forwards one partial sum per round."""
+
+    federation: FederationSpec  # the same federation section as the root's (checked against its rounds)
+    site_id: str  # this site's id: one of the root's expected_clients and sites
+    expected_clients: list[str]  # this site's devices
+    broker: BrokerSpec = field(default_factory=BrokerSpec)  # the site's own broker
+    out_dir: str = "runs/site"
+    state_dir: Optional[str] = None  # journal and last forwarded round (default: out_dir/state)
+    input_dim: int = 64
+    keys_dir: Optional[str] = None  # <client>.key per device: when set, every device update must be signed
+    site_key: Optional[str] = None  # this site's key file: when set, its partial sums are signed with it
+    collect_s: Optional[float] = None  # how long a round collects from devices (default: deadline_s / 2)
+    max_clock_skew_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        validate_id(self.site_id, "site_id")
+        if not self.expected_clients:
+            raise ValueError("expected_clients: expected at least one device id")
+        for cid in self.expected_clients:
+            validate_id(cid, "client id")
+        if len(set(self.expected_clients)) != len(self.expected_clients) or self.site_id in self.expected_clients:
+            raise ValueError("expected_clients: duplicate ids, or the site's own id")
+        if self.collect_s is not None and not self.collect_s > 0:
+            raise ValueError(f"collect_s: expected a positive number of seconds or null, got {self.collect_s}")
+        if not self.max_clock_skew_s > 0:
+            raise ValueError(f"max_clock_skew_s: expected a positive number of seconds, got {self.max_clock_skew_s}")
 
 
 @dataclass

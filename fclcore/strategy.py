@@ -119,6 +119,10 @@ class Strategy:
 
     # -- streaming (only for ``streams = True``) ---------------------------------------------
     streams = False  # True: the server step is a weighted sum that ``fold`` / ``close`` compute
+    # True: a round's result depends on its updates only through the running sum (``fold`` keeps
+    # no tensors, ``close`` reads nothing per update), so a site aggregator may pre-sum a share of
+    # the devices and its parent merge that partial sum (aggregator.partial): a hierarchy.
+    partial_sums = False
 
     def running_sum(self, current: Mapping[str, np.ndarray]) -> RunningSum:
         """An empty sum for a round over the global model ``current`` (what ``fold`` adds to)."""

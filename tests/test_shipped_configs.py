@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fclcore.config import ConfigError, load_config
-from fclcore.schema import AggregatorConfig, ClientConfig, Scenario
+from fclcore.schema import AggregatorConfig, ClientConfig, Scenario, SiteConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,10 @@ def test_scenarios_load(path: Path) -> None:
     assert load_config(Scenario, path).clients >= 1
 
 
-@pytest.mark.parametrize("name,cls", [("aggregator.yaml", AggregatorConfig), ("client.yaml", ClientConfig)])
+@pytest.mark.parametrize(
+    "name,cls",
+    [("aggregator.yaml", AggregatorConfig), ("client.yaml", ClientConfig), ("site.yaml", SiteConfig)],
+)
 def test_service_configs_load_with_secret_from_env(name: str, cls: type, monkeypatch) -> None:
     path = ROOT / "configs/services" / name
     monkeypatch.delenv("FCL_MQTT_PASSWORD", raising=False)

@@ -43,6 +43,7 @@ class FedAvgStrategy(Strategy):
     update is folded into the round's sums as it arrives (``Strategy.streams``)."""
 
     streams = True
+    partial_sums = True  # fold keeps nothing, close is the sums' mean: a site can pre-sum
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, aux_dir: str | None = None) -> None:
         super().__init__(fed, options, input_dim, aux_dir)
@@ -67,6 +68,7 @@ class FedAvgStrategy(Strategy):
 class DecomposedStrategy(FedAvgStrategy):
     """FedWeIT-MADE(*): masked FedAvg of the uploaded base, a knowledge base of A_t."""
 
+    partial_sums = False  # a task end's A_t entries are kept per device (and sent back per device)
     restrict_to_made_mask = False  # uploads restricted to the round's MADE mask (with upload_made_mask)
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, aux_dir: str | None = None) -> None:
