@@ -443,10 +443,17 @@ class Scenario:
     sign_updates: bool = False  # fcl simulate provisions a key per device and the aggregator requires signatures
     membership: Optional[str] = None  # a preset (fully, decreasing, increasing, scattered) -> federation.membership
     allow_embedding_upload: bool = False  # copied into every client config
+    # ``fcl simulate`` runs the scenario once per method listed, each into OUT/<method>, and
+    # prints one comparison table; empty or absent: one run of federation.method
+    compare: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         if self.clients < 1:
             raise ValueError(f"clients: expected >= 1, got {self.clients}")
+        for name in self.compare or ():
+            validate_id(name, "compare: method name")
+        if self.compare and len(set(self.compare)) != len(self.compare):
+            raise ValueError(f"compare: expected distinct method names, got {self.compare}")
         if self.tasks.per_client is not None and len(self.tasks.per_client) != self.clients:
             raise ValueError(
                 f"tasks.per_client: expected {self.clients} client sequences, got {len(self.tasks.per_client)}"

@@ -17,7 +17,16 @@ from fcl_edge.broker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = str(REPO / "configs/scenarios/quickstart.yaml")
-TINY = ["--set", "clients=2", "--set", "federation.rounds_per_task=1", "--set", "federation.model.hidden_sizes=[16]"]
+TINY = [
+    "--set",
+    "compare=[]",
+    "--set",
+    "clients=2",
+    "--set",
+    "federation.rounds_per_task=1",
+    "--set",
+    "federation.model.hidden_sizes=[16]",
+]
 MAX_STDERR_LINES = 3
 
 

@@ -240,6 +240,8 @@ def test_fcl_status_during_and_after_a_live_run(mosquitto, tmp_path, repo_root):
                 mosquitto.url,
                 "--set",
                 "federation.rounds_per_task=3",
+                "--set",
+                "compare=[]",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
