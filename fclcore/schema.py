@@ -40,9 +40,12 @@ class BrokerSpec:
     cert_file: Optional[str] = None  # PEM client certificate (with key_file)
     key_file: Optional[str] = None  # PEM private key of cert_file, unencrypted; keep it mode 0600
     tls_insecure: bool = False  # skip the host name check (the chain is still checked): testing only
+    connect_timeout_s: float = 10.0  # a service that cannot connect at start exits 3 after this long
 
     def __post_init__(self) -> None:
         parse_broker_url(self.url)
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s: expected seconds > 0, got {self.connect_timeout_s}")
         if self.keepalive_s < 5:
             raise ValueError(f"keepalive_s: expected >= 5, got {self.keepalive_s}")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
