@@ -101,6 +101,20 @@ CASES = {
         6,
         "cannot write the state",
     ),
+    "aggregator with an unreachable broker": Case(
+        (
+            "aggregator",
+            "--config",
+            "{w}/configs/aggregator.yaml",
+            "--set",
+            "broker.url=mqtt://127.0.0.1:{closed}",
+            "--set",
+            "broker.connect_timeout_s=1",
+        ),
+        3,
+        "could not connect",
+    ),
+    "compare with a misspelled method": Case(_sim("--set", "compare=[confedmade, fedavgg]"), 2, "unknown method"),
     "client with an unknown dataset": Case(
         ("client", "--config", "{w}/configs/client-0.yaml", "--set", "data.dataset=nope"), 2, "data.dataset"
     ),
