@@ -28,6 +28,7 @@ from aggregator.downlink import ModelDownlink
 from aggregator.inbox import Inbox, Rejection, is_finite_number
 from aggregator.metrics import AggregatorMetrics
 from aggregator.partial import Sites
+from aggregator.progress import WaitNotice, byte_totals, quorum_count, round_line
 from aggregator.runlog import RunLog
 from aggregator.state import Committed, StateStore, fingerprint
 from fclcore import topics
@@ -265,9 +266,11 @@ class AggregatorService:
         expected = set(self.clients.roster(self.schedule.task_of(self.next_round)))  # active in the first task
         deadline = time.monotonic() + self.fed.rounds.start_timeout_s
         open_round = self.next_round if self.next_round > 0 else -1
+        need, notice = self._quorum(len(expected)), WaitNotice("start")
+        self._tell_roster(sorted(expected))
         while not expected <= self.clients.online and time.monotonic() < deadline and not self.stop.is_set():
             self._drain(open_round, carried, timeout=POLL_S)
-        need = self._quorum(len(expected))
+            notice.check(expected - self.clients.online, len(expected & self.clients.online), need, len(expected))
         online = len(self.clients.online & expected)
         if online < need:
             raise NotEnoughClients(
@@ -281,6 +284,7 @@ class AggregatorService:
         self.open_round = rnd
         task = self.schedule.task_of(rnd)
         roster = self.clients.open_round(rnd, task)  # who this round is run with (the quorum is a share of it)
+        self._tell_roster(roster)
         for client, state in self.clients.changes:
             self.runlog.write("membership", round=rnd, task=task, client=client, state=state)
         knowledge = self._send_downlinks(rnd, task, roster)
@@ -295,9 +299,9 @@ class AggregatorService:
                 return  # SIGTERM: the round stays open; its journal carries over to the restart
             if len(received) >= self._quorum(len(roster)):
                 self.global_params = self._close_model(rnd, received)
-                self._record_round(
-                    rnd, task, roster, received, down, payload_down, attempt, time.monotonic() - started, knowledge
-                )
+                bytes_before, seconds = byte_totals(self.runlog.bytes), time.monotonic() - started
+                self._record_round(rnd, task, roster, received, down, payload_down, attempt, seconds, knowledge)
+                self._say_round(rnd, task, len(received), len(roster), bytes_before, seconds)
                 self.clients.close_round(roster, received)
                 self._commit(rnd)
                 return
@@ -444,8 +448,11 @@ class AggregatorService:
         now = time.monotonic()
         deadline, resend_at = now + self.fed.rounds.deadline_s, now + self.fed.rounds.resend_after_s
         expected = set(roster)
+        need = self._quorum(len(expected))
+        notice = WaitNotice(f"round {rnd + 1}" if kind is Kind.UPDATE else "final evaluation")
         while not self._round_complete(received, expected) and time.monotonic() < deadline and not self.stop.is_set():
             self._drain(rnd, received, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())), kind=kind)
+            notice.check(expected - set(received), len(received), need, len(expected))
             self._after_outage()
             if time.monotonic() >= resend_at and set(received) < expected:
                 self._request(kind, rnd, sorted(expected - set(received)))
@@ -642,8 +649,19 @@ class AggregatorService:
         )
 
     def _quorum(self, enrolled: int) -> int:
-        """Updates a round needs: the configured share of the clients enrolled for it."""
-        return max(1, int(np.ceil(self.fed.rounds.quorum * enrolled)))
+        """Updates a round needs: the configured share of the clients enrolled for it, as a count."""
+        return quorum_count(self.fed.rounds.quorum, enrolled)
+
+    def _say_round(self, rnd: int, task: int, accepted: int, expected: int, before: tuple, seconds: float) -> None:
+        """The round's INFO line; its bytes are what the run log counted for it."""
+        up, down = (after - then for after, then in zip(byte_totals(self.runlog.bytes), before))
+        log.info("%s", round_line(rnd, self.fed.total_rounds, task, accepted, expected, up, down, seconds))
+
+    def _tell_roster(self, roster: list[str]) -> None:
+        """Put the devices this service expects into its retained status (``fcl status`` lists
+        the ones that never showed up)."""
+        if self.link.status_fields.get("expected") != roster:
+            self.link.publish_status("online", role="aggregator", expected=list(roster))
 
 
 def _attention(report: object) -> dict:

@@ -34,7 +34,7 @@ FEDET = [
 ]
 SHORT = ["federation.rounds_per_task=2"]
 RUNS = (
-    [("quickstart", "configs/scenarios/quickstart.yaml", [])]
+    [("quickstart", "configs/scenarios/quickstart.yaml", ["compare=[]"])]
     + [
         (f"digits_continual/{m}", "configs/scenarios/digits_continual.yaml", [f"federation.method={m}"])
         for m in MADE_METHODS

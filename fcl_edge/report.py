@@ -6,7 +6,9 @@ writes PNGs and a markdown summary:
 * ``nll_per_task.png``: average, base (task 0) and new-task NLL after each task, one line
   per run (the ConFedMADE paper's Figure 3); ``accuracy_per_task.png`` the same for
   accuracy-scored runs (FedET);
-* ``bytes_per_round.png``: bytes up and down per round, summed over clients;
+* ``bytes_per_round.png``: bytes up and down per round, summed over clients, stacked by
+  kind, with task boundaries and the dense fp32 FedAvg line (``fcl_edge.traffic``);
+* ``cumulative_bytes.png``: up + down summed over rounds, every run on the same axes;
 * ``attention_<run>.png``: the learned attention alpha of each (client, task) over the
   knowledge-base entries it received (the paper's Figure 4), for methods that have one;
 * ``task_accuracy.png``: for runs whose ``summary.json`` has a ``fleet`` accuracy matrix
@@ -26,6 +28,9 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from fcl_edge.figures import finish, save, title_of
+from fcl_edge.traffic import plot_bytes_per_round, plot_cumulative, round_bytes
 
 
 def find_runs(paths: Sequence[str]) -> dict[str, Path]:
@@ -59,7 +64,7 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
     for name, run in runs.items():
         by_metric[_metric(run[0])][name] = run
     written = [_per_task(group, metric, out_dir) for metric, group in sorted(by_metric.items())]
-    written.append(_bytes_per_round(runs, out_dir))
+    written += _traffic(runs, out_dir)
     written += [p for name, (_, events) in runs.items() if (p := _attention(name, events, out_dir))]
     if fleets := {name: f for name, (s, _) in runs.items() if (f := _fleet_accuracy(s))}:
         written.append(_task_accuracy(fleets, out_dir))
@@ -81,7 +86,7 @@ def _metric(summary: dict) -> str:
 def _per_task(runs: dict, metric: str, out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharex=True)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharex=True, sharey=True)
     for name, (summary, _) in runs.items():
         final = _recomputed(summary) or summary.get("fleet") or {}  # no device reported at every task end
         for ax, key in zip(axes, KEYS[metric]):
@@ -90,35 +95,18 @@ def _per_task(runs: dict, metric: str, out_dir: Path) -> Path:
     for ax, title in zip(axes, ("average over tasks seen", "base task (task 0)", "newest task")):
         ax.set_title(title)
         ax.set_xlabel("after task")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel("test NLL (nats)" if metric == "nll" else "test accuracy")
-    axes[-1].legend(fontsize=8)
-    fig.tight_layout()
-    return _save(fig, out_dir / f"{metric}_per_task.png")
+    finish(fig, axes, title_of(s for s, _ in runs.values()))
+    return save(fig, out_dir / f"{metric}_per_task.png")
 
 
-def _bytes_per_round(runs: dict, out_dir: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharex=True)
-    for name, (_, events) in runs.items():
-        up, down = defaultdict(int), defaultdict(int)
-        for e in events:
-            if e.get("event") == "round_client":
-                up[e["round"]] += e["bytes_up"]
-                down[e["round"]] += e["bytes_down"]
-        rounds = sorted(up)
-        axes[0].plot(rounds, [up[r] / 1e6 for r in rounds], label=name)
-        axes[1].plot(rounds, [down[r] / 1e6 for r in rounds], label=name)
-    for ax, title in zip(axes, ("uploaded per round (all clients)", "downloaded per round (all clients)")):
-        ax.set_title(title)
-        ax.set_xlabel("round")
-        ax.set_ylabel("MB (MQTT PUBLISH bytes)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    return _save(fig, out_dir / "bytes_per_round.png")
+def _traffic(runs: dict, out_dir: Path) -> list[Path]:
+    data = {name: round_bytes(events) for name, (_, events) in runs.items()}
+    title = title_of(s for s, _ in runs.values())
+    return [
+        plot_bytes_per_round(data, title, out_dir / "bytes_per_round.png"),
+        plot_cumulative(data, title, out_dir / "cumulative_bytes.png"),
+    ]
 
 
 def _attention(name: str, events: list[dict], out_dir: Path) -> Path | None:
@@ -141,7 +129,7 @@ def _attention(name: str, events: list[dict], out_dir: Path) -> Path | None:
     ax.set_title(f"{name}: attention alpha", fontsize=10)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    return _save(fig, out_dir / f"attention_{name}.png")
+    return save(fig, out_dir / f"attention_{name}.png")
 
 
 def _fleet_accuracy(summary: dict) -> dict | None:
@@ -184,7 +172,7 @@ def _task_accuracy(fleets: dict[str, dict], out_dir: Path) -> Path:
     for ax in list(axes.flat)[len(fleets) :]:
         ax.set_visible(False)
     fig.tight_layout()
-    return _save(fig, out_dir / "task_accuracy.png")
+    return save(fig, out_dir / "task_accuracy.png")
 
 
 def _table(runs: dict, out_dir: Path) -> Path:
@@ -219,11 +207,3 @@ def _recomputed(summary: dict) -> dict:
         else:
             per_client[c] = continual_metrics(np.array(v["nll_matrix"], dtype=float))
     return mean_metrics(per_client)
-
-
-def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path

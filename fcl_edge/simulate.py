@@ -24,6 +24,8 @@ from tqdm import tqdm
 
 import methods
 from fcl_edge.broker import free_port, probe_broker
+from fcl_edge.compare import run_compare
+from fcl_edge.rundir import RUN_ENTRIES, prepare_out
 from fclcore.config import ConfigError, load_config, to_dict
 from fclcore.data import (
     DataError,
@@ -35,7 +37,7 @@ from fclcore.data import (
     pool_task_split,
     random_client_tasks,
 )
-from fclcore.errors import BrokerUnreachable, StateError
+from fclcore.errors import BrokerUnreachable
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership, preset
 from fclcore.schedule import TaskSchedule
@@ -254,7 +256,22 @@ def simulate(
     """Everything that can be checked is checked before any process starts: the scenario, the
     run directory and the broker; a participant that fails stops the others."""
     p = plan(scenario_path, overrides)
-    out_dir = _prepare_out(Path(out), force)
+    if p.scenario.compare:
+        return run_compare(
+            p.scenario.compare,
+            out,
+            force=force,
+            check=lambda method: plan(scenario_path, [*overrides, *_only(method)]),
+            run_one=lambda method, run_dir: simulate(
+                scenario_path,
+                run_dir,
+                broker=broker,
+                overrides=[*overrides, *_only(method)],
+                timeout=timeout,
+                in_process=in_process,
+            ),
+        )
+    out_dir = prepare_out(Path(out), force, RUN_ENTRIES)
     if broker:
         probe_broker(broker)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -280,6 +297,11 @@ def simulate(
             _stop(broker_proc)
 
 
+def _only(method: str) -> list[str]:
+    """The overrides that turn a ``compare:`` scenario into one run of ``method``."""
+    return ["compare=[]", f"federation.method={method}"]
+
+
 def _simulate_in_process(p: Plan, out_dir: Path, timeout: float) -> int:
     """The same services as threads over the in-process transport (``fcl_edge.inprocess``)."""
     from fcl_edge.inprocess import build_participants, logging_to
@@ -298,47 +320,6 @@ def _simulate_in_process(p: Plan, out_dir: Path, timeout: float) -> int:
             for participant in participants.values():
                 _stop(participant)
             broker.stop()
-
-
-# What a run writes into its directory: ``--force`` removes these (and only these) first.
-RUN_ENTRIES = (
-    "metrics.jsonl",
-    "summary.json",
-    "scenario.yaml",
-    "logs",
-    "configs",
-    "clients",
-    "state",
-    "keys",
-    "aux",
-    "report",
-)
-
-
-def _prepare_out(out_dir: Path, force: bool) -> Path:
-    """The run directory, empty: a non-empty one is refused (an earlier run's report would
-    mix with this one's) unless ``force``, which removes what an earlier run wrote there."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"--out {out_dir}: exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not force:
-            raise ConfigError(f"--out {out_dir}: not empty; choose a new directory or pass --force to replace the run")
-        for name in RUN_ENTRIES:
-            entry = out_dir / name
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink(missing_ok=True)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".fcl-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:  # the path itself is wrong
-        raise ConfigError(f"--out {out_dir}: cannot create it: {exc.strerror or exc}") from None
-    except OSError as exc:  # permissions, a read-only or full file system
-        raise StateError(f"--out {out_dir}: cannot write there: {exc.strerror or exc}") from None
-    return out_dir
 
 
 def _start_afresh(out_dir: Path) -> None:
@@ -460,6 +441,9 @@ def _follow(
     rounds: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
     score = "mean acc" if methods.lookup(fed.method).metric == "accuracy" else "mean NLL"
+    tqdm.write(
+        f"{fed.method} on {fed.name}: {p.scenario.clients} clients, {fed.num_tasks} tasks, {fed.total_rounds} rounds"
+    )
     tqdm.write(f"{'round':>5} {'task':>4} {score:>9} {'bytes up':>10} {'bytes down':>11}")
     failed: list[str] = []  # the participants that failed on their own, before any was stopped
     with tqdm(total=fed.total_rounds, unit="round", dynamic_ncols=True, disable=not sys.stderr.isatty()) as bar:
@@ -548,7 +532,7 @@ def _print_result(out_dir: Path, summary_path: Path) -> None:
         else f"avg NLL {final.get('avg_nll')}"
     )
     print(
-        f"{score}  forgetting {final.get('forgetting')}  "
+        f"{summary['method']}: {score}  forgetting {final.get('forgetting')}  "
         f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,})"
     )
     print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")

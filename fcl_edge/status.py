@@ -41,10 +41,13 @@ STATUS_FIELDS: dict[str, str] = {
     "bytes_up": "int: MQTT PUBLISH bytes the daemon sent since it started (WireMeter up.bytes)",
     "bytes_down": "int: MQTT PUBLISH bytes it received since it started (WireMeter down.bytes)",
     "version": "str: fcl-edge version",
+    "expected": "list of str (aggregator): the devices of the round in progress; those with no status show as absent",
 }
+MAX_EXPECTED = 10_000  # ids in an aggregator's ``expected`` list; a longer list is garbage
 MAX_STATUS_BYTES = 64 * 1024  # a status is a few hundred bytes; anything huge is garbage
 ROUND_LIMITS = CodecLimits(max_frame_bytes=256 * 2**20)  # the largest frame WireSpec allows
 UNKNOWN = "?"
+ABSENT = "absent"  # expected by the aggregator, no status on the broker: never connected
 
 
 @dataclass
@@ -61,6 +64,7 @@ class MemberStatus:
     status_time: float | None = None
     last_seen: float | None = None  # status_time, except for 'dead' (the will is written at connect)
     problem: str | None = None
+    expected: list[str] | None = None  # the aggregator's: the devices of the round in progress
 
 
 @dataclass
@@ -122,7 +126,18 @@ def read_status(who: str, payload: bytes) -> MemberStatus:
         status_time=status_time,
         last_seen=None if state == "dead" else status_time,
         problem=None if state else "state is not a short printable word",
+        expected=_ids(raw.get("expected")),
     )
+
+
+def _ids(value: Any) -> list[str] | None:
+    """A list of valid client ids, or None for anything else."""
+    if not isinstance(value, list) or len(value) > MAX_EXPECTED:
+        return None
+    try:
+        return [topics.validate_id(v, "client id") for v in value]
+    except ValueError:
+        return None
 
 
 def read_round(fed: str, payload: bytes) -> RoundView | str | None:
@@ -249,7 +264,15 @@ def build_views(messages: list[tuple[str, bytes]]) -> dict[str, FederationView]:
             view.aggregator = status
         else:
             view.clients[who] = status
+    for view in views.values():
+        _add_absent(view)
     return views
+
+
+def _add_absent(view: FederationView) -> None:
+    """Devices the aggregator expects that have no status on the broker: never connected."""
+    for who in (view.aggregator.expected if view.aggregator else None) or ():
+        view.clients.setdefault(who, MemberStatus(who, state=ABSENT))
 
 
 def _apply_round(view: FederationView, result: RoundView | str | None) -> None:

@@ -262,7 +262,7 @@ class InProcessLink:
         self._offline: list[tuple[str, bytes, bool, PublishInfo]] = []
         self._mid = 0
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float | None = None) -> None:
         """Connect; in-process this is immediate (``timeout`` is kept for MqttLink's signature)."""
         self._connect()
 

@@ -40,9 +40,12 @@ class BrokerSpec:
     cert_file: Optional[str] = None  # PEM client certificate (with key_file)
     key_file: Optional[str] = None  # PEM private key of cert_file, unencrypted; keep it mode 0600
     tls_insecure: bool = False  # skip the host name check (the chain is still checked): testing only
+    connect_timeout_s: float = 10.0  # a service that cannot connect at start exits 3 after this long
 
     def __post_init__(self) -> None:
         parse_broker_url(self.url)
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s: expected seconds > 0, got {self.connect_timeout_s}")
         if self.keepalive_s < 5:
             raise ValueError(f"keepalive_s: expected >= 5, got {self.keepalive_s}")
         if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
@@ -482,10 +485,17 @@ class Scenario:
     sign_updates: bool = False  # fcl simulate provisions a key per device and the aggregator requires signatures
     membership: Optional[str] = None  # a preset (fully, decreasing, increasing, scattered) -> federation.membership
     allow_embedding_upload: bool = False  # copied into every client config
+    # ``fcl simulate`` runs the scenario once per method listed, each into OUT/<method>, and
+    # prints one comparison table; empty or absent: one run of federation.method
+    compare: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         if self.clients < 1:
             raise ValueError(f"clients: expected >= 1, got {self.clients}")
+        for name in self.compare or ():
+            validate_id(name, "compare: method name")
+        if self.compare and len(set(self.compare)) != len(self.compare):
+            raise ValueError(f"compare: expected distinct method names, got {self.compare}")
         if self.tasks.per_client is not None and len(self.tasks.per_client) != self.clients:
             raise ValueError(
                 f"tasks.per_client: expected {self.clients} client sequences, got {len(self.tasks.per_client)}"

@@ -163,11 +163,13 @@ class MqttLink:
                 spec.url,
             )
 
-    def start(self, timeout: float = 30.0) -> None:
-        """Connect in the background; return once connected or raise TransportError.
+    def start(self, timeout: float | None = None) -> None:
+        """Connect in the background; return once connected or raise TransportError after
+        ``timeout`` seconds (default: the broker spec's ``connect_timeout_s``).
 
         What retrying cannot fix fails at once: bad credentials, not authorised, a broker
         certificate that does not verify against ca_file or does not match the url's host."""
+        timeout = self.broker.connect_timeout_s if timeout is None else timeout
         host, port = parse_broker_url(self.broker.url)
         self._client.connect_async(host, port, keepalive=self.broker.keepalive_s)
         self._client.loop_start()

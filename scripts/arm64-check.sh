@@ -183,7 +183,7 @@ host_model() {
   # A model exported on x86_64 by the host's own install; served on arm64 below.
   rm -rf "$WORK/qs"
   (cd "$REPO" && "$PY" -m fcl_edge.cli simulate configs/scenarios/quickstart.yaml --out "$WORK/qs" \
-    --broker "$BROKER_URL" --set federation.rounds_per_task=2 > "$WORK/simulate.log" 2>&1) \
+    --broker "$BROKER_URL" --set compare=[] --set federation.rounds_per_task=2 > "$WORK/simulate.log" 2>&1) \
     || die "host simulate failed; see $WORK/simulate.log"
   cp "$WORK/qs/clients/client-0/model.onnx" "$ROOTFS/tmp/fcl/model.onnx"
   "$PY" -c "

@@ -17,7 +17,16 @@ from fcl_edge.broker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = str(REPO / "configs/scenarios/quickstart.yaml")
-TINY = ["--set", "clients=2", "--set", "federation.rounds_per_task=1", "--set", "federation.model.hidden_sizes=[16]"]
+TINY = [
+    "--set",
+    "compare=[]",
+    "--set",
+    "clients=2",
+    "--set",
+    "federation.rounds_per_task=1",
+    "--set",
+    "federation.model.hidden_sizes=[16]",
+]
 MAX_STDERR_LINES = 3
 
 
@@ -92,6 +101,20 @@ CASES = {
         6,
         "cannot write the state",
     ),
+    "aggregator with an unreachable broker": Case(
+        (
+            "aggregator",
+            "--config",
+            "{w}/configs/aggregator.yaml",
+            "--set",
+            "broker.url=mqtt://127.0.0.1:{closed}",
+            "--set",
+            "broker.connect_timeout_s=1",
+        ),
+        3,
+        "could not connect",
+    ),
+    "compare with a misspelled method": Case(_sim("--set", "compare=[confedmade, fedavgg]"), 2, "unknown method"),
     "client with an unknown dataset": Case(
         ("client", "--config", "{w}/configs/client-0.yaml", "--set", "data.dataset=nope"), 2, "data.dataset"
     ),

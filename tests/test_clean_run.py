@@ -18,7 +18,7 @@ from fclcore.codec import SparseTensor
 from fclcore.errors import TrainingDiverged
 from fclcore.exitcodes import ExitCode
 
-TINY = ["--set", "federation.rounds_per_task=2", "--set", "federation.model.hidden_sizes=[32]"]
+TINY = ["--set", "compare=[]", "--set", "federation.rounds_per_task=2", "--set", "federation.model.hidden_sizes=[32]"]
 NOISE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
 
 

@@ -31,6 +31,8 @@ def quickstart_run(mosquitto, tmp_path: Path, repo_root: Path):
         f"mqtt://127.0.0.1:{counter.port}",
         "--set",
         f"federation.rounds_per_task={ROUNDS_PER_TASK}",
+        "--set",
+        "compare=[]",
     )
     logs = "".join(p.read_text() for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{logs}"

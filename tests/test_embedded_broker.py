@@ -17,6 +17,8 @@ def test_simulate_with_the_embedded_broker(tmp_path: Path, repo_root: Path) -> N
         str(out),
         "--set",
         "federation.rounds_per_task=2",
+        "--set",
+        "compare=[]",
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())

@@ -54,6 +54,8 @@ def test_run_survives_hostile_messages(mosquitto, tmp_path: Path, repo_root: Pat
             "--broker",
             mosquitto.url,
             "--set",
+            "compare=[]",
+            "--set",
             "federation.rounds_per_task=4",
             "--set",
             "federation.wire.max_frame_mb=1",

@@ -19,6 +19,7 @@ from fclcore.membership import Membership
 FED = "quickstart"
 ROUNDS_PER_TASK = 2
 OVERRIDES = [
+    "compare=[]",
     "clients=4",
     "tasks.shared=[[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]",
     f"federation.rounds_per_task={ROUNDS_PER_TASK}",

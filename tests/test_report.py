@@ -33,7 +33,7 @@ def test_report_writes_plots_and_table(tmp_path: Path) -> None:
     _fake_run(tmp_path / "runs" / "b", "fedcl-finetune", 3.0)
     result = run_fcl("report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"))
     assert result.returncode == 0, result.stderr
-    for name in ("nll_per_task.png", "bytes_per_round.png", "attention_a.png"):
+    for name in ("nll_per_task.png", "bytes_per_round.png", "cumulative_bytes.png", "attention_a.png"):
         data = (tmp_path / "rep" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     table = (tmp_path / "rep" / "report.md").read_text()

@@ -56,7 +56,7 @@ def test_uneven_tasks_through_the_services(tmp_path, repo_root) -> None:
         str(repo_root / "configs/scenarios/quickstart.yaml"),
         str(tmp_path / "run"),
         in_process=True,
-        overrides=["federation.task_rounds=[3, 1]", "clients=2", "federation.model.hidden_sizes=[16]"],
+        overrides=["compare=[]", "federation.task_rounds=[3, 1]", "clients=2", "federation.model.hidden_sizes=[16]"],
     )
     assert code == 0
     summary = json.loads((tmp_path / "run/summary.json").read_text())

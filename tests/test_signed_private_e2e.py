@@ -75,7 +75,7 @@ def leaked_vectors(frame: Frame, samples: set[bytes], dim: int) -> int:
 
 def test_signed_run_rejects_forgeries_and_leaks_no_sample(mosquitto, tmp_path: Path, repo_root: Path) -> None:
     scenario = repo_root / "configs/scenarios/quickstart.yaml"
-    overrides = ["federation.rounds_per_task=4", "sign_updates=true"]
+    overrides = ["compare=[]", "federation.rounds_per_task=4", "sign_updates=true"]
     recorder = Recorder(mosquitto.port)
     out = tmp_path / "run"
     sim = subprocess.Popen(

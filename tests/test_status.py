@@ -220,6 +220,29 @@ def test_table_shows_question_marks_for_unknowns():
     assert "aggregator no status; no round announced; 1/1 clients online" in out.getvalue()
 
 
+@pytest.mark.parametrize(
+    "expected, shown",
+    [
+        (["dev-0", "dev-1", "dev-2"], "2/3 clients online"),
+        (["dev-0", "dev-1"], "2/2 clients online"),
+        (["dev-0", "a/b"], "2/2 clients online"),  # not a list of ids: ignored, not trusted
+    ],
+)
+def test_devices_the_aggregator_expects_without_a_status_show_as_absent(expected, shown):
+    from fcl_edge.status import print_table
+
+    aggregator = json.dumps({"state": "online", "role": "aggregator", "expected": expected}).encode()
+    views = build_views(
+        [(topics.status_topic(FED, topics.AGGREGATOR_ID), aggregator)]
+        + [(topics.status_topic(FED, f"dev-{i}"), b'{"state": "online"}') for i in range(2)]
+    )
+    out = io.StringIO()
+    print_table(views, NOW, out)
+    assert shown in out.getvalue()
+    absent = {who for who, s in views[FED].clients.items() if s.state == "absent"}
+    assert absent == ({"dev-2"} if "dev-2" in expected else set())
+
+
 @pytest.mark.slow
 def test_fcl_status_during_and_after_a_live_run(mosquitto, tmp_path, repo_root):
     """A real aggregator and three clients (fcl simulate) on the broker while fcl status looks."""
@@ -240,6 +263,8 @@ def test_fcl_status_during_and_after_a_live_run(mosquitto, tmp_path, repo_root):
                 mosquitto.url,
                 "--set",
                 "federation.rounds_per_task=3",
+                "--set",
+                "compare=[]",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
