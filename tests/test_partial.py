@@ -100,7 +100,9 @@ def test_a_malformed_partial_sum_is_refused_with_a_reason(tensors: dict, meta: d
 
 
 def _fed(method: str):
-    sc = load_config(Scenario, "configs/scenarios/quickstart.yaml", [f"federation.method={method}"])
+    sc = load_config(
+        Scenario, "configs/scenarios/quickstart.yaml", [f"federation.method={method}", "federation.options={}"]
+    )
     return methods.resolve(sc.federation, "test")
 
 
@@ -130,7 +132,11 @@ def test_without_sites_the_root_normalizes_as_before() -> None:
 def test_fcl_site_refuses_a_batch_method_in_one_line(method: str, tmp_path, repo_root) -> None:
     from conftest import run_fcl
 
-    sc = load_config(Scenario, repo_root / "configs/scenarios/quickstart.yaml", [f"federation.method={method}"])
+    sc = load_config(
+        Scenario,
+        repo_root / "configs/scenarios/quickstart.yaml",
+        [f"federation.method={method}", "federation.options={}"],
+    )
     path = tmp_path / "site.yaml"
     raw = {"federation": to_dict(sc.federation), "site_id": "site-a", "expected_clients": ["d0"]}
     path.write_text(yaml.safe_dump({**raw, "out_dir": str(tmp_path / "out")}))
