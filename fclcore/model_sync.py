@@ -34,6 +34,7 @@ from fclcore.codec import SparseTensor, Tensor
 # positions the aggregation of round ``rnd`` can change, derived on both sides from the seed
 Positions = Callable[..., "Mapping[str, np.ndarray] | None"]
 MAX_NAMES = 4096
+VALUE_BYTES = {"float32": 4, "float16": 2, "int8": 1}  # bytes per value on the wire, by ``wire.value_dtype``
 _HASH_CHARS = 32
 
 

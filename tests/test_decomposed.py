@@ -209,3 +209,37 @@ def test_fedweit_made_draws_independent_masks():
     star = dataclasses.replace(_fed(), method="fedweit-made-star")
     c, d = (learner_for(star, D, i) for i in range(2))
     assert torch.equal(c.model.output.mask, d.model.output.mask)
+
+
+@pytest.mark.parametrize("budget_mb", [0.002, 0.01])
+def test_the_knowledge_budget_bounds_every_frame_with_many_clients_and_tasks(budget_mb):
+    fed = dataclasses.replace(_fed(kb_budget_mb=budget_mb), num_tasks=6)
+    strategy, unbounded = strategy_for(fed, D), strategy_for(dataclasses.replace(_fed(), num_tasks=6), D)
+    rng = np.random.default_rng(0)
+    shapes = {n: s for n, s in strategy.shapes.items() if n.endswith(".weight")}
+    clients = [f"c{i}" for i in range(40)]
+    entries = []
+    for t in range(5):
+        for c in clients:
+            sparse = {
+                n: SparseTensor.from_dense(np.where(rng.random(s) < 0.3, rng.standard_normal(s), 0))
+                for n, s in shapes.items()
+            }
+            entries.append(KnowledgeEntry(c, t, sparse))
+    strategy.knowledge = unbounded.knowledge = entries
+    start = 10  # round 10 starts task 5 (2 rounds per task)
+    header = Header(Kind.KNOWLEDGE, "t", start, 5, "aggregator", 1)
+    frames = strategy.client_downlinks(start, clients)
+    full = unbounded.client_downlinks(start, clients[:1])["c0"]
+    full_bytes = sum(t.values.nbytes + t.indices.nbytes for t in full[1].values())
+    for client, (meta, tensors) in frames.items():
+        payload = encode(Frame(header, meta, tensors), "float32")
+        overhead = len(encode(Frame(header, meta, {}), "float32")) + 64 * len(tensors)  # header, names, counts
+        assert len(payload) <= budget_mb * 1e6 + overhead, client
+        tasks = [e["task"] for e in meta["entries"]]
+        assert tasks == sorted(tasks) and (not tasks or max(tasks) == 4)  # the most recent task first
+        assert all(e["client"] != client for e in meta["entries"])
+    # unbounded, the frame would hold 39 x 5 entries: more than the budget, and more tensors than a
+    # frame may carry, so the strategy caps it at the most recent entries that fit
+    assert full_bytes > 2 * budget_mb * 1e6
+    assert len(full[1]) <= 256 and {4, 3} <= {e["task"] for e in full[0]["entries"]}

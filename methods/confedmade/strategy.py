@@ -11,19 +11,23 @@ A_t, which become knowledge-base entries handed to other clients at the next tas
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from fclcore.aggregation import RunningSum, template_check
-from fclcore.codec import Frame, SparseTensor, Tensor
+from fclcore.codec import CodecLimits, Frame, SparseTensor, Tensor
 from fclcore.made_spec import init_params, made_masks, mask_for_param, param_shapes
 from fclcore.masked_upload import UNITS, unpack
+from fclcore.model_sync import VALUE_BYTES
 from fclcore.orders import upload_order
 from fclcore.schema import FederationSpec
 from fclcore.strategy import Downlinks, Strategy, Update, without_tensors
 from methods.confedmade.wire import KB_PREFIX, entry_id, knowledge_key, knowledge_meta
+
+MAX_FRAME_TENSORS = CodecLimits().max_tensors
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,24 @@ class DecomposedStrategy(FedAvgStrategy):
         elif opts.kb_policy == "random" and len(pool) > opts.kb_k:
             rng = np.random.default_rng((self.fed.seed, task, index))
             pool = [pool[i] for i in sorted(rng.choice(len(pool), opts.kb_k, replace=False))]
-        return pool
+        budget = math.inf if opts.kb_budget_mb is None else opts.kb_budget_mb * 1e6
+        room, kept = MAX_FRAME_TENSORS // max(1, len(self.weights)), set()  # a frame carries at most that many
+        for entry in sorted(pool, key=lambda e: (-e.task, e.client)):  # the most recent tasks first
+            cost = self._entry_bytes(entry) if budget < math.inf else 0
+            if cost <= budget and len(kept) < room:
+                budget -= cost
+                kept.add(id(entry))
+        return [e for e in pool if id(e) in kept]
+
+    def _entry_bytes(self, entry: KnowledgeEntry) -> int:
+        """An entry's bytes on the wire: each tensor sparse (values + u32 indices) or dense, the smaller."""
+        value = VALUE_BYTES.get(self.fed.wire.value_dtype, 4)
+        total = 0
+        for t in entry.tensors.values():
+            numel = int(np.prod(t.shape))
+            nnz = t.nnz if isinstance(t, SparseTensor) else int(np.count_nonzero(t))
+            total += min(numel * value, nnz * (value + 4))
+        return total
 
 
 def _dense(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> np.ndarray:
