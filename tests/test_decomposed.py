@@ -243,3 +243,49 @@ def test_the_knowledge_budget_bounds_every_frame_with_many_clients_and_tasks(bud
     # frame may carry, so the strategy caps it at the most recent entries that fit
     assert full_bytes > 2 * budget_mb * 1e6
     assert len(full[1]) <= 256 and {4, 3} <= {e["task"] for e in full[0]["entries"]}
+
+
+def test_catch_up_rounds_add_the_furthest_moved_entries_outside_the_selection():
+    fed = _fed(catchup_every=2, catchup_share=0.1)
+    strategy = strategy_for(fed, D)
+    learner = _learner(0, fed, strategy)
+    learner.start_task(0, None)
+    sizes = {}
+    for rnd in (0, 1):
+        learner.train_round([_data(rnd)], rnd, _place(rnd))
+        before = {
+            p: (layer.weight * torch.sigmoid(layer.unit_logits[0])[:, None]).detach().numpy().copy()
+            for p, layer in learner.model.layers.items()
+        }
+        tensors = learner.upload(rnd, _place(rnd))
+        extras = {n: t for n, t in tensors.items() if n.endswith("#extra")}
+        assert bool(extras) == (rnd == 1)  # every second round
+        update = _update("c0", rnd, tensors, strategy)
+        for name, extra in extras.items():
+            weight = name[: -len("#extra")]
+            prefix = weight.rsplit(".", 1)[0]
+            merged = update.tensors[weight]  # the selection and the catch-up entries, one sparse tensor
+            assert set(extra.indices) <= set(merged.indices) and np.all(np.diff(merged.indices) > 0)
+            selection = np.setdiff1d(merged.indices, extra.indices)
+            assert not np.isin(extra.indices, selection).any()
+            assert extra.nnz <= round(0.1 * extra.values.size / extra.nnz * extra.nnz) or extra.nnz <= round(
+                0.1 * np.prod(extra.shape)
+            )
+            moved = np.abs(before[prefix] - learner.global_weight[prefix]).reshape(-1)
+            moved[selection] = 0  # the chosen ones moved at least as far as any other outside entry
+            assert moved[extra.indices].min() >= np.delete(moved, extra.indices).max()
+            sizes[weight] = extra.nnz
+        learner.load_global(
+            {
+                k: v.to_dense() if isinstance(v, SparseTensor) else v
+                for k, v in strategy.aggregate([update], strategy.initial_model()).items()
+            },
+            rnd,
+        )
+    assert sizes and all(n > 0 for n in sizes.values())
+    overlap = _update("c0", 1, tensors, strategy).tensors  # a forged overlap with the selection is refused
+    name = next(iter(extras))
+    weight = name[: -len("#extra")]
+    inside = overlap[weight].indices[:1]
+    with pytest.raises(ValueError, match="inside the round's selection"):
+        _update("c0", 1, {**tensors, name: SparseTensor(extras[name].shape, inside, [1.0])}, strategy)

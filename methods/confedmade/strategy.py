@@ -25,7 +25,7 @@ from fclcore.model_sync import VALUE_BYTES
 from fclcore.orders import upload_order
 from fclcore.schema import FederationSpec
 from fclcore.strategy import Downlinks, Strategy, Update, without_tensors
-from methods.confedmade.wire import KB_PREFIX, entry_id, knowledge_key, knowledge_meta
+from methods.confedmade.wire import EXTRA, KB_PREFIX, entry_id, knowledge_key, knowledge_meta
 
 MAX_FRAME_TENSORS = CodecLimits().max_tensors
 
@@ -96,7 +96,9 @@ class DecomposedStrategy(FedAvgStrategy):
                 expected.add(name)
                 continue
             out[name] = unpack(name, frame.tensors, shape, mask_for_param(masks, name) if masks else None)
-            expected |= {name, name + UNITS}
+            expected |= {name, name + UNITS, name + EXTRA}
+            if name + EXTRA in frame.tensors:
+                out[name] = _with_extra(out[name], frame.tensors[name + EXTRA], name + EXTRA)
             if self.is_task_end(rnd):
                 out[KB_PREFIX + name] = _full_shape(frame.tensors, KB_PREFIX + name, shape)
                 expected.add(KB_PREFIX + name)
@@ -191,6 +193,17 @@ class DecomposedStrategy(FedAvgStrategy):
             nnz = t.nnz if isinstance(t, SparseTensor) else int(np.count_nonzero(t))
             total += min(numel * value, nnz * (value + 4))
         return total
+
+
+def _with_extra(base: SparseTensor, extra: Tensor, name: str) -> SparseTensor:
+    """The packed selection plus the catch-up entries (outside it) as one sparse tensor."""
+    if not isinstance(extra, SparseTensor) or extra.shape != base.shape:
+        raise ValueError(f"{name}: expected a sparse tensor of shape {base.shape}")
+    if np.intersect1d(base.indices, extra.indices).size:
+        raise ValueError(f"{name}: catch-up entries inside the round's selection")
+    order = np.argsort(np.concatenate([base.indices, extra.indices]), kind="stable")
+    indices = np.concatenate([base.indices, extra.indices])[order]
+    return SparseTensor(base.shape, indices, np.concatenate([base.values, extra.values])[order])
 
 
 def _dense(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> np.ndarray:
