@@ -22,9 +22,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from fclcore.codec import SparseTensor, Tensor
-from fclcore.model_sync import ModelRef, apply, catchup, changes, delta, lossless_dtype, model_hash
-
-VALUE_BYTES = {"float32": 4, "float16": 2, "int8": 1}
+from fclcore.model_sync import VALUE_BYTES, ModelRef, apply, catchup, changes, delta, lossless_dtype, model_hash
 
 Roundtrip = Callable[[dict[str, Tensor]], Mapping[str, Tensor]]  # tensors -> what a device decodes
 

@@ -7,7 +7,8 @@ each coded the cheapest of three ways:
 
 * **derived**: the values at positions both sides derive from the seed (a method's
   ``MethodSpec.downlink_positions``; for ConFedMADE, the aggregated round's MADE mask), as a
-  1-D array in row-major order: no index information on the wire;
+  1-D array in row-major order: no index information on the wire; the few changes outside
+  them (ConFedMADE's catch-up entries) travel beside it as ``<name>@outside``, a SparseTensor;
 * **sparse**: a ``SparseTensor`` (the codec then picks an index list or a bitmap);
 * **dense**: the whole tensor (also for a tensor that is new or changed shape).
 
@@ -34,6 +35,8 @@ from fclcore.codec import SparseTensor, Tensor
 # positions the aggregation of round ``rnd`` can change, derived on both sides from the seed
 Positions = Callable[..., "Mapping[str, np.ndarray] | None"]
 MAX_NAMES = 4096
+VALUE_BYTES = {"float32": 4, "float16": 2, "int8": 1}  # bytes per value on the wire, by ``wire.value_dtype``
+OUTSIDE = "@outside"  # suffix of a derived tensor's changes outside its derived positions
 _HASH_CHARS = 32
 
 
@@ -109,11 +112,10 @@ def delta(
             tensors[name] = value
             continue
         pos = positions.get(name) if positions else None
-        coded = _cheapest(value, _differs(before, value), pos, value_bytes)
-        if coded is not None:
-            tensors[name] = coded
-            if pos is not None and coded is not value and not isinstance(coded, SparseTensor):
-                derived.append(name)
+        coded, is_derived = _cheapest(name, value, _differs(before, value), pos, value_bytes)
+        tensors.update(coded)
+        if is_derived:
+            derived.append(name)
     removed = tuple(sorted(set(held) - set(new)))
     return tensors, tuple(derived), removed
 
@@ -140,7 +142,12 @@ def apply(
     missing = sorted(set(ref.derived) - set(tensors))
     if missing:
         raise ValueError(f"{missing[0]}: listed as derived but not sent")
+    stray = sorted(k for k in tensors if k.endswith(OUTSIDE) and k[: -len(OUTSIDE)] not in ref.derived)
+    if stray:
+        raise ValueError(f"{stray[0]}: changes outside derived positions of a tensor not sent as derived")
     for name, t in tensors.items():
+        if name.endswith(OUTSIDE):
+            continue
         before = held.get(name)
         if name in ref.derived:
             pos = positions.get(name) if positions else None
@@ -151,6 +158,13 @@ def apply(
                 raise ValueError(f"{name}: expected {int(np.count_nonzero(pos))} values at the derived positions")
             value = before.copy()
             value[pos] = values
+            outside = tensors.get(name + OUTSIDE)
+            if outside is not None:
+                if not isinstance(outside, SparseTensor) or outside.shape != before.shape:
+                    raise ValueError(f"{name + OUTSIDE}: expected a sparse tensor of shape {before.shape}")
+                if pos.reshape(-1)[outside.indices].any():
+                    raise ValueError(f"{name + OUTSIDE}: entries inside the derived positions")
+                value.reshape(-1)[outside.indices] = outside.values
         elif isinstance(t, SparseTensor):
             if before is None or before.shape != t.shape:
                 raise ValueError(f"{name}: a sparse change of a tensor the held model lacks or shapes otherwise")
@@ -180,31 +194,41 @@ def catchup(
         mask = np.zeros(value.shape, dtype=bool)
         for step in steps:
             mask |= step[name]
-        coded = _cheapest(value, mask, None, value_bytes)
-        if coded is not None:
-            tensors[name] = coded
+        tensors.update(_cheapest(name, value, mask, None, value_bytes)[0])
     return tensors
 
 
-def _cheapest(value: np.ndarray, changed: np.ndarray, pos: np.ndarray | None, value_bytes: int) -> Tensor | None:
-    """``value``'s ``changed`` entries coded the cheapest way: the values at the derived
-    positions ``pos`` (a 1-D array; only when they cover every change), a SparseTensor, or the
-    whole tensor; None when nothing changed."""
+def _cheapest(
+    name: str, value: np.ndarray, changed: np.ndarray, pos: np.ndarray | None, value_bytes: int
+) -> tuple[dict[str, Tensor], bool]:
+    """``value``'s ``changed`` entries coded the cheapest way, and whether as derived values:
+    the values at the derived positions ``pos`` (a 1-D array, plus the changes outside them as
+    a SparseTensor named ``name + OUTSIDE``), a SparseTensor, or the whole tensor."""
     nnz = int(np.count_nonzero(changed))
     if nnz == 0:
-        return None
-    index_bytes = 2 if value.size <= 65536 else 4
-    sparse = 4 + nnz * value_bytes + min(nnz * index_bytes, -(-value.size // 8))  # count, index list or bitmap
-    costs = {"dense": value.size * value_bytes, "sparse": sparse}
-    if pos is not None and pos.shape == value.shape and not np.any(changed & ~pos):
+        return {}, False
+    costs = {"dense": value.size * value_bytes, "sparse": _sparse_bytes(nnz, value.size, value_bytes)}
+    if pos is not None and pos.shape == value.shape:
+        outside = changed & ~pos
+        n_out = int(np.count_nonzero(outside))
         costs["derived"] = int(np.count_nonzero(pos)) * value_bytes
+        costs["derived"] += _sparse_bytes(n_out, value.size, value_bytes) if n_out else 0
     best = min(costs, key=costs.__getitem__)
     if best == "derived":
-        return np.ascontiguousarray(value[pos])
+        out: dict[str, Tensor] = {name: np.ascontiguousarray(value[pos])}
+        if n_out:
+            flat = np.flatnonzero(outside)
+            out[name + OUTSIDE] = SparseTensor(value.shape, flat, value.reshape(-1)[flat])
+        return out, True
     if best == "sparse":
         flat = np.flatnonzero(changed)
-        return SparseTensor(value.shape, flat, value.reshape(-1)[flat])
-    return value
+        return {name: SparseTensor(value.shape, flat, value.reshape(-1)[flat])}, False
+    return {name: value}, False
+
+
+def _sparse_bytes(nnz: int, numel: int, value_bytes: int) -> int:
+    """A SparseTensor's bytes on the wire: its count, an index list or a bitmap, its values."""
+    return 4 + nnz * value_bytes + min(nnz * (2 if numel <= 65536 else 4), -(-numel // 8))
 
 
 def lossless_dtype(params: Mapping[str, Tensor]) -> str:

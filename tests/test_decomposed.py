@@ -209,3 +209,83 @@ def test_fedweit_made_draws_independent_masks():
     star = dataclasses.replace(_fed(), method="fedweit-made-star")
     c, d = (learner_for(star, D, i) for i in range(2))
     assert torch.equal(c.model.output.mask, d.model.output.mask)
+
+
+@pytest.mark.parametrize("budget_mb", [0.002, 0.01])
+def test_the_knowledge_budget_bounds_every_frame_with_many_clients_and_tasks(budget_mb):
+    fed = dataclasses.replace(_fed(kb_budget_mb=budget_mb), num_tasks=6)
+    strategy, unbounded = strategy_for(fed, D), strategy_for(dataclasses.replace(_fed(), num_tasks=6), D)
+    rng = np.random.default_rng(0)
+    shapes = {n: s for n, s in strategy.shapes.items() if n.endswith(".weight")}
+    clients = [f"c{i}" for i in range(40)]
+    entries = []
+    for t in range(5):
+        for c in clients:
+            sparse = {
+                n: SparseTensor.from_dense(np.where(rng.random(s) < 0.3, rng.standard_normal(s), 0))
+                for n, s in shapes.items()
+            }
+            entries.append(KnowledgeEntry(c, t, sparse))
+    strategy.knowledge = unbounded.knowledge = entries
+    start = 10  # round 10 starts task 5 (2 rounds per task)
+    header = Header(Kind.KNOWLEDGE, "t", start, 5, "aggregator", 1)
+    frames = strategy.client_downlinks(start, clients)
+    full = unbounded.client_downlinks(start, clients[:1])["c0"]
+    full_bytes = sum(t.values.nbytes + t.indices.nbytes for t in full[1].values())
+    for client, (meta, tensors) in frames.items():
+        payload = encode(Frame(header, meta, tensors), "float32")
+        overhead = len(encode(Frame(header, meta, {}), "float32")) + 64 * len(tensors)  # header, names, counts
+        assert len(payload) <= budget_mb * 1e6 + overhead, client
+        tasks = [e["task"] for e in meta["entries"]]
+        assert tasks == sorted(tasks) and (not tasks or max(tasks) == 4)  # the most recent task first
+        assert all(e["client"] != client for e in meta["entries"])
+    # unbounded, the frame would hold 39 x 5 entries: more than the budget, and more tensors than a
+    # frame may carry, so the strategy caps it at the most recent entries that fit
+    assert full_bytes > 2 * budget_mb * 1e6
+    assert len(full[1]) <= 256 and {4, 3} <= {e["task"] for e in full[0]["entries"]}
+
+
+def test_catch_up_rounds_add_the_furthest_moved_entries_outside_the_selection():
+    fed = _fed(catchup_every=2, catchup_share=0.1)
+    strategy = strategy_for(fed, D)
+    learner = _learner(0, fed, strategy)
+    learner.start_task(0, None)
+    sizes = {}
+    for rnd in (0, 1):
+        learner.train_round([_data(rnd)], rnd, _place(rnd))
+        before = {
+            p: (layer.weight * torch.sigmoid(layer.unit_logits[0])[:, None]).detach().numpy().copy()
+            for p, layer in learner.model.layers.items()
+        }
+        tensors = learner.upload(rnd, _place(rnd))
+        extras = {n: t for n, t in tensors.items() if n.endswith("#extra")}
+        assert bool(extras) == (rnd == 1)  # every second round
+        update = _update("c0", rnd, tensors, strategy)
+        for name, extra in extras.items():
+            weight = name[: -len("#extra")]
+            prefix = weight.rsplit(".", 1)[0]
+            merged = update.tensors[weight]  # the selection and the catch-up entries, one sparse tensor
+            assert set(extra.indices) <= set(merged.indices) and np.all(np.diff(merged.indices) > 0)
+            selection = np.setdiff1d(merged.indices, extra.indices)
+            assert not np.isin(extra.indices, selection).any()
+            assert extra.nnz <= round(0.1 * extra.values.size / extra.nnz * extra.nnz) or extra.nnz <= round(
+                0.1 * np.prod(extra.shape)
+            )
+            moved = np.abs(before[prefix] - learner.global_weight[prefix]).reshape(-1)
+            moved[selection] = 0  # the chosen ones moved at least as far as any other outside entry
+            assert moved[extra.indices].min() >= np.delete(moved, extra.indices).max()
+            sizes[weight] = extra.nnz
+        learner.load_global(
+            {
+                k: v.to_dense() if isinstance(v, SparseTensor) else v
+                for k, v in strategy.aggregate([update], strategy.initial_model()).items()
+            },
+            rnd,
+        )
+    assert sizes and all(n > 0 for n in sizes.values())
+    overlap = _update("c0", 1, tensors, strategy).tensors  # a forged overlap with the selection is refused
+    name = next(iter(extras))
+    weight = name[: -len("#extra")]
+    inside = overlap[weight].indices[:1]
+    with pytest.raises(ValueError, match="inside the round's selection"):
+        _update("c0", 1, {**tensors, name: SparseTensor(extras[name].shape, inside, [1.0])}, strategy)

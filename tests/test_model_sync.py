@@ -13,7 +13,7 @@ import pytest
 from aggregator.downlink import ModelDownlink
 from edge_client.replica import CATCHUP, FULL, ModelReplica
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
-from fclcore.model_sync import ModelRef, changes, model_hash
+from fclcore.model_sync import OUTSIDE, ModelRef, changes, model_hash
 
 SHAPES = {"w": (12, 9), "b": (12,), "head": (5, 12)}
 
@@ -104,9 +104,17 @@ def test_derived_positions_send_values_without_indices() -> None:
     assert ModelRef.of(frame.meta).derived == ("w",) and frame.tensors["w"].shape == (int(mask.sum()),)
     assert size < plain_size
     assert model_hash(replica.take(frame)) == model_hash(nxt)
-    outside = {k: v.copy() for k, v in nxt.items()}
-    outside["w"][~mask] += 1.0  # a change outside the positions cannot be derived: coded otherwise
-    frame, _ = derived.announce(2, outside)
+    few = {k: v.copy() for k, v in nxt.items()}
+    few["w"][mask] += 1.0
+    stray = np.flatnonzero(~mask)[:2]
+    few["w"].reshape(-1)[stray] = 5.0  # two changes outside: derived values plus a sparse companion
+    frame, _ = derived.announce(2, few)
+    assert ModelRef.of(frame.meta).derived == ("w",)
+    assert list(frame.tensors["w" + OUTSIDE].indices) == list(stray)
+    assert model_hash(replica.take(frame)) == model_hash(few)
+    outside = {k: v.copy() for k, v in few.items()}
+    outside["w"][~mask] += 1.0  # every entry outside changes: the whole tensor is cheaper
+    frame, _ = derived.announce(3, outside)
     assert ModelRef.of(frame.meta).derived == ()
     assert model_hash(replica.take(frame)) == model_hash(outside)
 
@@ -181,6 +189,10 @@ def test_forged_or_corrupted_deltas_are_never_kept() -> None:
     }
     if ModelRef.of(frame.meta).derived:  # values that do not fit the derived positions
         cases["bad_delta  "] = dataclasses.replace(frame, tensors={**values, "w": np.ones(3, "f4")})
+        inside = SparseTensor(SHAPES["w"], [0], [1.0])  # "outside" changes inside the positions
+        cases["bad_delta   "] = dataclasses.replace(frame, tensors={**values, "w" + OUTSIDE: inside})
+    stray = SparseTensor(SHAPES["b"], [0], [1.0])  # a companion of a tensor not sent as derived
+    cases["bad_delta    "] = dataclasses.replace(frame, tensors={**values, "b" + OUTSIDE: stray})
     for reason, forged in cases.items():
         assert replica.take(forged) == FULL, reason
         assert replica.version == 0 and all(np.array_equal(before[k], replica.params[k]) for k in before)

@@ -8,7 +8,7 @@ architecture itself is ``federation.model`` (``fclcore.schema.ModelSpec``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 
 @dataclass
@@ -22,9 +22,17 @@ class ConFedMADEOptions:
     kb_threshold: float = 1e-3  # |A_t| below this is not sent to the knowledge base
     kb_policy: Literal["all", "recent", "random"] = "all"  # which entries a client gets (Algorithm 2 line 6)
     kb_k: int = 4  # entries per client for the recent/random policies
+    # bound on a client's knowledge frame (MB on the wire): the policy's entries, most recent task
+    # first, while they fit; None: no bound (the frame grows with clients x tasks under "all")
+    kb_budget_mb: Optional[float] = None
     prox_mu: float = 0.01  # fedprox proximal weight
     ewc_lambda: float = 100.0  # fedcurv/EWC penalty weight
     order_per: Literal["batch", "round"] = "batch"  # how often the MADE order changes
+    # confedmade catch-up sync: every ``catchup_every`` rounds (0: never) an upload also carries
+    # the entries outside the round's selection that moved furthest from the global model, the
+    # ``catchup_share`` of each weight with the largest change
+    catchup_every: int = 0
+    catchup_share: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("lambda1", "lambda2", "kb_threshold", "prox_mu", "ewc_lambda"):
@@ -32,3 +40,7 @@ class ConFedMADEOptions:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.lambda3 <= 0 or not 0 < self.keep_units <= 1 or self.kb_k < 1:
             raise ValueError("expected lambda3 > 0, keep_units in (0, 1], kb_k >= 1")
+        if self.catchup_every < 0 or not 0 < self.catchup_share <= 1:
+            raise ValueError("expected catchup_every >= 0 and catchup_share in (0, 1]")
+        if self.kb_budget_mb is not None and not self.kb_budget_mb > 0:
+            raise ValueError(f"kb_budget_mb: expected a positive size in MB or null, got {self.kb_budget_mb}")

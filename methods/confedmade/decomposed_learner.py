@@ -37,7 +37,7 @@ from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import ServedModel
 from methods.confedmade.training import MadeLearner, mean_nll
-from methods.confedmade.wire import KB_PREFIX, knowledge_key, parse_knowledge_meta
+from methods.confedmade.wire import EXTRA, KB_PREFIX, knowledge_key, parse_knowledge_meta
 
 
 class DecomposedLearner(MadeLearner):
@@ -57,6 +57,7 @@ class DecomposedLearner(MadeLearner):
         torch.manual_seed(fed.seed)
         self.model = DecomposedMADE(self.made)
         self.sent: dict[str, np.ndarray] = {}  # layer prefix -> entries uploaded last round
+        self.global_weight: dict[str, np.ndarray] = {}  # layer prefix -> the global B*sigmoid(m) last loaded
         self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # B, A_i at task start
         self.entries: list[list[str]] = []  # knowledge-base entry ids per task
         self.values_sent = 0
@@ -75,7 +76,8 @@ class DecomposedLearner(MadeLearner):
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
         for prefix, layer in layers.items():
-            g = torch.from_numpy(dense(tensors[f"{prefix}.weight"]))
+            self.global_weight[prefix] = dense(tensors[f"{prefix}.weight"])  # read only: the caller's array
+            g = torch.from_numpy(self.global_weight[prefix])
             if layer.bias is not None:
                 layer.bias.copy_(torch.from_numpy(dense(tensors[f"{prefix}.bias"])))
             if self.task < 0:
@@ -162,6 +164,10 @@ class DecomposedLearner(MadeLearner):
             effective = (layer.weight * gate[:, None]).numpy()
             out.update(pack(f"{prefix}.weight", effective, made_mask, units))
             self.sent[prefix] = np.array(selection(made_mask, units) & np.ones(effective.shape, bool))
+            if self._catching_up(rnd, prefix):
+                extra = self._furthest(prefix, effective)
+                out[f"{prefix}.weight{EXTRA}"] = SparseTensor(effective.shape, extra, effective.reshape(-1)[extra])
+                self.sent[prefix].reshape(-1)[extra] = True
             self.values_sent += int(self.sent[prefix].sum())
             if layer.bias is not None:
                 out[f"{prefix}.bias"] = layer.bias.numpy().copy()
@@ -170,6 +176,20 @@ class DecomposedLearner(MadeLearner):
                 adaptive[np.abs(adaptive) < self.opts.kb_threshold] = 0.0
                 out[f"{KB_PREFIX}{prefix}.weight"] = SparseTensor.from_dense(adaptive)
         return out
+
+    def _catching_up(self, rnd: int, prefix: str) -> bool:
+        every = self.opts.catchup_every
+        return self.restrict_upload and every > 0 and (rnd + 1) % every == 0 and prefix in self.global_weight
+
+    def _furthest(self, prefix: str, effective: np.ndarray) -> np.ndarray:
+        """Flat indices of the entries outside this round's selection whose value is furthest from
+        the global model's, the ``catchup_share`` of the weight (ascending, ties to lower index)."""
+        moved = np.abs(effective - self.global_weight[prefix]).reshape(-1)
+        moved[self.sent[prefix].reshape(-1)] = 0.0
+        k = min(int(round(self.opts.catchup_share * moved.size)), int(np.count_nonzero(moved)))
+        if k == 0:
+            return np.zeros(0, np.int64)
+        return np.sort(np.argsort(-moved, kind="stable")[:k]).astype(np.int64)
 
     def report(self, place: RoundPlace) -> dict:
         """Base weight values in this upload; at a task end also the learned attention over the

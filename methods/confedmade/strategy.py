@@ -11,19 +11,23 @@ A_t, which become knowledge-base entries handed to other clients at the next tas
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from fclcore.aggregation import RunningSum, template_check
-from fclcore.codec import Frame, SparseTensor, Tensor
+from fclcore.codec import CodecLimits, Frame, SparseTensor, Tensor
 from fclcore.made_spec import init_params, made_masks, mask_for_param, param_shapes
 from fclcore.masked_upload import UNITS, unpack
+from fclcore.model_sync import VALUE_BYTES
 from fclcore.orders import upload_order
 from fclcore.schema import FederationSpec
 from fclcore.strategy import Downlinks, Strategy, Update, without_tensors
-from methods.confedmade.wire import KB_PREFIX, entry_id, knowledge_key, knowledge_meta
+from methods.confedmade.wire import EXTRA, KB_PREFIX, entry_id, knowledge_key, knowledge_meta
+
+MAX_FRAME_TENSORS = CodecLimits().max_tensors
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,9 @@ class DecomposedStrategy(FedAvgStrategy):
                 expected.add(name)
                 continue
             out[name] = unpack(name, frame.tensors, shape, mask_for_param(masks, name) if masks else None)
-            expected |= {name, name + UNITS}
+            expected |= {name, name + UNITS, name + EXTRA}
+            if name + EXTRA in frame.tensors:
+                out[name] = _with_extra(out[name], frame.tensors[name + EXTRA], name + EXTRA)
             if self.is_task_end(rnd):
                 out[KB_PREFIX + name] = _full_shape(frame.tensors, KB_PREFIX + name, shape)
                 expected.add(KB_PREFIX + name)
@@ -171,7 +177,35 @@ class DecomposedStrategy(FedAvgStrategy):
         elif opts.kb_policy == "random" and len(pool) > opts.kb_k:
             rng = np.random.default_rng((self.fed.seed, task, index))
             pool = [pool[i] for i in sorted(rng.choice(len(pool), opts.kb_k, replace=False))]
-        return pool
+        budget = math.inf if opts.kb_budget_mb is None else opts.kb_budget_mb * 1e6
+        room, kept = MAX_FRAME_TENSORS // max(1, len(self.weights)), set()  # a frame carries at most that many
+        for entry in sorted(pool, key=lambda e: (-e.task, e.client)):  # the most recent tasks first
+            cost = self._entry_bytes(entry) if budget < math.inf else 0
+            if cost <= budget and len(kept) < room:
+                budget -= cost
+                kept.add(id(entry))
+        return [e for e in pool if id(e) in kept]
+
+    def _entry_bytes(self, entry: KnowledgeEntry) -> int:
+        """An entry's bytes on the wire: each tensor sparse (values + u32 indices) or dense, the smaller."""
+        value = VALUE_BYTES.get(self.fed.wire.value_dtype, 4)
+        total = 0
+        for t in entry.tensors.values():
+            numel = int(np.prod(t.shape))
+            nnz = t.nnz if isinstance(t, SparseTensor) else int(np.count_nonzero(t))
+            total += min(numel * value, nnz * (value + 4))
+        return total
+
+
+def _with_extra(base: SparseTensor, extra: Tensor, name: str) -> SparseTensor:
+    """The packed selection plus the catch-up entries (outside it) as one sparse tensor."""
+    if not isinstance(extra, SparseTensor) or extra.shape != base.shape:
+        raise ValueError(f"{name}: expected a sparse tensor of shape {base.shape}")
+    if np.intersect1d(base.indices, extra.indices).size:
+        raise ValueError(f"{name}: catch-up entries inside the round's selection")
+    order = np.argsort(np.concatenate([base.indices, extra.indices]), kind="stable")
+    indices = np.concatenate([base.indices, extra.indices])[order]
+    return SparseTensor(base.shape, indices, np.concatenate([base.values, extra.values])[order])
 
 
 def _dense(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...]) -> np.ndarray:

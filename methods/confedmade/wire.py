@@ -1,7 +1,9 @@
 """The ConFedMADE package's wire contract, used by both halves.
 
 * An update carries, per MADE weight, the packed base ``B*sigmoid(m)`` (``fclcore.masked_upload``:
-  values, plus ``<name>#units`` when not every unit is kept) and every bias dense; the last
+  values, plus ``<name>#units`` when not every unit is kept) and every bias dense; on a catch-up
+  round (``catchup_every``) also ``<name>#extra``, a sparse tensor of entries outside that
+  selection whose value moved furthest from the global model's; the last
   update of a task also carries ``kb:<weight>``, the client's thresholded A_t (full shape).
 * A knowledge frame (the per-client downlink at a task start) carries the chosen entries:
   ``meta = {"for_task": t, "entries": [{"id", "client", "task"}, ...]}`` and one tensor per
@@ -21,6 +23,7 @@ from fclcore.made_spec import made_masks, mask_for_param, param_shapes
 from fclcore.orders import upload_order
 
 KB_PREFIX = "kb:"  # prefix of the task-adaptive tensors a task's last update carries
+EXTRA = "#extra"  # suffix of a weight's catch-up entries (outside the round's selection), a sparse tensor
 MAX_ENTRIES = 4096
 
 
