@@ -34,9 +34,17 @@ class NodePorts:
 
 
 def node_config(index: int, ports: Sequence[NodePorts], store: Path, host: str = "127.0.0.1", replicas: int = 3) -> str:
-    """The nats-server config of node ``index`` of a cluster whose nodes listen on ``ports``."""
+    """The nats-server config of node ``index`` of a cluster whose nodes listen on ``ports``
+    (one node: no cluster block, as JetStream refuses a cluster without routes)."""
     own = ports[index]
     routes = ", ".join(f"nats-route://{host}:{p.route}" for i, p in enumerate(ports) if i != index)
+    cluster = f"""
+cluster {{
+  name: {CLUSTER_NAME}
+  listen: {host}:{own.route}
+  routes: [{routes}]
+}}
+"""
     return f"""# fcl-edge broker tier: node {index} of a {len(ports)}-node NATS cluster (MQTT over JetStream).
 server_name: n{index}
 listen: {host}:{own.client}
@@ -45,16 +53,10 @@ max_payload: {MAX_PAYLOAD}
 jetstream {{
   store_dir: "{store / f"n{index}"}"
 }}
-
-cluster {{
-  name: {CLUSTER_NAME}
-  listen: {host}:{own.route}
-  routes: [{routes}]
-}}
-
+{cluster if len(ports) > 1 else ""}
 mqtt {{
   listen: {host}:{own.mqtt}
-  # sessions, QoS 1 messages and retained messages on every node: one node may go away
+  # sessions, QoS 1 messages and retained messages on {replicas} node(s): a minority may go away
   stream_replicas: {replicas}
 }}
 """
