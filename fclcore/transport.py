@@ -125,6 +125,7 @@ class MqttLink:
         self._fatal: str | None = None  # why start() cannot succeed by retrying, once known
         self._last_error: str | None = None  # the latest failed connection attempt, for start()'s error
         self._settled = threading.Event()  # start() may return: connected, or failed for good
+        self._closing = False  # close() has begun: no more subscription retries
         self._unsubscribed = threading.Event()
         self._addresses = parse_broker_urls(broker.url)  # (host, port) of each url, in the order tried
         self._index = 0  # the address in use (or tried next)
@@ -154,6 +155,7 @@ class MqttLink:
         client.on_message = self._handle_message
         client.on_connect_fail = self._handle_connect_fail
         client.on_unsubscribe = lambda *_: self._unsubscribed.set()
+        client.on_subscribe = self._handle_subscribe
         return client
 
     def _set_tls(self, client: mqtt.Client) -> None:
@@ -207,6 +209,7 @@ class MqttLink:
 
     def close(self, final_state: str = "stopped", timeout: float = 5.0) -> None:
         """Publish the final status, flush, disconnect."""
+        self._closing = True
         if self.connected.is_set():
             try:
                 self.publish_status(final_state).wait_for_publish(timeout)
@@ -240,13 +243,41 @@ class MqttLink:
                 self._fatal = f"broker {self.url} refused {self.broker.username or 'anonymous'}: {reason_code}"
                 self._settled.set()
             return
-        for topic in self.subscriptions:
-            client.subscribe(topic, qos=QOS)
+        self._subscribe_all(client)
         self.publish_status("online")
         log.info("connected to %s as %s", self.url, self.client_id)
         self.connects += 1
         self.connected.set()
         self._settled.set()
+
+    def _subscribe_all(self, client: mqtt.Client) -> None:
+        if self.subscriptions:
+            client.subscribe([(topic, QOS) for topic in self.subscriptions])
+
+    def _handle_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        """A refused subscription is asked for again until the broker grants it: a NATS node
+        whose JetStream is re-electing its leaders (a peer just died) refuses QoS 1
+        subscriptions for a few seconds, and a device left without its subscriptions would
+        wait for a round announcement that never reaches it."""
+        refused = [code for code in reason_codes if code.is_failure]
+        if not refused or self._closing:
+            return
+        delay = self.broker.reconnect_min_s * random.uniform(1.0, 2.0)
+        log.warning(
+            "broker %s refused %d of %d subscription(s) (%s); subscribing again in %.1f s",
+            self.url,
+            len(refused),
+            len(reason_codes),
+            refused[0],
+            delay,
+        )
+        retry = threading.Timer(delay, self._retry_subscribe)
+        retry.daemon = True
+        retry.start()
+
+    def _retry_subscribe(self) -> None:
+        if self.connected.is_set() and not self._closing:  # else the next on_connect subscribes
+            self._subscribe_all(self._client)
 
     def _handle_connect_fail(self, client, userdata) -> None:
         # paho calls this from inside its ``except OSError`` around a connection attempt, so

@@ -134,3 +134,31 @@ def test_nats_mqtt_serves_what_our_protocol_uses(single_node):
     for client in (pub, sub, dotted):
         client.loop_stop()
         client.disconnect()
+
+
+def test_shipped_node_configs_are_the_generators(repo_root, tmp_path):
+    """deploy/nats/ holds what ``python -m fcl_edge.nats_cluster write DIR --store /var/lib/nats/fcl``
+    writes; regenerate them with that command after changing the generator."""
+    from fcl_edge.nats_cluster import main
+
+    assert main(["write", str(tmp_path), "--store", "/var/lib/nats/fcl"]) == 0
+    for index in range(3):
+        name = f"node-{index}.conf"
+        assert (repo_root / "deploy/nats" / name).read_text() == (tmp_path / name).read_text(), name
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--nodes", "2"], ["--nodes", "odd", "2"]),
+        (["--mqtt-port", "65535"], ["ports", "65535"]),
+        (["--route-port", "4223"], ["overlap"]),
+    ],
+)
+def test_generator_refuses_bad_layouts_in_one_line(args, words, tmp_path, capsys):
+    from fcl_edge.nats_cluster import main
+
+    assert main(["write", str(tmp_path / "out"), *args]) == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and all(w in message for w in words), message
+    assert not (tmp_path / "out").exists()

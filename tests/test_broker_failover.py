@@ -9,11 +9,13 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 from support.mosquitto import Mosquitto, free_port
+from support.mqtt_counter import MqttCounter
 
 from fclcore.config import ConfigError, from_dict
 from fclcore.schema import AggregatorConfig, BrokerSpec, parse_broker_urls
 from fclcore.transport import MqttLink, TransportError, parse_status
 
+SUBACK = 9
 FED = {"federation": {"name": "t"}, "expected_clients": ["a"]}
 
 
@@ -115,3 +117,43 @@ def test_a_list_of_dead_urls_names_them_all():
     with pytest.raises(TransportError) as err:
         link.start(2)
     assert all(u in str(err.value) for u in urls), err.value
+
+
+class SubackRefuser(MqttCounter):
+    """A relay in front of a real Mosquitto that turns the first ``refusals`` SUBACKs into
+    refusals (return code 0x80), as a NATS node whose JetStream is re-electing answers."""
+
+    def __init__(self, upstream_port: int, refusals: int) -> None:
+        super().__init__(upstream_port)
+        self.refusals = refusals
+        self.refused = 0
+        self.subacks = 0
+
+    def rewrite(self, packet: bytes, direction: str) -> bytes:
+        if direction != "down" or packet[0] >> 4 != SUBACK:
+            return packet
+        self.subacks += 1
+        if self.refused >= self.refusals:
+            return packet
+        self.refused += 1
+        header = len(packet) - packet[1]  # a SUBACK of a few topics has a one-byte length
+        return packet[: header + 2] + b"\x80" * (len(packet) - header - 2)  # keep the packet id
+
+
+def test_a_refused_subscription_is_asked_for_again(mosquitto):
+    """A refused SUBSCRIBE must not leave the link connected but deaf: it asks again until granted."""
+    relay = SubackRefuser(mosquitto.port, refusals=2)
+    got, event = [], threading.Event()
+    link = _link([f"mqtt://127.0.0.1:{relay.port}"], "deaf", got, event)
+    try:
+        link.start(10)
+        deadline = time.monotonic() + 10
+        while relay.subacks < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert relay.subacks == 3 and relay.refused == 2, "a refused subscription was not asked for again"
+        _publish(mosquitto.port, b"granted")
+        assert event.wait(5) and got == [b"granted"]
+        assert link.connects == 1  # the same connection: no reconnect was needed
+    finally:
+        link.close()
+        relay.close()
