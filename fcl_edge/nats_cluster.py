@@ -197,10 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(path)
     if args.command == "write":
         return 0
-    cluster.start()
-    print("MQTT urls:", " ".join(cluster.urls), flush=True)
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # held for sigwait, not acted on
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        cluster.start()
+        print("MQTT urls:", " ".join(cluster.urls), flush=True)
+        signal.sigwait(stop_signals)
     finally:
         cluster.stop()
     return 0
