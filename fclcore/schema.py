@@ -28,9 +28,13 @@ class BrokerSpec:
     the system CAs when it is None) and its host name against the url.  ``cert_file`` and
     ``key_file`` are the device's own certificate for brokers that ``require_certificate``.
     File paths are checked here, so a typo fails at load time instead of as a TLS timeout.
+
+    ``url`` may also be a list: the nodes of a broker cluster.  The link connects to the
+    first that answers and, when its broker goes away, moves on to the next (round-robin).
+    All urls of a list use one scheme, so TLS is on or off for the whole cluster.
     """
 
-    url: str = "mqtt://127.0.0.1:1883"
+    url: str | list[str] = "mqtt://127.0.0.1:1883"
     username: Optional[str] = None
     password: Optional[str] = None  # use "${env:NAME}" to keep it out of the file
     keepalive_s: int = 30
@@ -43,7 +47,7 @@ class BrokerSpec:
     connect_timeout_s: float = 10.0  # a service that cannot connect at start exits 3 after this long
 
     def __post_init__(self) -> None:
-        parse_broker_url(self.url)
+        parse_broker_urls(self.url)
         if not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s: expected seconds > 0, got {self.connect_timeout_s}")
         if self.keepalive_s < 5:
@@ -53,8 +57,13 @@ class BrokerSpec:
         self._check_tls()
 
     @property
+    def urls(self) -> tuple[str, ...]:
+        """The broker url(s) in the order they are tried."""
+        return (self.url,) if isinstance(self.url, str) else tuple(self.url)
+
+    @property
     def tls(self) -> bool:
-        return urlparse(self.url).scheme == "mqtts"
+        return urlparse(self.urls[0]).scheme == "mqtts"
 
     def _check_tls(self) -> None:
         files = {k: getattr(self, k) for k in ("ca_file", "cert_file", "key_file")}
@@ -101,6 +110,24 @@ def parse_broker_url(url: str) -> tuple[str, int]:
     except ValueError:
         raise ValueError(f"broker url: bad port in {url!r}") from None
     return parsed.hostname, port
+
+
+def parse_broker_urls(url: str | list[str]) -> list[tuple[str, int]]:
+    """One url or a non-empty list of distinct urls of one scheme -> [(host, port), ...]."""
+    if isinstance(url, str):
+        return [parse_broker_url(url)]
+    if not url:
+        raise ValueError("broker url: expected a url or a non-empty list of urls, got []")
+    addresses = [parse_broker_url(u) for u in url]
+    schemes = sorted({urlparse(u).scheme for u in url})
+    if len(schemes) > 1:
+        raise ValueError(f"broker url: the urls of a list must share one scheme, got {' and '.join(schemes)}")
+    seen: set[tuple[str, int]] = set()
+    for address, text in zip(addresses, url):
+        if address in seen:
+            raise ValueError(f"broker url: {text!r} is listed twice")
+        seen.add(address)
+    return addresses
 
 
 @dataclass

@@ -4,6 +4,9 @@ QoS 1 everywhere; subscriptions are (re)made in ``on_connect`` so they survive a
 restart; paho reconnects with exponential backoff; a retained status topic carries
 "online" on connect, "stopped" on a clean shutdown and the last-will "dead" otherwise.
 ``mqtts://`` urls use TLS with the CA and optional client certificate of the BrokerSpec.
+With several broker urls (a cluster), the link connects to the first that answers and, when
+its broker goes away or a connection attempt fails, aims paho's next reconnect at the next
+url of the list (round-robin); subscriptions and the "online" status follow it there.
 
 ``WireMeter`` counts what crosses the wire per direction, as MQTT PUBLISH packets: fixed
 header + variable header (topic, packet id) + payload.  The sizes are computed from the
@@ -28,7 +31,7 @@ from typing import Callable, Sequence
 import paho.mqtt.client as mqtt
 
 from fclcore.errors import BrokerUnreachable
-from fclcore.schema import BrokerSpec, parse_broker_url
+from fclcore.schema import BrokerSpec, parse_broker_urls
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +125,16 @@ class MqttLink:
         self._fatal: str | None = None  # why start() cannot succeed by retrying, once known
         self._last_error: str | None = None  # the latest failed connection attempt, for start()'s error
         self._settled = threading.Event()  # start() may return: connected, or failed for good
+        self._closing = False  # close() has begun: no more subscription retries
         self._unsubscribed = threading.Event()
+        self._addresses = parse_broker_urls(broker.url)  # (host, port) of each url, in the order tried
+        self._index = 0  # the address in use (or tried next)
         self._client = self._make_client()
+
+    @property
+    def url(self) -> str:
+        """The broker url this link is connected to (or tries next)."""
+        return self.broker.urls[self._index]
 
     def _make_client(self) -> mqtt.Client:
         client = mqtt.Client(
@@ -134,7 +145,7 @@ class MqttLink:
             client.username_pw_set(self.broker.username, self.broker.password)
         if self.broker.tls:
             self._set_tls(client)
-        elif self.broker.password and not _is_loopback(parse_broker_url(self.broker.url)[0]):
+        elif self.broker.password and not all(_is_loopback(host) for host, _ in self._addresses):
             log.warning("broker %s: the password travels unencrypted; use an mqtts:// url", self.broker.url)
         client.will_set(self.status_topic, _status_payload("dead"), qos=QOS, retain=True)
         client.reconnect_delay_set(self.broker.reconnect_min_s, self.broker.reconnect_max_s)
@@ -144,6 +155,7 @@ class MqttLink:
         client.on_message = self._handle_message
         client.on_connect_fail = self._handle_connect_fail
         client.on_unsubscribe = lambda *_: self._unsubscribed.set()
+        client.on_subscribe = self._handle_subscribe
         return client
 
     def _set_tls(self, client: mqtt.Client) -> None:
@@ -170,7 +182,7 @@ class MqttLink:
         What retrying cannot fix fails at once: bad credentials, not authorised, a broker
         certificate that does not verify against ca_file or does not match the url's host."""
         timeout = self.broker.connect_timeout_s if timeout is None else timeout
-        host, port = parse_broker_url(self.broker.url)
+        host, port = self._addresses[self._index]
         self._client.connect_async(host, port, keepalive=self.broker.keepalive_s)
         self._client.loop_start()
         if self._settled.wait(timeout) and self.connected.is_set():
@@ -180,7 +192,7 @@ class MqttLink:
             raise TransportError(self._fatal)
         last = f" (last error: {self._last_error})" if self._last_error else ""
         hint = " (TLS: check the port, and cert_file/key_file if the broker requires one)" if self.broker.tls else ""
-        raise TransportError(f"could not connect to {self.broker.url} within {timeout:.0f} s{last}{hint}")
+        raise TransportError(f"could not connect to {' or '.join(self.broker.urls)} within {timeout:.0f} s{last}{hint}")
 
     def publish(
         self, topic: str, payload: bytes, *, retain: bool = False, tag: str | None = None
@@ -211,6 +223,7 @@ class MqttLink:
 
     def close(self, final_state: str = "stopped", timeout: float = 5.0) -> None:
         """Publish the final status, flush, disconnect."""
+        self._closing = True
         if self.connected.is_set():
             try:
                 self.publish_status(final_state).wait_for_publish(timeout)
@@ -239,18 +252,46 @@ class MqttLink:
 
     def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
-            log.error("broker %s refused the connection: %s", self.broker.url, reason_code)
+            log.error("broker %s refused the connection: %s", self.url, reason_code)
             if reason_code.value in _PERMANENT_REFUSALS and not self._settled.is_set():
-                self._fatal = f"broker {self.broker.url} refused {self.broker.username or 'anonymous'}: {reason_code}"
+                self._fatal = f"broker {self.url} refused {self.broker.username or 'anonymous'}: {reason_code}"
                 self._settled.set()
             return
-        for topic in self.subscriptions:
-            client.subscribe(topic, qos=QOS)
+        self._subscribe_all(client)
         self.publish_status("online")
-        log.info("connected to %s as %s", self.broker.url, self.client_id)
+        log.info("connected to %s as %s", self.url, self.client_id)
         self.connects += 1
         self.connected.set()
         self._settled.set()
+
+    def _subscribe_all(self, client: mqtt.Client) -> None:
+        if self.subscriptions:
+            client.subscribe([(topic, QOS) for topic in self.subscriptions])
+
+    def _handle_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        """A refused subscription is asked for again until the broker grants it: a NATS node
+        whose JetStream is re-electing its leaders (a peer just died) refuses QoS 1
+        subscriptions for a few seconds, and a device left without its subscriptions would
+        wait for a round announcement that never reaches it."""
+        refused = [code for code in reason_codes if code.is_failure]
+        if not refused or self._closing:
+            return
+        delay = self.broker.reconnect_min_s * random.uniform(1.0, 2.0)
+        log.warning(
+            "broker %s refused %d of %d subscription(s) (%s); subscribing again in %.1f s",
+            self.url,
+            len(refused),
+            len(reason_codes),
+            refused[0],
+            delay,
+        )
+        retry = threading.Timer(delay, self._retry_subscribe)
+        retry.daemon = True
+        retry.start()
+
+    def _retry_subscribe(self) -> None:
+        if self.connected.is_set() and not self._closing:  # else the next on_connect subscribes
+            self._subscribe_all(self._client)
 
     def _handle_connect_fail(self, client, userdata) -> None:
         # paho calls this from inside its ``except OSError`` around a connection attempt, so
@@ -259,12 +300,15 @@ class MqttLink:
         if exc is None:
             return
         self._last_error = str(exc) or type(exc).__name__
+        if len(self._addresses) > 1:
+            self._last_error = f"{self.url}: {self._last_error}"
         if isinstance(exc, ssl.SSLCertVerificationError):  # retrying will not fix a certificate
-            reason = f"TLS to {self.broker.url}: broker certificate rejected: {exc.verify_message or exc}"
+            reason = f"TLS to {self.url}: broker certificate rejected: {exc.verify_message or exc}"
             log.warning("%s (ca_file=%s)", reason, self.broker.ca_file or "<system CAs>")
             if not self._settled.is_set():
                 self._fatal = reason
                 self._settled.set()
+        self._fail_over(client)
 
     def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self.connected.clear()
@@ -274,7 +318,20 @@ class MqttLink:
             # broker must not reconnect in one burst when it comes back.
             first = self.broker.reconnect_min_s * random.uniform(0.5, 1.5)
             client.reconnect_delay_set(first, max(first, self.broker.reconnect_max_s))
-            log.warning("disconnected from %s (%s); reconnecting in %.1f s", self.broker.url, reason_code, first)
+            lost = self.url
+            self._fail_over(client)
+            log.warning("disconnected from %s (%s); reconnecting to %s in %.1f s", lost, reason_code, self.url, first)
+
+    def _fail_over(self, client: mqtt.Client) -> None:
+        """Aim paho's next reconnect at the next url of the list (nothing to do with one url).
+
+        Called on paho's loop thread after the socket is closed: ``connect_async`` only
+        records the new address, and paho's reconnect loop (its backoff included) uses it."""
+        if len(self._addresses) < 2:
+            return
+        self._index = (self._index + 1) % len(self._addresses)
+        host, port = self._addresses[self._index]
+        client.connect_async(host, port, keepalive=self.broker.keepalive_s)
 
     def _handle_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         payload = bytes(message.payload)

@@ -1,4 +1,5 @@
-"""An independent count of MQTT PUBLISH bytes: a TCP relay that parses the MQTT stream.
+"""An independent count of MQTT PUBLISH bytes: a TCP relay that parses the MQTT stream
+(and, through ``rewrite``, a place to alter packets on their way).
 
 It shares no code with fclcore.transport: it reads fixed headers and remaining lengths off
 the raw byte stream (MQTT 3.1.1 section 2.2), learns each connection's client id from its
@@ -44,6 +45,10 @@ class MqttCounter:
             threading.Thread(target=self._pump, args=(downstream, upstream, "up", conn), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, downstream, "down", conn), daemon=True).start()
 
+    def rewrite(self, packet: bytes, direction: str) -> bytes:
+        """What the relay forwards for one complete packet: itself (a subclass may alter it)."""
+        return packet
+
     def _pump(self, src: socket.socket, dst: socket.socket, direction: str, conn: dict) -> None:
         buffer = b""
         while True:
@@ -54,41 +59,50 @@ class MqttCounter:
             if not chunk:
                 _close(dst)
                 return
-            buffer += chunk
-            buffer = self._consume(buffer, direction, conn)
+            packets, buffer = _split(buffer + chunk)
+            for packet in packets:
+                self._count(packet, direction, conn)
             try:
-                dst.sendall(chunk)
+                dst.sendall(b"".join(self.rewrite(packet, direction) for packet in packets))
             except OSError:
                 _close(src)
                 return
 
-    def _consume(self, buffer: bytes, direction: str, conn: dict) -> bytes:
-        """Count every complete packet at the front of ``buffer``; return the rest."""
-        while len(buffer) >= 2:
-            remaining, multiplier, pos = 0, 1, 1
-            while True:
-                if pos >= len(buffer):
-                    return buffer
-                byte = buffer[pos]
-                remaining += (byte & 0x7F) * multiplier
-                multiplier *= 128
-                pos += 1
-                if not byte & 0x80:
-                    break
-            total = pos + remaining
-            if len(buffer) < total:
-                return buffer
-            packet_type = buffer[0] >> 4
-            if packet_type == CONNECT:
-                conn["id"] = _connect_client_id(buffer[pos:total])
-            with self.lock:
-                row = self.counts[(conn["id"] or "?", direction)]
-                row[2] += total
-                if packet_type == PUBLISH:
-                    row[0] += 1
-                    row[1] += total
-            buffer = buffer[total:]
-        return buffer
+    def _count(self, packet: bytes, direction: str, conn: dict) -> None:
+        packet_type = packet[0] >> 4
+        if packet_type == CONNECT:
+            conn["id"] = _connect_client_id(packet[_header_length(packet) :])
+        with self.lock:
+            row = self.counts[(conn["id"] or "?", direction)]
+            row[2] += len(packet)
+            if packet_type == PUBLISH:
+                row[0] += 1
+                row[1] += len(packet)
+
+
+def _header_length(buffer: bytes) -> int | None:
+    """Bytes of the fixed header at the front of ``buffer`` (None: not all there yet)."""
+    pos = 1
+    while pos < len(buffer):
+        pos += 1
+        if not buffer[pos - 1] & 0x80:
+            return pos
+    return None
+
+
+def _split(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The complete packets at the front of ``buffer``, and the rest."""
+    packets = []
+    while (header := _header_length(buffer)) is not None:
+        remaining, multiplier = 0, 1
+        for byte in buffer[1:header]:
+            remaining += (byte & 0x7F) * multiplier
+            multiplier *= 128
+        if len(buffer) < header + remaining:
+            break
+        packets.append(buffer[: header + remaining])
+        buffer = buffer[header + remaining :]
+    return packets, buffer
 
 
 def _connect_client_id(body: bytes) -> str:
