@@ -1,4 +1,4 @@
-"""Tests for the wire codec v1 (fclcore.codec)."""
+"""Tests for the wire codec (fclcore.codec): frame layout, float values; int8 in test_codec_int8."""
 
 from __future__ import annotations
 
@@ -260,7 +260,8 @@ def test_raw_builder_matches_spec():
 
 BAD_FRAMES = {
     "magic": (raw_frame(magic=b"FCLX"), "magic"),
-    "version": (raw_frame(version=2), "version"),
+    "version 0": (raw_frame(version=0), "version"),
+    "version 3": (raw_frame(version=3), "version"),
     "kind 0": (raw_frame(kind=0), "kind"),
     "kind 9": (raw_frame(kind=9), "kind"),
     "flags": (raw_frame(flags=1), "flags"),
@@ -280,7 +281,8 @@ BAD_FRAMES = {
     "name utf8": (raw_frame(tensors=[rec(name=b"\xfe")]), "name"),
     "layout": (raw_frame(tensors=[rec(layout=3)]), "layout"),
     "dtype 0": (raw_frame(tensors=[rec(dtype=0)]), "dtype"),
-    "dtype 3": (raw_frame(tensors=[rec(dtype=3)]), "dtype"),
+    "dtype 3 (int8) in a v1 frame": (raw_frame(tensors=[rec(dtype=3)]), "needs v2"),
+    "dtype 4": (raw_frame(version=2, tensors=[rec(dtype=4)]), "dtype"),
     "ndim": (raw_frame(tensors=[rec(dims=(1,) * 9)]), "ndim"),
     "zero dim": (raw_frame(tensors=[rec(dims=(2, 0), data=b"")]), "dims"),
     "numel": (raw_frame(tensors=[rec(dims=(2**16, 2**16), data=b"")]), "numel"),
@@ -314,8 +316,8 @@ def test_decode_rejects(name):
 
 
 def test_error_message_names_value_and_expectation():
-    with pytest.raises(CodecError, match=r"header\.version: got 2, expected 1"):
-        decode(raw_frame(version=2))
+    with pytest.raises(CodecError, match=r"header\.version: got 3, expected 1 or 2"):
+        decode(raw_frame(version=3))
 
 
 def test_checksum_mismatch():
