@@ -32,7 +32,7 @@ def _max_scale() -> np.float32:
 
 
 MAX_SCALE = _max_scale()
-MAX_ABS = float(MAX_SCALE) * CODE_MAX  # largest |value| int8 blocks can carry (just under float32 max)
+MAX_ABS = float(MAX_SCALE) * CODE_MAX  # largest |value| a code can stand for (float32 max less 2^-23 of it)
 
 
 def block_count(count: int, block: int) -> int:
@@ -58,11 +58,13 @@ def _scales(blocks: np.ndarray) -> np.ndarray:
 
 
 def quantize(values: np.ndarray, block: int, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Finite values with |v| <= MAX_ABS -> (float32 scales, int8 codes), one code per value.
+    """Finite values with |v| <= float32 max -> (float32 scales, int8 codes), one code per value.
 
     ``rng`` None rounds to nearest (ties to even); a generator rounds stochastically: up with
     probability equal to the fractional part, which makes the decoded value unbiased."""
-    blocks = _blocks(values, block)  # (nblocks, block)
+    # (nblocks, block); the few float32 values above MAX_ABS move down by < 2^-23 of themselves,
+    # far inside the bound (s / 2 is then about 2^-8 of them)
+    blocks = np.clip(_blocks(values, block), -MAX_ABS, MAX_ABS)
     scales = _scales(blocks)
     divisor = np.where(scales > 0, scales, 1.0)[:, None]  # all-zero blocks: codes 0
     ratio = blocks / divisor

@@ -413,13 +413,14 @@ def _wire_values(values: np.ndarray, wire: np.dtype, where: str) -> bytes:
 
 
 def _int8_values(values: np.ndarray, block: int, rng: np.random.Generator | None, where: str) -> bytes:
-    """Block-quantize, refusing NaN/Inf and values beyond what float32 can read back."""
+    """Block-quantize, refusing NaN/Inf and values beyond float32 (what the decoder reads back)."""
     _check_real(values, where)
     wide = values.astype(np.float64).reshape(-1)
-    too_big = np.abs(wide) > blockquant.MAX_ABS
+    limit = float(np.finfo(np.float32).max)
+    too_big = np.abs(wide) > limit
     if too_big.any():
         i = int(np.flatnonzero(too_big)[0])
-        _fail(f"{where}.values", f"{wide[i]} at flat index {i}", f"|value| <= {blockquant.MAX_ABS} (int8 blocks)")
+        _fail(f"{where}.values", f"{wide[i]} at flat index {i}", f"|value| <= {limit} (int8 blocks decode to float32)")
     scales, codes = blockquant.quantize(wide, block, rng)
     return _U16.pack(block) + scales.astype("<f4").tobytes() + codes.tobytes()
 
