@@ -1,8 +1,9 @@
 """Committed wire frames: what a peer running an older release sends must keep decoding.
 
-The hex below was written by the v1 encoder (before codec v2 added int8 values).  A v1
+The v1 hex below was written by the v1 encoder (before codec v2 added int8 values).  A v1
 frame must decode to the same content, and a frame without int8 tensors must still be
 written as exactly these bytes, so older devices can read what a newer aggregator sends.
+The v2 hex pins the int8 layout and the stochastic rounding stream (seed derivation).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
+from fclcore.codec import Frame, Header, Kind, SparseTensor, ValueCoding, decode, encode
 
 
 def golden_content() -> Frame:
@@ -64,3 +65,31 @@ def test_v1_frame_decodes(value_dtype):
 @pytest.mark.parametrize("value_dtype", list(V1_FRAMES))
 def test_frame_without_int8_is_written_as_v1(value_dtype):
     assert encode(golden_content(), value_dtype).hex() == V1_FRAMES[value_dtype]
+
+
+V2_FRAMES = {
+    ValueCoding("int8", block=4): (
+        "46434c5702020000030000000100000007000000000000000366656408636c69656e742d31100000007b226c72223a302e352c"
+        "226e223a357d04000177000302020000000300000004008642a13c8642a13c81b4e7194c7f03666577010301280000000200"
+        "000003001f0004000502813c5f81046d616e79020301100000000a000000ff0304000502013c0502813c8642a13c203f5f7f"
+        "4f5f6f7f727f017300030004000502013b81414ea5d0"
+    ),
+    ValueCoding("int8", block=4, rounding="stochastic", seed=3): (
+        "46434c5702020000030000000100000007000000000000000366656408636c69656e742d31100000007b226c72223a302e352c"
+        "226e223a357d04000177000302020000000300000004008642a13c8642a13c81b4e71a4c7f03666577010301280000000200"
+        "000003001f0004000502813c5f81046d616e79020301100000000a000000ff0304000502013c0502813c8642a13c203f607f"
+        "4f606f7f737f017300030004000502013b813b5d7bda"
+    ),
+}
+
+
+@pytest.mark.parametrize("coding", list(V2_FRAMES), ids=lambda c: c.rounding)
+def test_v2_int8_frame_is_stable(coding):
+    data = bytes.fromhex(V2_FRAMES[coding])
+    assert data[4] == 2 and encode(golden_content(), coding) == data
+    got, want = decode(data), golden_content()
+    for name, sent in want.tensors.items():
+        sent = sent.to_dense() if isinstance(sent, SparseTensor) else sent
+        back = got.tensors[name]
+        back = back.to_dense() if isinstance(back, SparseTensor) else back
+        np.testing.assert_allclose(back, sent, atol=2.5 / 127)  # s = max|block| / 127 <= 2.5 / 127
