@@ -321,9 +321,7 @@ class AggregatorService:
         for client, (meta, tensors) in self.strategy.client_downlinks(rnd, roster).items():
             self.sequence += 1
             header = Header(Kind.KNOWLEDGE, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
-            payload = encode(
-                Frame(header, {**meta, "run": self.run_id}, tensors), self.fed.wire.value_dtype, self.limits
-            )
+            payload = encode(Frame(header, {**meta, "run": self.run_id}, tensors), self.fed.value_coding, self.limits)
             topic = topics.knowledge_topic(self.fed.name, client)
             self.link.publish(topic, payload, retain=True, tag=f"knowledge:{task}")
             self.retained[topic] = payload
@@ -362,7 +360,7 @@ class AggregatorService:
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
         tensors = {} if failed is not None else self.global_params
-        payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
+        payload = encode(Frame(header, meta, tensors), self.fed.value_coding, self.limits)
         topic = topics.round_topic(self.fed.name)
         self.link.publish(topic, payload, retain=True, tag=f"{kind.name.lower()}:{rnd}")
         self.retained[topic] = payload

@@ -103,6 +103,13 @@ VALUE_DTYPES = ("float32", "float16", "int8")
 ROUNDINGS = ("nearest", "stochastic")
 
 
+def max_value(value_dtype: str) -> float:
+    """The largest |value| a tensor value can have and still be sent as ``value_dtype``."""
+    if value_dtype not in VALUE_DTYPES:
+        _fail("value_dtype", repr(value_dtype), " or ".join(map(repr, VALUE_DTYPES)))
+    return float(np.finfo(np.float16 if value_dtype == "float16" else np.float32).max)  # int8 reads back as float32
+
+
 class CodecError(BadInput):
     """The one error raised for malformed frames or unencodable input."""
 
@@ -235,7 +242,8 @@ class ValueCoding:
             _fail("int8 block", self.block, f"1 <= block <= {_U16_MAX}")
         if self.rounding not in ROUNDINGS:
             _fail("int8 rounding", repr(self.rounding), " or ".join(map(repr, ROUNDINGS)))
-        _uint(self.seed, "int8 seed", _U64_MAX)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            _fail("int8 seed", repr(self.seed), "an integer")
 
 
 # ---------------------------------------------------------------- shared checks
