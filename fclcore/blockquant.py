@@ -39,22 +39,31 @@ def block_count(count: int, block: int) -> int:
     return -(-count // block)
 
 
-def _blocks(values: np.ndarray, block: int) -> np.ndarray:
-    """(n,) -> (ceil(n / block), block) float64, the last block padded with zeros."""
-    flat = np.asarray(values, dtype=np.float64).reshape(-1)
-    padded = np.zeros(block_count(flat.size, block) * block)
+def _blocks(values: np.ndarray, block: int, dtype: type = np.float64) -> np.ndarray:
+    """(n,) -> (ceil(n / block), block), the last block padded with zeros (a fresh array)."""
+    flat = np.asarray(values).reshape(-1)
+    padded = np.zeros(block_count(flat.size, block) * block, dtype=dtype)
     padded[: flat.size] = flat
     return padded.reshape(-1, block)
 
 
+def _small_integer_blocks(blocks: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """Which blocks hold only integers within [-127, 127] (their first entry screens them cheaply)."""
+    first = blocks[:, 0]
+    candidates = np.flatnonzero((top <= CODE_MAX) & (first == np.rint(first)))
+    chosen = blocks[candidates]
+    out = np.zeros(len(blocks), dtype=bool)
+    out[candidates] = (chosen == np.rint(chosen)).all(axis=1)
+    return out
+
+
 def _scales(blocks: np.ndarray) -> np.ndarray:
     """Per-block float32 scale: max|block| / 127 rounded up (codes then stay within 127)."""
-    top = np.abs(blocks).max(axis=1, initial=0.0)
+    top = np.maximum(blocks.max(axis=1, initial=0.0), 0.0 - blocks.min(axis=1, initial=0.0))  # never -0.0
     exact = top / CODE_MAX
     scales = exact.astype(np.float32)
     scales = np.where(scales < exact, np.nextafter(scales, np.float32(np.inf)), scales)
-    small_ints = (top <= CODE_MAX) & (blocks == np.rint(blocks)).all(axis=1)
-    return np.where(small_ints & (top > 0), np.float32(1), scales).astype(np.float32)
+    return np.where(_small_integer_blocks(blocks, top) & (top > 0), np.float32(1), scales).astype(np.float32)
 
 
 def quantize(values: np.ndarray, block: int, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -62,22 +71,24 @@ def quantize(values: np.ndarray, block: int, rng: np.random.Generator | None = N
 
     ``rng`` None rounds to nearest (ties to even); a generator rounds stochastically: up with
     probability equal to the fractional part, which makes the decoded value unbiased."""
-    # (nblocks, block); the few float32 values above MAX_ABS move down by < 2^-23 of themselves,
-    # far inside the bound (s / 2 is then about 2^-8 of them)
-    blocks = np.clip(_blocks(values, block), -MAX_ABS, MAX_ABS)
-    scales = _scales(blocks)
-    divisor = np.where(scales > 0, scales, 1.0)[:, None]  # all-zero blocks: codes 0
-    ratio = blocks / divisor
+    ratio = _blocks(values, block)  # (nblocks, block) float64, worked on in place
+    # the few float32 values above MAX_ABS move down by < 2^-23 of themselves, far inside
+    # the bound (s / 2 is then about 2^-8 of them)
+    np.clip(ratio, -MAX_ABS, MAX_ABS, out=ratio)
+    scales = _scales(ratio)
+    ratio /= np.where(scales > 0, scales, 1.0)[:, None]  # all-zero blocks: codes 0
     if rng is None:
-        codes = np.rint(ratio)
+        np.rint(ratio, out=ratio)
     else:
-        codes = np.floor(ratio + rng.random(ratio.shape))
-    codes = np.clip(codes, -CODE_MAX, CODE_MAX).astype(np.int8).reshape(-1)
-    return scales, codes[: np.asarray(values).size]
+        ratio += rng.random(ratio.shape)
+        np.floor(ratio, out=ratio)
+    np.clip(ratio, -CODE_MAX, CODE_MAX, out=ratio)
+    return scales, ratio.reshape(-1)[: np.asarray(values).size].astype(np.int8)
 
 
 def dequantize(scales: np.ndarray, codes: np.ndarray, block: int) -> np.ndarray:
-    """(float32 scales, int8 codes) -> float32 values; c * s is exact in float64, then rounded once."""
-    blocks = _blocks(codes, block)  # (nblocks, block)
-    values = blocks * np.asarray(scales, dtype=np.float64)[:, None]
-    return values.reshape(-1)[: codes.size].astype(np.float32)
+    """(float32 scales, int8 codes) -> float32 values.  One float32 multiply is enough: c * s
+    is exact in float64 (8 + 24 significant bits) and IEEE rounds the float32 product from it."""
+    values = _blocks(codes, block, np.float32)  # (nblocks, block)
+    values *= np.asarray(scales, dtype=np.float32)[:, None]
+    return values.reshape(-1)[: codes.size]

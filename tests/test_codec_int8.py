@@ -292,6 +292,12 @@ def test_encode_rejects_for_int8(tensor, field):
         encode(Frame(HEADER, {}, {"t": tensor}), NEAREST)
 
 
+def test_negative_zeros_give_a_positive_zero_scale():
+    x = np.array([-0.0, 0.0, -0.0, 1.0], np.float32)
+    data = encode(Frame(HEADER, {}, {"t": x}), ValueCoding("int8", block=1))
+    np.testing.assert_array_equal(decode(data).tensors["t"], [0, 0, 0, 1])
+
+
 def test_float32_extremes_encode_and_decode():
     x = np.array([np.finfo(np.float32).max, -np.finfo(np.float32).max, 1e-45, 0], np.float32)
     got = decode(encode(Frame(HEADER, {}, {"t": x}), ValueCoding("int8", block=2))).tensors["t"]
