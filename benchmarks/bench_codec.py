@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([sys.executable, *sys.argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": machine_info(),
+        "load_average_1_5_15_min": os.getloadavg(),  # timings on a shared machine: how busy it was
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
