@@ -338,9 +338,7 @@ class AggregatorService:
         for client, (meta, tensors) in self.strategy.client_downlinks(rnd, roster).items():
             self.sequence += 1
             header = Header(Kind.KNOWLEDGE, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
-            payload = encode(
-                Frame(header, {**meta, "run": self.run_id}, tensors), self.fed.wire.value_dtype, self.limits
-            )
+            payload = encode(Frame(header, {**meta, "run": self.run_id}, tensors), self.fed.value_coding, self.limits)
             topic = topics.knowledge_topic(self.fed.name, client)
             self.link.publish(topic, payload, retain=True, tag=f"knowledge:{task}")
             self.retained[topic] = payload
@@ -379,22 +377,22 @@ class AggregatorService:
         self.sequence += 1
         header = Header(kind, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
         tensors: dict = {}
-        dtype = self.fed.wire.value_dtype
+        coding = self.fed.value_coding
         if failed is None:
             tensors, ref = self.downlink.prepare(rnd, self.global_params, lambda t: self._roundtrip(header, t))
             self.global_params = self.downlink.served  # the model as every device decodes it
             meta["model"] = ref.to_meta()
             self._publish_sync(rnd, task)
-        payload = encode(Frame(header, meta, tensors), dtype, self.limits)
+        payload = encode(Frame(header, meta, tensors), coding, self.limits)
         topic = topics.round_topic(self.fed.name)
         self.link.publish(topic, payload, retain=True, tag=f"{kind.name.lower()}:{rnd}")
         self.retained[topic] = payload
-        self.announced_model_bytes = len(payload) - len(encode(Frame(header, meta, {}), dtype, self.limits))
+        self.announced_model_bytes = len(payload) - len(encode(Frame(header, meta, {}), coding, self.limits))
         return publish_packet_bytes(topic, len(payload)), len(payload)
 
     def _roundtrip(self, header: Header, tensors: dict) -> dict:
         """``tensors`` as a device decodes them from an announcement with ``header``."""
-        payload = encode(Frame(header, {}, tensors), self.fed.wire.value_dtype, self.limits)
+        payload = encode(Frame(header, {}, tensors), self.fed.value_coding, self.limits)
         return decode(payload, self.limits).tensors
 
     def _publish_sync(self, rnd: int, task: int) -> None:
@@ -515,7 +513,7 @@ class AggregatorService:
         replay; a replayed update (``journal=False``) is folded into the rebuilt sum once."""
         if kind is Kind.UPDATE:
             self.tensor_bytes[update.client] = self.strategy.bytes_by_kind(update.frame.tensors, update.frame.meta)
-            self.up_kinds[update.client] = _up_kinds(update, payload, self.fed.wire.value_dtype, self.limits)
+            self.up_kinds[update.client] = _up_kinds(update, payload, self.fed.value_coding, self.limits)
             if self.strategy.streams:
                 running, folded = self._round_sum(rnd)
                 if update.client in folded:  # the inbox refuses a second update per round; never fold one
@@ -700,7 +698,7 @@ def _kinds(model: int, knowledge: int, control: int) -> dict[str, int]:
     return {"model": int(model), "knowledge": int(knowledge), "control": int(control)}
 
 
-def _up_kinds(update: Update, payload: bytes, value_dtype: str, limits: CodecLimits) -> dict[str, int]:
+def _up_kinds(update: Update, payload: bytes, coding: object, limits: CodecLimits) -> dict[str, int]:
     """An update's packet bytes by kind: its tensors' records (``kb:`` tensors are knowledge
     entries), and the rest (header, metadata, signature, MQTT header) as control."""
     frame = update.frame
@@ -708,5 +706,5 @@ def _up_kinds(update: Update, payload: bytes, value_dtype: str, limits: CodecLim
     tensors = frame_len - len(encode(Frame(frame.header, frame.meta, {}), limits=limits))
     kb = {k: v for k, v in frame.tensors.items() if k.startswith(KNOWLEDGE_PREFIX)}
     empty = len(encode(Frame(frame.header, {}, {}), limits=limits))
-    knowledge = len(encode(Frame(frame.header, {}, kb), value_dtype, limits)) - empty if kb else 0
+    knowledge = len(encode(Frame(frame.header, {}, kb), coding, limits)) - empty if kb else 0
     return _kinds(tensors - knowledge, knowledge, update.packet_bytes - tensors)

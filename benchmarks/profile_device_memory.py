@@ -172,7 +172,7 @@ def child(args: argparse.Namespace) -> None:
     tensors = learner.upload(frame.header.round, place)
     header = Header(Kind.UPDATE, cfg.federation, frame.header.round, place.task, cfg.client_id, 1)
     meta = {"n_samples": n_samples, "train_nll": train_nll, **learner.report(place)}
-    update = encode(Frame(header, meta, tensors), fed.wire.value_dtype)
+    update = encode(Frame(header, meta, tensors), fed.value_coding)
     mark("train", n_samples=n_samples, update_bytes=len(update))
 
     end_place = RoundPlace(place.task, place.task_start, True)  # a task's last round: every task seen
@@ -238,7 +238,7 @@ def prepare(name: str, work: Path) -> tuple[Path, Path, Path | None, str]:
         kmeta, ktensors = downlinks[client]
         header = Header(Kind.KNOWLEDGE, fed.name, 0, 0, topics.AGGREGATOR_ID, 1)
         knowledge = work / "knowledge0.bin"
-        knowledge.write_bytes(encode(Frame(header, {**kmeta, "run": run}, ktensors), fed.wire.value_dtype))
+        knowledge.write_bytes(encode(Frame(header, {**kmeta, "run": run}, ktensors), fed.value_coding))
     meta = {  # aggregator/service.py _announce
         "run": run,
         "clock_us": time.time_ns() // 1000,
@@ -251,7 +251,7 @@ def prepare(name: str, work: Path) -> tuple[Path, Path, Path | None, str]:
     }
     header = Header(Kind.ROUND, fed.name, 0, schedule.task_of(0), topics.AGGREGATOR_ID, 2)
     frame_path = work / "round0.bin"
-    frame_path.write_bytes(encode(Frame(header, meta, global_params), fed.wire.value_dtype))
+    frame_path.write_bytes(encode(Frame(header, meta, global_params), fed.value_coding))
     return written[client][1], frame_path, knowledge, fed.method
 
 

@@ -34,7 +34,7 @@ from edge_client.state import ClientState, ClientStateStore
 from edge_client.taskdir import TaskDirectory
 from fclcore import topics
 from fclcore.checkpoint import CheckpointError
-from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
+from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode, max_value
 from fclcore.config import ConfigError, from_dict, to_dict
 from fclcore.data import (
     ClientTasks,
@@ -808,7 +808,7 @@ class ClientDaemon:
             self.sequence = now
         self.sequence = max(self.sequence + 1, now)
         header = Header(kind, self.cfg.federation, rnd, task, self.cfg.client_id, self.sequence)
-        payload = encode(Frame(header, meta, tensors), self.fed.wire.value_dtype, self.limits)
+        payload = encode(Frame(header, meta, tensors), self.fed.value_coding, self.limits)
         return sign(payload, self.key) if self.key is not None else payload
 
     def _send(self, payload: bytes, tag: str):
@@ -843,7 +843,7 @@ def check_finite(rnd: int, loss: float | None, tensors: dict, value_dtype: str) 
     number in the wire's value type (a float32 value beyond float16's range would become inf)."""
     if loss is not None and not np.isfinite(loss):
         raise TrainingDiverged(f"training diverged at round {rnd} (loss={loss}): lower `federation.train.lr`")
-    bound = float(np.finfo(np.dtype(value_dtype)).max)
+    bound = max_value(value_dtype)
     for name, tensor in tensors.items():
         values = np.asarray(getattr(tensor, "values", tensor), dtype=np.float64)
         if values.size and not np.all(np.abs(values) <= bound):  # False for nan too

@@ -1,4 +1,4 @@
-"""Wire codec v1: the binary frame format exchanged over MQTT.
+"""Wire codec v1/v2: the binary frame format exchanged over MQTT.
 
 Why a custom format: pickle executes code on load and must never touch bytes
 from the network; JSON floats are large and slow; edge links need sparse
@@ -11,9 +11,9 @@ All integers are little-endian.  Frame layout::
     size     field
     -------  -----------------------------------------------------------
     4        magic  b"FCLW"
-    1        version      u8   (= 1)
+    1        version      u8   (1, or 2 when a tensor has int8 values)
     1        kind         u8   (see Kind)
-    2        flags        u16  (must be 0 in v1)
+    2        flags        u16  (must be 0)
     4        round        u32
     4        task         u32
     8        sequence     u64
@@ -30,7 +30,7 @@ Tensor record::
     -------  -----------------------------------------------------------
     1 + n    name         u8 length n + UTF-8 (non-empty, unique)
     1        layout       u8: 0 dense | 1 sparse index list | 2 sparse bitmap
-    1        dtype        u8: 1 float32 | 2 float16 (encoding of the values)
+    1        dtype        u8: 1 float32 | 2 float16 | 3 int8 blocks (v2 only)
     1        ndim         u8
     4*ndim   dims         u32 each, every dim >= 1 (ndim 0 is a scalar)
     4        nnz          u32, sparse layouts only
@@ -41,12 +41,37 @@ Tensor record::
                                   order, padding bits 0), then nnz values
                                   in index order
 
+"values" above is ``count`` values (numel dense, nnz sparse): float32 or float16 as they
+are, or for dtype 3 (int8 blocks)::
+
+    2        block        u16, >= 1: values per scale
+    4*b      scales       b = ceil(count / block) float32, finite, >= 0 (sign bit clear),
+                          <= MAX_SCALE (127 * scale fits in float32); 0 only for all-zero codes
+    count    codes        i8 each in [-127, 127] (-128 is rejected); value = code * scale
+
 Values are always decoded to float32; NaN/Inf are rejected in both directions.
+
+Versions: v2 is v1 plus dtype 3.  The encoder writes version 2 only when the frame carries
+an int8 tensor, so a frame without one is byte for byte what v1 wrote and a v1 peer reads
+it; the decoder reads both and refuses dtype 3 inside a v1 frame.
+
+int8 error bound (``fclcore.blockquant``).  Values are cut into consecutive blocks of
+``block`` entries in flat order of what is sent (all numel entries dense, the nnz values
+sparse).  A block's scale is s = max|block| / 127, rounded up to float32, and exactly
+s = 1 for a block of integers within [-127, 127] (those are then sent without error).
+Nearest rounding (default): |x - q(x)| <= s / 2.  Stochastic rounding (``rounding=
+"stochastic"``): |x - q(x)| < s and E[q(x)] = x; its random stream is seeded from
+``ValueCoding.seed``, the header (kind, federation, round, task, client) and the tensor
+name, never from global RNG state, so a re-run (or a re-send of the same update) writes the
+same bytes.  The sequence number is left out on purpose: devices take it from a clock.
+Both bounds are on the exact product code * s; the decoder then rounds it to float32
+once (at most half a float32 ulp of the value more).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import math
 import operator
@@ -57,10 +82,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from fclcore import blockquant
 from fclcore.errors import BadInput
 
 MAGIC = b"FCLW"
-VERSION = 1
+VERSION = 1  # what a frame without int8 values is written as
+INT8_VERSION = 2  # the version that added dtype 3 (int8 blocks)
 
 _HEAD = struct.Struct("<4sBBHIIQ")
 _TENSOR_HEAD = struct.Struct("<BBB")
@@ -71,6 +98,16 @@ DENSE, INDEX, BITMAP = 0, 1, 2
 _LAYOUTS = "0 (dense), 1 (index list) or 2 (bitmap)"
 _DTYPES = {"float32": (1, np.dtype("<f4")), "float16": (2, np.dtype("<f2"))}
 _DTYPE_BY_CODE = {code: dt for code, dt in _DTYPES.values()}
+INT8 = 3  # dtype code of int8 block values
+VALUE_DTYPES = ("float32", "float16", "int8")
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def max_value(value_dtype: str) -> float:
+    """The largest |value| a tensor value can have and still be sent as ``value_dtype``."""
+    if value_dtype not in VALUE_DTYPES:
+        _fail("value_dtype", repr(value_dtype), " or ".join(map(repr, VALUE_DTYPES)))
+    return float(np.finfo(np.float16 if value_dtype == "float16" else np.float32).max)  # int8 reads back as float32
 
 
 class CodecError(BadInput):
@@ -188,6 +225,28 @@ class CodecLimits:
     max_name_bytes: int = 255
 
 
+@dataclass(frozen=True)
+class ValueCoding:
+    """How tensor values are written: ``dtype`` float32 | float16 | int8; for int8, ``block``
+    values share a scale and ``rounding`` is nearest or stochastic (seeded, see above)."""
+
+    dtype: str = "float32"
+    block: int = 64
+    rounding: str = "nearest"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in VALUE_DTYPES:
+            _fail("value_dtype", repr(self.dtype), " or ".join(map(repr, VALUE_DTYPES)))
+        _uint(self.block, "int8 block", _U16_MAX)
+        if self.block < 1:
+            _fail("int8 block", self.block, f"1 <= block <= {_U16_MAX}")
+        if self.rounding not in ROUNDINGS:
+            _fail("int8 rounding", repr(self.rounding), " or ".join(map(repr, ROUNDINGS)))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            _fail("int8 seed", repr(self.seed), "an integer")
+
+
 # ---------------------------------------------------------------- shared checks
 
 
@@ -239,14 +298,17 @@ def _short(name: Any) -> str:
 # ---------------------------------------------------------------------- encode
 
 
-def encode(frame: Frame, value_dtype: str = "float32", limits: CodecLimits = CodecLimits()) -> bytes:
-    """Serialise `frame`; tensor values are sent as `value_dtype` ("float32"/"float16")."""
-    if value_dtype not in _DTYPES:
-        _fail("value_dtype", repr(value_dtype), "'float32' or 'float16'")
+def encode(frame: Frame, value_dtype: str | ValueCoding = "float32", limits: CodecLimits = CodecLimits()) -> bytes:
+    """Serialise `frame`; tensor values are written as `value_dtype` (a dtype name or a ValueCoding)."""
+    coding = value_dtype if isinstance(value_dtype, ValueCoding) else ValueCoding(value_dtype)
     if not isinstance(frame, Frame):
         _fail("frame", type(frame).__name__, "Frame")
-    parts = [_encode_header(frame.header), _encode_meta(frame.meta, limits)]
-    parts += _encode_tensors(frame.tensors, value_dtype, limits)
+    head = _encode_header(frame.header, VERSION)  # validates the header before the tensors use it
+    meta = _encode_meta(frame.meta, limits)
+    tensors = _encode_tensors(frame.tensors, _ValueWriter(coding, frame.header), limits)
+    if coding.dtype == "int8" and frame.tensors:
+        head = _encode_header(frame.header, INT8_VERSION)
+    parts = [head, meta, *tensors]
     crc, size = 0, 4
     for part in parts:
         crc, size = zlib.crc32(part, crc), size + len(part)
@@ -280,7 +342,7 @@ def _encode_text(value: Any, where: str, max_bytes: int) -> bytes:
     return _U8.pack(len(raw)) + raw
 
 
-def _encode_header(header: Header) -> bytes:
+def _encode_header(header: Header, version: int) -> bytes:
     if not isinstance(header, Header):
         _fail("header", type(header).__name__, "Header")
     try:
@@ -289,7 +351,7 @@ def _encode_header(header: Header) -> bytes:
         _fail("header.kind", repr(header.kind), f"one of {[int(k) for k in Kind]}")
     fixed = _HEAD.pack(
         MAGIC,
-        VERSION,
+        version,
         kind,
         0,
         _uint(header.round, "header.round", _U32_MAX),
@@ -318,7 +380,7 @@ def _encode_meta(meta: Any, limits: CodecLimits) -> bytes:
     return _U32.pack(len(raw)) + raw
 
 
-def _encode_tensors(tensors: Any, value_dtype: str, limits: CodecLimits) -> list[bytes]:
+def _encode_tensors(tensors: Any, writer: _ValueWriter, limits: CodecLimits) -> list[bytes]:
     if not isinstance(tensors, dict):
         _fail("tensors", type(tensors).__name__, "dict")
     if len(tensors) > min(limits.max_tensors, _U16_MAX):
@@ -329,16 +391,20 @@ def _encode_tensors(tensors: Any, value_dtype: str, limits: CodecLimits) -> list
         if name == "":
             _fail(f"{where} name", "''", "a non-empty name")
         parts.append(_encode_text(name, f"{where} name", limits.max_name_bytes))
-        parts += _encode_tensor(tensor, where, value_dtype, limits)
+        parts += _encode_tensor(tensor, name, where, writer, limits)
     return parts
 
 
-def _wire_values(values: np.ndarray, wire: np.dtype, where: str) -> bytes:
-    """Cast to the wire dtype, refusing NaN/Inf and float16 overflow."""
+def _check_real(values: np.ndarray, where: str) -> None:
     if values.dtype.kind not in "fiu":
         _fail(f"{where}.dtype", values.dtype, "real numbers (float/int)")
     if values.dtype.kind == "f":
         _require_finite(values, f"{where}.values")
+
+
+def _wire_values(values: np.ndarray, wire: np.dtype, where: str) -> bytes:
+    """Cast to the wire dtype, refusing NaN/Inf and float16 overflow."""
+    _check_real(values, where)
     with np.errstate(over="ignore", invalid="ignore"):
         out = values.astype(wire)
     limit = np.finfo(wire).max
@@ -355,41 +421,82 @@ def _wire_values(values: np.ndarray, wire: np.dtype, where: str) -> bytes:
     return out.tobytes()
 
 
-def _encode_tensor(tensor: Any, where: str, value_dtype: str, limits: CodecLimits) -> list[bytes]:
-    code, wire = _DTYPES[value_dtype]
+def _int8_values(values: np.ndarray, block: int, rng: np.random.Generator | None, where: str) -> bytes:
+    """Block-quantize, refusing NaN/Inf and values beyond float32 (what the decoder reads back)."""
+    _check_real(values, where)
+    wide = values.astype(np.float64).reshape(-1)
+    limit = float(np.finfo(np.float32).max)
+    too_big = np.abs(wide) > limit
+    if too_big.any():
+        i = int(np.flatnonzero(too_big)[0])
+        _fail(f"{where}.values", f"{wide[i]} at flat index {i}", f"|value| <= {limit} (int8 blocks decode to float32)")
+    scales, codes = blockquant.quantize(wide, block, rng)
+    return _U16.pack(block) + scales.astype("<f4").tobytes() + codes.tobytes()
+
+
+class _ValueWriter:
+    """Writes a tensor's values in the frame's ValueCoding and knows what that costs."""
+
+    def __init__(self, coding: ValueCoding, header: Header) -> None:
+        self.coding, self.header = coding, header
+        self.code = INT8 if coding.dtype == "int8" else _DTYPES[coding.dtype][0]
+
+    def size(self, count: int) -> int:
+        if self.code == INT8:
+            return 2 + 4 * blockquant.block_count(count, self.coding.block) + count
+        return count * _DTYPE_BY_CODE[self.code].itemsize
+
+    def write(self, values: np.ndarray, name: str, where: str) -> bytes:
+        if self.code != INT8:
+            return _wire_values(values, _DTYPE_BY_CODE[self.code], where)
+        return _int8_values(values, self.coding.block, self._rng(name), where)
+
+    def _rng(self, name: str) -> np.random.Generator | None:
+        """Stochastic rounding's stream: a function of the seed, the header and the tensor."""
+        if self.coding.rounding == "nearest":
+            return None
+        h = self.header
+        key = json.dumps([self.coding.seed, int(h.kind), h.federation, h.round, h.task, h.client, name])
+        digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
+        return np.random.default_rng(int.from_bytes(digest, "little"))
+
+
+def _encode_tensor(tensor: Any, name: str, where: str, writer: _ValueWriter, limits: CodecLimits) -> list[bytes]:
     if isinstance(tensor, np.ndarray):
         shape = _check_shape(tensor.shape, f"{where}.shape")
         _check_numel(shape, where, limits)
-        layout, data = DENSE, [_wire_values(tensor, wire, where)]
+        layout, data = DENSE, [writer.write(tensor, name, where)]
     elif isinstance(tensor, SparseTensor):
         tensor._validate(where)  # the arrays may have been mutated since construction
         shape = tensor.shape
-        layout, data = _encode_sparse(tensor, _check_numel(shape, where, limits), wire, where)
+        layout, data = _encode_sparse(tensor, _check_numel(shape, where, limits), writer, name, where)
     else:
         _fail(where, type(tensor).__name__, "np.ndarray or SparseTensor")
-    head = _TENSOR_HEAD.pack(layout, code, len(shape)) + struct.pack(f"<{len(shape)}I", *shape)
+    head = _TENSOR_HEAD.pack(layout, writer.code, len(shape)) + struct.pack(f"<{len(shape)}I", *shape)
     return [head, *data]
 
 
-def _encode_sparse(tensor: SparseTensor, numel: int, wire: np.dtype, where: str) -> tuple[int, list[bytes]]:
+def _encode_sparse(
+    tensor: SparseTensor, numel: int, writer: _ValueWriter, name: str, where: str
+) -> tuple[int, list[bytes]]:
     """Pick whichever of dense / index list / bitmap is smallest (ties: first listed)."""
-    values = _wire_values(tensor.values, wire, where)
+    _check_real(tensor.values, where)  # NaN/Inf is refused whichever layout is picked
     nnz, width = tensor.nnz, (2 if numel <= _SMALL_NUMEL else 4)
     sizes = {
-        DENSE: numel * wire.itemsize,
-        INDEX: 4 + nnz * width + len(values),
-        BITMAP: 4 + (numel + 7) // 8 + len(values),
+        DENSE: writer.size(numel),
+        INDEX: 4 + nnz * width + writer.size(nnz),
+        BITMAP: 4 + (numel + 7) // 8 + writer.size(nnz),
     }
     layout = min(sizes, key=sizes.__getitem__)
     if layout == DENSE:
-        return DENSE, [_wire_values(tensor.to_dense(), wire, where)]
+        return DENSE, [writer.write(tensor.to_dense(), name, where)]
     if layout == INDEX:
         body = tensor.indices.astype("<u2" if width == 2 else "<u4").tobytes()
     else:
         mask = np.zeros(numel, dtype=bool)
         mask[tensor.indices] = True
         body = np.packbits(mask, bitorder="little").tobytes()
-    return layout, [_U32.pack(nnz), body, values]
+    return layout, [_U32.pack(nnz), body, writer.write(tensor.values, name, where)]
 
 
 # ---------------------------------------------------------------------- decode
@@ -450,26 +557,26 @@ def decode(data: bytes, limits: CodecLimits = CodecLimits()) -> Frame:
     if stored != actual:
         _fail("checksum", f"0x{stored:08x}", f"0x{actual:08x} (CRC32 of the preceding bytes)")
     reader = _Reader(view[:-4])
-    header = _decode_header(reader)
+    header, version = _decode_header(reader)
     meta = _decode_meta(reader, limits)
-    tensors = _decode_tensors(reader, limits)
+    tensors = _decode_tensors(reader, version, limits)
     if reader.remaining:
         _fail("trailing bytes", f"{reader.remaining} bytes after the tensor table", "0")
     return Frame(header, meta, tensors)
 
 
-def _decode_header(reader: _Reader) -> Header:
+def _decode_header(reader: _Reader) -> tuple[Header, int]:
     magic, version, kind, flags, rnd, task, seq = reader.unpack(_HEAD, "header")
     if magic != MAGIC:
         _fail("header.magic", repr(magic), repr(MAGIC))
-    if version != VERSION:
-        _fail("header.version", version, f"{VERSION} (supported version)")
+    if version not in (VERSION, INT8_VERSION):
+        _fail("header.version", version, f"{VERSION} or {INT8_VERSION} (supported versions)")
     if kind not in {int(k) for k in Kind}:
         _fail("header.kind", kind, f"one of {[int(k) for k in Kind]}")
     if flags:
-        _fail("header.flags", f"0x{flags:04x}", "0 (no flags are defined in v1)")
+        _fail("header.flags", f"0x{flags:04x}", "0 (no flags are defined)")
     federation, client = reader.text("header.federation"), reader.text("header.client")
-    return Header(Kind(kind), federation, rnd, task, client, seq)
+    return Header(Kind(kind), federation, rnd, task, client, seq), version
 
 
 def _reject_constant(name: str) -> NoReturn:
@@ -510,7 +617,7 @@ def _decode_meta(reader: _Reader, limits: CodecLimits) -> dict:
     return meta
 
 
-def _decode_tensors(reader: _Reader, limits: CodecLimits) -> dict[str, Tensor]:
+def _decode_tensors(reader: _Reader, version: int, limits: CodecLimits) -> dict[str, Tensor]:
     count = reader.uint(_U16, "tensor count")
     if count > limits.max_tensors:
         _fail("tensor count", count, f"<= {limits.max_tensors} (max_tensors)")
@@ -519,32 +626,55 @@ def _decode_tensors(reader: _Reader, limits: CodecLimits) -> dict[str, Tensor]:
         name = reader.text(f"tensor[{i}].name", min(limits.max_name_bytes, _U8_MAX))
         if not name or name in tensors:
             _fail(f"tensor[{i}].name", repr(name), "a non-empty name not used by an earlier tensor")
-        tensors[name] = _decode_tensor(reader, f"tensor[{i}] {_short(name)}", limits)
+        tensors[name] = _decode_tensor(reader, f"tensor[{i}] {_short(name)}", version, limits)
     return tensors
 
 
-def _read_values(reader: _Reader, wire: np.dtype, count: int, where: str) -> np.ndarray:
+def _read_values(reader: _Reader, code: int, count: int, where: str) -> np.ndarray:
+    if code == INT8:
+        return _read_int8(reader, count, where)
     # astype copies, so the result never aliases the input buffer; checking finiteness
     # after widening to float32 is exact (float16 inf/nan stay inf/nan) and much faster.
-    values = reader.array(wire, count, f"{where}.values").astype(np.float32)
+    values = reader.array(_DTYPE_BY_CODE[code], count, f"{where}.values").astype(np.float32)
     _require_finite(values, f"{where}.values")
     return values
 
 
-def _decode_tensor(reader: _Reader, where: str, limits: CodecLimits) -> Tensor:
+def _read_int8(reader: _Reader, count: int, where: str) -> np.ndarray:
+    block = reader.uint(_U16, f"{where}.block")
+    if block < 1:
+        _fail(f"{where}.block", block, f"1 <= block <= {_U16_MAX}")
+    scales = reader.array("<f4", blockquant.block_count(count, block), f"{where}.scales")
+    codes = reader.array(np.int8, count, f"{where}.codes")
+    bad = ~(np.isfinite(scales) & ~np.signbit(scales) & (scales <= blockquant.MAX_SCALE))
+    if bad.any():
+        i = int(np.argmax(bad))
+        _fail(f"{where}.scales[{i}]", scales[i], f"a finite float32 in [0, {blockquant.MAX_SCALE}]")
+    if (codes == -128).any():
+        i = int(np.argmax(codes == -128))
+        _fail(f"{where}.codes[{i}]", -128, "a code in [-127, 127]")
+    zero_scale = np.repeat(scales == 0, block)[:count]
+    if (zero_scale & (codes != 0)).any():
+        i = int(np.argmax(zero_scale & (codes != 0)))
+        _fail(f"{where}.codes[{i}]", int(codes[i]), f"0 (block {i // block} has scale 0)")
+    return blockquant.dequantize(scales, codes, block)
+
+
+def _decode_tensor(reader: _Reader, where: str, version: int, limits: CodecLimits) -> Tensor:
     layout, code, ndim = reader.unpack(_TENSOR_HEAD, where)
     if layout not in (DENSE, INDEX, BITMAP):
         _fail(f"{where}.layout", layout, _LAYOUTS)
-    if code not in _DTYPE_BY_CODE:
-        _fail(f"{where}.dtype", code, "1 (float32) or 2 (float16)")
+    if code not in _DTYPE_BY_CODE and not (code == INT8 and version >= INT8_VERSION):
+        allowed = "1 (float32), 2 (float16)" + (" or 3 (int8)" if version >= INT8_VERSION else " (3, int8, needs v2)")
+        _fail(f"{where}.dtype", code, allowed)
     if ndim > limits.max_ndim:
         _fail(f"{where}.ndim", ndim, f"<= {limits.max_ndim} (max_ndim)")
     shape = tuple(int(d) for d in reader.array("<u4", ndim, f"{where}.dims"))
     if any(d < 1 for d in shape):
         _fail(f"{where}.dims", shape, "every dim >= 1")
-    numel, wire = _check_numel(shape, where, limits), _DTYPE_BY_CODE[code]
+    numel = _check_numel(shape, where, limits)
     if layout == DENSE:
-        return _read_values(reader, wire, numel, where).reshape(shape)
+        return _read_values(reader, code, numel, where).reshape(shape)
     nnz = reader.uint(_U32, f"{where}.nnz")
     if nnz > numel:
         _fail(f"{where}.nnz", nnz, f"<= {numel} (numel)")
@@ -559,4 +689,4 @@ def _decode_tensor(reader: _Reader, where: str, limits: CodecLimits) -> Tensor:
         indices = np.flatnonzero(bits.view(bool)).astype(np.int64, copy=False)  # bool: 5x faster
         if indices.size != nnz:
             _fail(f"{where}.bitmap popcount", indices.size, f"{nnz} (nnz)")
-    return SparseTensor(shape, indices, _read_values(reader, wire, nnz, where))
+    return SparseTensor(shape, indices, _read_values(reader, code, nnz, where))

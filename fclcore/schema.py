@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
+from fclcore.codec import ValueCoding
 from fclcore.made_spec import MadeConfig
 from fclcore.topics import validate_id
 
@@ -193,8 +194,13 @@ class RoundSpec:
 
 @dataclass
 class WireSpec:
-    value_dtype: Literal["float32", "float16"] = "float32"
+    """How tensor values travel, in every direction (updates, round downlinks, knowledge).
+    int8 is block-scaled 8-bit (codec v2; error bound in ``fclcore.codec``)."""
+
+    value_dtype: Literal["float32", "float16", "int8"] = "float32"
     max_frame_mb: float = 64.0  # frames above this are rejected on both sides
+    int8_block: int = 64  # int8: consecutive values that share one float32 scale
+    int8_rounding: Literal["nearest", "stochastic"] = "nearest"  # int8: stochastic is unbiased, seeded
     # a device behind by up to this many model versions catches up from one retained frame of
     # the entries changed meanwhile; further behind (or just joined) it fetches the full model
     catchup_versions: int = 4
@@ -204,6 +210,8 @@ class WireSpec:
             raise ValueError(f"max_frame_mb: expected a size in (0, 255] MB, got {self.max_frame_mb}")
         if not 0 <= self.catchup_versions <= 64:
             raise ValueError(f"catchup_versions: expected 0-64, got {self.catchup_versions}")
+        if not 1 <= self.int8_block <= 65535:
+            raise ValueError(f"int8_block: expected 1 <= values per scale <= 65535, got {self.int8_block}")
 
 
 @dataclass
@@ -234,6 +242,11 @@ class FederationSpec:
             raise ValueError("expected num_tasks >= 1 and rounds_per_task >= 1")
         if self.task_rounds is not None and (not self.task_rounds or min(self.task_rounds) < 1):
             raise ValueError(f"task_rounds: expected positive round counts (one per task), got {self.task_rounds}")
+
+    @property
+    def value_coding(self) -> ValueCoding:
+        """What the runtimes pass to ``codec.encode``; stochastic int8 rounding is seeded from ``seed``."""
+        return ValueCoding(self.wire.value_dtype, self.wire.int8_block, self.wire.int8_rounding, self.seed)
 
     @property
     def total_rounds(self) -> int:

@@ -81,6 +81,7 @@ def test_summary_reports_the_devices_drops_as_metrics_jsonl_does(tmp_path: Path)
         (1.5, {"w": np.array([0.0, np.nan], np.float32)}, "float32", "update 'w' is not finite"),
         (None, {"s": SparseTensor((4,), np.array([1]), np.array([np.inf]))}, "float32", "update 's'"),
         (1.5, {"w": np.array([1e5], np.float32)}, "float16", "not finite in float16"),  # inf once on the wire
+        (1.5, {"w": np.array([1e39])}, "int8", "not finite in int8"),  # int8 blocks read back as float32
     ],
 )
 def test_a_diverged_round_is_stopped_before_anything_is_sent(loss, tensors, dtype, says) -> None:
@@ -93,3 +94,4 @@ def test_a_diverged_round_is_stopped_before_anything_is_sent(loss, tensors, dtyp
 def test_a_finite_round_passes() -> None:
     check_finite(0, 3.2, {"w": np.ones(4, np.float32), "n": np.array([3])}, "float16")
     check_finite(0, None, {}, "float32")
+    check_finite(0, 1.0, {"w": np.array([1e5], np.float32)}, "int8")  # beyond float16, fine in int8

@@ -1,19 +1,14 @@
-"""Tests for the wire codec v1 (fclcore.codec)."""
+"""Tests for the wire codec (fclcore.codec): frame layout, float values; int8 in test_codec_int8."""
 
 from __future__ import annotations
-
-import math
-import struct
-import zlib
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.frames import f32, raw_frame, rec, reseal, u16
 
 from fclcore.codec import (
-    MAGIC,
-    VERSION,
     CodecError,
     CodecLimits,
     Frame,
@@ -29,11 +24,6 @@ HEADER = Header(Kind.UPDATE, "fed", 3, 1, "client-1", 7)
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def reseal(body: bytes) -> bytes:
-    """Append a correct CRC so that checks behind the checksum are exercised."""
-    return bytes(body) + struct.pack("<I", zlib.crc32(body))
 
 
 def as_dense(t) -> np.ndarray:
@@ -55,46 +45,6 @@ def small_frame() -> Frame:
             "many": SparseTensor.from_dense(many),
         },
     )
-
-
-def raw_frame(
-    *,
-    magic=MAGIC,
-    version=VERSION,
-    kind=2,
-    flags=0,
-    fed=b"f",
-    client=b"c",
-    meta=b"{}",
-    tensors=(),
-    count=None,
-    extra=b"",
-) -> bytes:
-    """Build a frame by hand, independently of the encoder, with a valid CRC."""
-    out = struct.pack("<4sBBHIIQ", magic, version, kind, flags, 1, 0, 9)
-    out += bytes([len(fed)]) + fed + bytes([len(client)]) + client
-    out += struct.pack("<I", len(meta)) + meta
-    out += struct.pack("<H", len(tensors) if count is None else count) + b"".join(tensors) + extra
-    return reseal(out)
-
-
-def rec(name=b"t", layout=0, dtype=1, dims=(4,), nnz=None, data=None) -> bytes:
-    """One tensor record; default data is valid for a dense float32 tensor."""
-    out = bytes([len(name)]) + name + struct.pack("<BBB", layout, dtype, len(dims))
-    out += struct.pack(f"<{len(dims)}I", *dims)
-    if nnz is not None:
-        out += struct.pack("<I", nnz)
-    if data is None:
-        data = np.ones(math.prod(dims), "<f4").tobytes()
-    return out + data
-
-
-def f32(*xs) -> bytes:
-    return np.array(xs, "<f4").tobytes()
-
-
-def u16(*xs) -> bytes:
-    return np.array(xs, "<u2").tobytes()
 
 
 # ---------------------------------------------------------------- round trip
@@ -260,7 +210,8 @@ def test_raw_builder_matches_spec():
 
 BAD_FRAMES = {
     "magic": (raw_frame(magic=b"FCLX"), "magic"),
-    "version": (raw_frame(version=2), "version"),
+    "version 0": (raw_frame(version=0), "version"),
+    "version 3": (raw_frame(version=3), "version"),
     "kind 0": (raw_frame(kind=0), "kind"),
     "kind 10": (raw_frame(kind=10), "kind"),
     "flags": (raw_frame(flags=1), "flags"),
@@ -280,7 +231,8 @@ BAD_FRAMES = {
     "name utf8": (raw_frame(tensors=[rec(name=b"\xfe")]), "name"),
     "layout": (raw_frame(tensors=[rec(layout=3)]), "layout"),
     "dtype 0": (raw_frame(tensors=[rec(dtype=0)]), "dtype"),
-    "dtype 3": (raw_frame(tensors=[rec(dtype=3)]), "dtype"),
+    "dtype 3 (int8) in a v1 frame": (raw_frame(tensors=[rec(dtype=3)]), "needs v2"),
+    "dtype 4": (raw_frame(version=2, tensors=[rec(dtype=4)]), "dtype"),
     "ndim": (raw_frame(tensors=[rec(dims=(1,) * 9)]), "ndim"),
     "zero dim": (raw_frame(tensors=[rec(dims=(2, 0), data=b"")]), "dims"),
     "numel": (raw_frame(tensors=[rec(dims=(2**16, 2**16), data=b"")]), "numel"),
@@ -314,8 +266,8 @@ def test_decode_rejects(name):
 
 
 def test_error_message_names_value_and_expectation():
-    with pytest.raises(CodecError, match=r"header\.version: got 2, expected 1"):
-        decode(raw_frame(version=2))
+    with pytest.raises(CodecError, match=r"header\.version: got 3, expected 1 or 2"):
+        decode(raw_frame(version=3))
 
 
 def test_checksum_mismatch():

@@ -162,6 +162,18 @@ BAD = [
         ["federation.wire.value_dtype", "expected one of", "float32", "float16", "float8"],
     ),
     (
+        "int8-block-zero",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  wire: {value_dtype: int8, int8_block: 0}"),
+        ["int8_block", "1 <= values per scale <= 65535", "got 0"],
+    ),
+    (
+        "int8-rounding",
+        Scenario,
+        BASE.replace("name: t", "name: t\n  wire: {value_dtype: int8, int8_rounding: up}"),
+        ["federation.wire.int8_rounding", "nearest", "stochastic", "up"],
+    ),
+    (
         "literal-optimizer",
         Scenario,
         BASE.replace("name: t", "name: t\n  train: {optimizer: rmsprop}"),
@@ -301,6 +313,16 @@ def test_override_values_are_yaml():
     assert sc.federation.train.optimizer == "sgd"
     assert sc.clients == 5
     assert sc.federation.wire.value_dtype == "float16"
+
+
+def test_int8_wire_option_reaches_the_codec():
+    sc = load_config(
+        Scenario,
+        QUICKSTART,
+        ["federation.wire.value_dtype=int8", "federation.wire.int8_rounding=stochastic", "federation.seed=9"],
+    )
+    coding = sc.federation.value_coding
+    assert (coding.dtype, coding.block, coding.rounding, coding.seed) == ("int8", 64, "stochastic", 9)
 
 
 def test_override_later_wins():
