@@ -29,6 +29,7 @@ from fcl_edge.broker import MosquittoProcess  # noqa: E402
 
 METHODS = [
     "confedmade",
+    "confedmade-int8",
     "fedweit-made-star",
     "fedweit-made",
     "fedprox",
@@ -38,6 +39,9 @@ METHODS = [
     "cl-finetune",
     "offline",
 ]
+VARIANTS = {  # a benchmark entry that is a method's scenario with overrides: (method, overrides)
+    "confedmade-int8": ("confedmade", ["federation.wire.value_dtype=int8"]),
+}
 ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
     (
         "B*sigmoid(m), all entries, float32",
@@ -58,6 +62,12 @@ ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
 
 def scenario(method: str) -> Path:
     return ROOT / "configs" / "scenarios" / f"seqmnist_{method.replace('-', '_')}.yaml"
+
+
+def entry(name: str) -> tuple[Path, list[str]]:
+    """The scenario file and overrides of a benchmark entry (a method or a variant of one)."""
+    method, overrides = VARIANTS.get(name, (name, []))
+    return scenario(method), list(overrides)
 
 
 def run_one(name: str, path: Path, overrides: list[str], out: Path, broker: str) -> dict:
@@ -93,10 +103,18 @@ def measure(out: Path, minutes: float) -> dict:
     r = summary["rounds_per_task"]
     regular = [e for e in rows if (e["round"] + 1) % r != 0]
     base_values = [e["base_values"] for e in regular if e.get("base_values") is not None]
+    traffic = summary["bytes"]
+    dense_down = traffic.get("dense_fp32_down_total", traffic["dense_fp32_up_total"])  # runs from before it
     out_row = {
         "avg_nll": summary["final"]["avg_nll"],
         "forgetting": summary["final"]["forgetting"],
-        "upload_ratio_vs_dense_fp32": round(summary["bytes"]["up_total"] / summary["bytes"]["dense_fp32_up_total"], 4),
+        "up_bytes": round(traffic["up_total"] / summary["clients"]),  # per device over the run
+        "down_bytes": round(traffic["down_total"] / summary["clients"]),
+        "updown_ratio_vs_dense_fp32": round(
+            (traffic["up_total"] + traffic["down_total"]) / (traffic["dense_fp32_up_total"] + dense_down), 4
+        ),
+        "down_by_kind": traffic.get("down_by_kind", {}),
+        "upload_ratio_vs_dense_fp32": round(traffic["up_total"] / traffic["dense_fp32_up_total"], 4),
         "upload_ratio_regular_rounds": round(sum(e["bytes_up"] for e in regular) / (per_upload * len(regular)), 4),
         "minutes": round(minutes, 2),
         "rounds_per_task": r,
@@ -113,12 +131,20 @@ def markdown(results: dict, ablation: list[dict], meta: dict) -> str:
         "",
         f"Machine: {meta['machine']['platform']}, {meta['machine']['cpus']} cores. Command: `{meta['command']}`",
         "",
-        "| method | avg NLL | forgetting | upload / dense fp32 (all rounds) | (regular rounds) | minutes |",
-        "|---|---:|---:|---:|---:|---:|",
+        "Bytes are MQTT PUBLISH bytes per device over the run; the ratios are over what dense float32 "
+        "FedAvg of the same model would send and receive in the same rounds.",
+        "",
+        "| method | avg NLL | forgetting | up + down / dense fp32 | up MB | down MB "
+        "| upload / dense fp32 (all rounds) | (regular rounds) | minutes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in sorted(results.items(), key=lambda kv: kv[1]["avg_nll"]):
+        updown = r.get("updown_ratio_vs_dense_fp32")
+        up, down = r.get("up_bytes"), r.get("down_bytes")
         lines.append(
-            f"| {name} | {r['avg_nll']:.2f} | {r['forgetting']:.2f} | {r['upload_ratio_vs_dense_fp32']:.3f} "
+            f"| {name} | {r['avg_nll']:.2f} | {r['forgetting']:.2f} "
+            f"| {'-' if updown is None else f'{updown:.3f}'} | {'-' if up is None else f'{up / 1e6:.1f}'} "
+            f"| {'-' if down is None else f'{down / 1e6:.1f}'} | {r['upload_ratio_vs_dense_fp32']:.3f} "
             f"| {r['upload_ratio_regular_rounds']:.3f} | {r['minutes']:.1f} |"
         )
     if ablation:
@@ -144,7 +170,8 @@ def run_all(args: argparse.Namespace, common: list[str]) -> tuple[dict, list[dic
         broker = MosquittoProcess(Path(tmp)).start()
         try:
             for method in args.methods:
-                results[method] = run_one(method, scenario(method), common, Path(args.runs) / method, broker.url)
+                path, overrides = entry(method)
+                results[method] = run_one(method, path, common + overrides, Path(args.runs) / method, broker.url)
                 print(f"{method}: {results[method]}", flush=True)
             for i, (step, overrides) in enumerate(ABLATION if args.ablation else []):
                 row = run_one(
