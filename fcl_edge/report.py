@@ -178,9 +178,9 @@ def _task_accuracy(fleets: dict[str, dict], out_dir: Path) -> Path:
 def _table(runs: dict, out_dir: Path) -> Path:
     fleet_col = any((s.get("fleet") or {}).get("avg_accuracy") is not None for s, _ in runs.values())
     lines = [
-        "| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down | dense fp32 up |"
-        + (" fleet acc |" if fleet_col else ""),
-        "|---|---|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else ""),
+        "| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down "
+        "| dense fp32 up | dense fp32 down |" + (" fleet acc |" if fleet_col else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else ""),
     ]
     for name, (s, _) in runs.items():
         b, f = s["bytes"], s.get("final", {})
@@ -188,7 +188,8 @@ def _table(runs: dict, out_dir: Path) -> Path:
         fleet_acc = (s.get("fleet") or {}).get("avg_accuracy")
         lines.append(
             f"| {name} | {s['method']} | {score} | {f.get('forgetting')} | {b['up_total']:,} | "
-            f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} |"
+            f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} "
+            f"| {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,} |"
             + (f" {'' if fleet_acc is None else fleet_acc} |" if fleet_col else "")
         )
     path = out_dir / "report.md"

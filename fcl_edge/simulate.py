@@ -533,7 +533,8 @@ def _print_result(out_dir: Path, summary_path: Path) -> None:
     )
     print(
         f"{summary['method']}: {score}  forgetting {final.get('forgetting')}  "
-        f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,})"
+        f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,}"
+        f"  down {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,})"
     )
     print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
 
