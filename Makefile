@@ -1,4 +1,4 @@
-# make lint: ruff (lint + format check) and the import layers of DESIGN.md; make test: the README's test
+# make lint: ruff (lint + format check) and the import layers of docs/architecture.md; make test: the README's test
 # command; make format: apply ruff's formatting and fixes.
 PY ?= python3
 

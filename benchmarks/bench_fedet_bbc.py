@@ -160,8 +160,8 @@ def write_markdown(path: Path, res: dict) -> None:
     lines += [
         "",
         "Accuracy after task t is each device's accuracy on the test texts of every class seen by "
-        "then, averaged over devices; the average incremental accuracy is its mean over tasks (DESIGN.md "
-        "metrics). Upload bytes are MQTT PUBLISH packet bytes as the aggregator meters them; every "
+        "then, averaged over devices; the average incremental accuracy is its mean over tasks "
+        "(docs/metrics.md). Upload bytes are MQTT PUBLISH packet bytes as the aggregator meters them; every "
         "method's include the class-sum round at each task start.",
     ]
     path.write_text("\n".join(lines) + "\n")

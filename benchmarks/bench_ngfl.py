@@ -15,7 +15,7 @@ global model's accuracy on each stage's classes after stage s, over every device
 holds the same global model and test sets, so they agree); ``final_acc`` = accuracy on all
 classes seen after the last stage (the mean of the last row: every class has the same number
 of test images); ``avg_acc`` = the mean over stages of that figure (the paper's Avg, base
-stage included); ``forgetting`` per DESIGN.md; bytes from ``metrics.jsonl`` (accepted
+stage included); ``forgetting`` per docs/metrics.md; bytes from ``metrics.jsonl`` (accepted
 updates: packet bytes up, the announcement's bytes down, the head rows' and the table's
 share of the upload).
 """

@@ -1,4 +1,4 @@
-"""Continual-learning metrics over the loss matrix n[t][i] (DESIGN.md, "Learning metrics").
+"""Continual-learning metrics over the loss matrix n[t][i] (docs/metrics.md, "Learning metrics").
 
 n[t][i] is the test NLL of task i measured after training task t (nan where i > t).
 Lower is better, so forgetting is how far a task's loss rose above its best earlier value.

@@ -1,4 +1,4 @@
-"""Tests for the continual-learning metrics (fclcore.continual), against DESIGN.md:
+"""Tests for the continual-learning metrics (fclcore.continual), against docs/metrics.md:
 
 n[t][i] = test NLL of task i after training task t (nan for i > t), T = last task.
 avg_nll = mean_i n[T][i]; base_nll = [n[t][0]]; new_nll = [n[t][t]];
@@ -124,7 +124,7 @@ def test_loss_matrix_empty():
 
 
 def reference(n: np.ndarray) -> dict:
-    """Straight transcription of the DESIGN.md definitions with loops."""
+    """Straight transcription of the docs/metrics.md definitions with loops."""
     T = n.shape[0] - 1
     forgetting = []
     for i in range(T):
