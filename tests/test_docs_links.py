@@ -1,4 +1,5 @@
-"""Every relative link and every repository path in README.md and docs/*.md exists.
+"""Every relative link and every repository path in README.md and docs/*.md exists, and every
+table renders as one table.
 
 Checked in each page:
 
@@ -9,7 +10,9 @@ Checked in each page:
   root (or to the page).  Not paths of this repository, so skipped: URLs, globs and MQTT
   wildcards, placeholders (``<id>``, ``@SITE_ID@``, ``DIR/...``), absolute and home paths
   (a machine's ``/etc``, ``/var``, ``/tmp``, ...), and what a command writes (``runs/``,
-  ``fleet/``, the out dirs the pages' commands create).
+  ``fleet/``, the out dirs the pages' commands create);
+* every table: no row cut off from its header by a blank line, and as many cells per row as
+  the header has.
 """
 
 from __future__ import annotations
@@ -86,9 +89,39 @@ def broken_links(page: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
+def _cells(row: str) -> int:
+    return len(re.split(r"(?<!\\)\|", row.strip().strip("|")))
+
+
+def broken_tables(page: Path) -> list[str]:
+    """Tables that would not render as one table: a row after a blank line (the rows below it
+    become a paragraph) or a row whose cell count differs from its header's."""
+    lines = _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text(encoding="utf-8")).split("\n")
+    problems, header = [], None
+    for i, line in enumerate(lines):
+        row = line.strip()
+        if not row.startswith("|"):
+            header = None
+            continue
+        if header is None:
+            below = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            if not re.fullmatch(r"\|?(\s*:?-+:?\s*\|)+\s*:?-*:?\s*", below):
+                problems.append(f"{page.name}:{i + 1}: table row without a header above it")
+                continue
+            header = _cells(row)
+        elif _cells(row) != header:
+            problems.append(f"{page.name}:{i + 1}: {_cells(row)} cells, the header has {header}")
+    return problems
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_link_and_path_of_the_page_exists(page: Path) -> None:
     assert broken_links(page) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_of_the_page_renders(page: Path) -> None:
+    assert broken_tables(page) == []
 
 
 def test_the_pages_checked_include_the_readme_and_the_docs() -> None:
@@ -135,3 +168,17 @@ def _page(tmp_path: Path, text: str) -> Path:
 )
 def test_broken_links_finds_exactly_the_broken_ones(tmp_path: Path, text: str, expected: list[str]) -> None:
     assert broken_links(_page(tmp_path, text), root=tmp_path) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n", []),
+        ("| a | b |\n|---|---:|\n| `x \\| y` | 2 |\n", []),
+        ("| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |\n", ["page.md:5: table row without a header above it"]),
+        ("| a | b |\n|---|---|\n| 1 | 2 | 3 |\n", ["page.md:3: 3 cells, the header has 2"]),
+        ("```\n| not | a table |\n```\n", []),
+    ],
+)
+def test_broken_tables_finds_a_split_or_ragged_table(tmp_path: Path, text: str, expected: list[str]) -> None:
+    assert broken_tables(_page(tmp_path, text)) == expected
