@@ -41,6 +41,16 @@ METHODS = [
 ]
 VARIANTS = {  # a benchmark entry that is a method's scenario with overrides: (method, overrides)
     "confedmade-int8": ("confedmade", ["federation.wire.value_dtype=int8"]),
+    # issue 19's alternatives, run on request (--methods): catch-up sync, a bounded knowledge downlink
+    "confedmade-catchup1": (
+        "confedmade",
+        ["federation.options.catchup_every=1", "federation.options.catchup_share=0.05"],
+    ),
+    "confedmade-catchup5": (
+        "confedmade",
+        ["federation.options.catchup_every=5", "federation.options.catchup_share=0.25"],
+    ),
+    "confedmade-kb2": ("confedmade", ["federation.options.kb_budget_mb=2"]),
 }
 ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
     (
@@ -190,7 +200,7 @@ def run_all(args: argparse.Namespace, common: list[str]) -> tuple[dict, list[dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + sorted(set(VARIANTS) - set(METHODS)))
     parser.add_argument("--rounds-per-task", type=int, help="override the protocol's 50 rounds per task")
     parser.add_argument("--ablation", action="store_true", help="also run ConFedMADE's communication steps")
     parser.add_argument(
