@@ -71,7 +71,7 @@ class ModelDownlink:
             self.steps.append(step)
         self.version, self.served, self.hash = version, served, model_hash(served)
         ref = ModelRef(version, ref.base, self.hash, derived, removed)
-        self.last = (sent, ref)
+        self.last = (tensors, ref)  # encoded again exactly as in the round trip: devices decode ``sent``
         return self.last
 
     def sync_frames(self) -> dict[str, tuple[dict[str, Tensor], ModelRef, str]]:
