@@ -328,9 +328,25 @@ def _result(args, devices, seen, peaks, agg_cpu, broker_cpu, counts, work) -> di
         "site_peak_rss_mb": max((v for k, v in peaks.items() if k != "root" and v is not None), default=None),
         "aggregator_cpu_s": round(sum(agg_cpu.values()), 2),
         "fold_span_s": round(last - first, 3) if span else None,
+        # > 0: updates waited at the aggregators after the broker acknowledged the last one (their backlog)
+        "last_ack_to_last_fold_s": round(last - max(c["last_ack"] for c in counts if c["last_ack"]), 3)
+        if span and acked
+        else None,
         "round_s": round(seen["FINISH"] - seen["ROUND"], 3) if {"ROUND", "FINISH"} <= seen.keys() else None,
+        **(_site_extras(args, work) if args.layout == "sites" else {}),
         "device_disconnects": sum(c.get("disconnects", 0) for c in counts),
         "workers": args.workers,
+    }
+
+
+def _site_extras(args, work: Path) -> dict:
+    """The partial-sum frames' size and the root's span of merging them (first to last partial in)."""
+    partials = [e for e in site_events(args, work) if e["event"] == "partial" and e["round"] == 0]
+    root = [e for e in _events(work / "root" / "metrics.jsonl") if e["event"] == "round" and e["round"] == 0]
+    merged = root[0]["last_update_t"] - root[0]["first_update_t"] if root else None
+    return {
+        "partial_frame_bytes_max": max((e["bytes"] for e in partials), default=None),
+        "root_merge_span_s": None if merged is None else round(merged, 3),
     }
 
 
