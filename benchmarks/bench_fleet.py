@@ -378,15 +378,16 @@ def markdown(report: dict) -> str:
         "Each run's command is in its row's `command` in fleet.json.",
         "",
         "| devices | layout | sites | params | density | completed | folds/s | close s | agg. peak RSS MiB "
-        "| broker CPU s | agg. CPU s | bytes/device (up + down) | command |",
-        "|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| broker CPU s | agg. CPU s | bytes/device (up + down) | load avg before | command |",
+        "|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["runs"]:
         lines.append(
             f"| {r['devices']:,} | {r['layout']} | {r['sites']} | {r['model_params']:,} | {r['density']} | "
             f"{r['completed']} | {r['folds_per_s']} | {r['close_latency_s']} | {r['aggregator_peak_rss_mb']} | "
             f"{r['broker_cpu_s']} | {r['aggregator_cpu_s']} | {r['bytes_per_device']:,} "
-            f"({r['up_bytes_per_device']:,} + {r['down_bytes_per_device']:,}) | `{r['command']}` |"
+            f"({r['up_bytes_per_device']:,} + {r['down_bytes_per_device']:,}) | {r['loadavg_before'][0]} "
+            f"| `{r['command']}` |"
         )
     return "\n".join(lines) + "\n"
 
