@@ -7,7 +7,9 @@ Event kinds written to metrics.jsonl (field ``event``):
   ``knowledge``, ``control``), dense_fp32_up/dense_fp32_down (what dense float32 FedAvg would
   have sent: the reference), sync (the sync frames the device fetched), status (accepted |
   missing), n_samples, train_nll;
-* ``round`` — one per closed round: accepted clients, duration, attempt;
+* ``round`` — one per closed round: accepted clients, duration, attempt, and the wall-clock
+  times (Unix seconds) of its first and last accepted update (``first_update_t``,
+  ``last_update_t``; what the fleet benchmark times folding and closing by);
 * ``eval`` — a client's held-out NLL per task for the global model after ``round``;
 * ``round_summary`` — mean over clients of the current task's NLL after ``round``;
 * ``rejected`` — a message the aggregator dropped, with its reason (counted in summary.json

@@ -115,6 +115,9 @@ class AggregatorService:
         self.open_round = 0  # the round being run (a failure announcement names it)
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
+        self.update_span: tuple[float, float] | None = (
+            None  # wall-clock times of the open round's first and last update
+        )
         self.tensor_bytes: dict[str, dict[str, int]] = {}  # client -> bytes by kind of its accepted update
         self.up_kinds: dict[str, dict[str, int]] = {}  # client -> its accepted update's packet bytes by kind
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
@@ -281,7 +284,7 @@ class AggregatorService:
 
     # -- one round -------------------------------------------------------------------
     def _run_round(self, rnd: int, received: dict[str, Update]) -> None:
-        self.open_round = rnd
+        self.open_round, self.update_span = rnd, None
         task = self.schedule.task_of(rnd)
         roster = self.clients.open_round(rnd, task)  # who this round is run with (the quorum is a share of it)
         self._tell_roster(roster)
@@ -527,6 +530,8 @@ class AggregatorService:
                     return
             if journal:
                 self.store.journal(rnd, update.client, payload, update.packet_bytes)
+            now = time.time()
+            self.update_span = (self.update_span[0] if self.update_span else now, now)
         if "eval" in update.frame.meta:
             self.runlog.evaluation(update.client, update.frame.meta["eval"])
         received[update.client] = update
@@ -603,6 +608,8 @@ class AggregatorService:
             accepted=len(received),
             expected=len(roster),
             duration_s=round(duration, 3),
+            first_update_t=self.update_span and self.update_span[0],
+            last_update_t=self.update_span and self.update_span[1],
         )
         self.metrics.round_done(rnd, task, len(received), duration)
         self.metrics.add_bytes(

@@ -62,6 +62,7 @@ class OpenRound:
     opened: float = field(default_factory=time.monotonic)
     received: dict[str, Update] = field(default_factory=dict)
     resend_at: float = 0.0
+    update_span: tuple[float, float] | None = None  # wall-clock times of the first and last update taken
 
 
 class SiteAggregator:
@@ -236,6 +237,8 @@ class SiteAggregator:
                 return
             if journal:
                 self.store.journal(open_.rnd, update.client, payload, update.packet_bytes)
+            now = time.time()
+            open_.update_span = (open_.update_span[0] if open_.update_span else now, now)
         if "eval" in update.frame.meta:
             self.runlog.evaluation(update.client, update.frame.meta["eval"])
         open_.received[update.client] = update
@@ -289,8 +292,15 @@ class SiteAggregator:
         for old in self.forwarded_dir.glob("*.frame"):
             if old != path:
                 old.unlink(missing_ok=True)
+        first, last = open_.update_span or (None, None)
         self.runlog.write(
-            "partial", round=open_.rnd, task=open_.task, devices=sorted(open_.received), bytes=len(payload)
+            "partial",
+            round=open_.rnd,
+            task=open_.task,
+            devices=sorted(open_.received),
+            bytes=len(payload),
+            first_update_t=first,
+            last_update_t=last,
         )
         log.info("round %d: forwarded the partial sum of %d device(s)", open_.rnd, len(open_.received))
         self.forwarded_round, self.open = open_.rnd, None

@@ -108,6 +108,18 @@ def probe_broker(url: str, timeout: float = 5.0) -> None:
         raise BrokerUnreachable(f"broker {url} refused the connection: {answered[0]}")
 
 
+SITE_BRIDGE = Path(__file__).resolve().parents[1] / "deploy" / "mosquitto" / "site-bridge.conf"
+
+
+def site_bridge_config(federation: str, site: str, root_host: str, root_port: int, template: Path = SITE_BRIDGE) -> str:
+    """The shipped site-to-root bridge (deploy/mosquitto/site-bridge.conf) with its placeholders filled in."""
+    text = template.read_text()
+    values = {"@FEDERATION@": federation, "@SITE_ID@": site, "@ROOT_HOST@": root_host, "@ROOT_PORT@": str(root_port)}
+    for key, value in values.items():
+        text = text.replace(key, value)
+    return text
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

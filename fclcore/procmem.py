@@ -13,9 +13,9 @@ import sys
 __all__ = ["rss_mb", "peak_rss_mb"]
 
 
-def _status_kb(field: str) -> int | None:
+def _status_kb(field: str, pid: int | str = "self") -> int | None:
     try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -30,9 +30,11 @@ def rss_mb() -> float | None:
     return None if kb is None else round(kb / 1024, 1)
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, MiB."""
-    kb = _status_kb("VmHWM")
+def peak_rss_mb(pid: int | None = None) -> float | None:
+    """Peak resident set size of this process (or of the live process ``pid``, on Linux) so far, MiB."""
+    kb = _status_kb("VmHWM", "self" if pid is None else pid)
+    if kb is None and pid is not None:
+        return None
     if kb is None:
         kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if sys.platform == "darwin":  # bytes there, KiB on Linux

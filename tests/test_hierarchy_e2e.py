@@ -32,6 +32,7 @@ import methods
 from aggregator.service import AggregatorService
 from aggregator.site import SiteAggregator
 from aggregator.state import StateStore
+from fcl_edge.broker import site_bridge_config
 from fcl_edge.simulate import plan, write_configs
 from fclcore import topics
 from fclcore.aggregation import weighted_average
@@ -50,15 +51,7 @@ DEVICES = [d for share in SITES.values() for d in share]
 
 
 def bridge_config(repo_root: Path, site: str, root_port: int) -> str:
-    text = (repo_root / "deploy/mosquitto/site-bridge.conf").read_text()
-    for key, value in {
-        "@FEDERATION@": FED,
-        "@SITE_ID@": site,
-        "@ROOT_HOST@": "127.0.0.1",
-        "@ROOT_PORT@": root_port,
-    }.items():
-        text = text.replace(key, str(value))
-    return text
+    return site_bridge_config(FED, site, "127.0.0.1", root_port, repo_root / "deploy/mosquitto/site-bridge.conf")
 
 
 class SiteDevices:
