@@ -49,6 +49,7 @@ from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, decode
 from fclcore.procmem import peak_rss_mb, rss_mb  # noqa: E402
 
 IMPLS = ("streaming", "batch", "flwr")
+RATIO_TARGET, FOLDS_TARGET = 0.25, 4000  # issue 18: vs Flower's dense FedAvg path; updates per second
 LIMITS = CodecLimits(max_frame_bytes=256 * 2**20)
 
 
@@ -284,7 +285,25 @@ def markdown(report: dict) -> str:
     for key, value in report.items():
         if key.startswith("ratio_") or key == "streaming_equals_batch":
             lines.append(f"- `{key}`: {value}")
+    lines += ["", *targets(report)]
     return "\n".join(lines) + "\n"
+
+
+def targets(report: dict) -> list[str]:
+    """Issue 18's two aggregation targets, judged from this run (not timed tests)."""
+    top = max(r["n"] for r in report["runs"])
+    ratio = report.get(f"ratio_streaming_vs_flwr_{top}")
+    folds = next((r["folds_per_s"] for r in report["runs"] if r["impl"] == "streaming" and r["n"] == top), None)
+    out = []
+    if ratio is not None:
+        out.append(f"- target: ratio (decode included) <= {RATIO_TARGET} at N={top}: {_met(ratio <= RATIO_TARGET)}")
+    if folds is not None:
+        out.append(f"- target: >= {FOLDS_TARGET:,} folds/s at N={top}: {_met(folds >= FOLDS_TARGET)} ({folds:g})")
+    return out
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**not met**"
 
 
 def _cell(value) -> str:
