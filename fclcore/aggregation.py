@@ -40,11 +40,12 @@ def weighted_average(updates: Sequence[Update], previous: Mapping[str, np.ndarra
             if tensor is None:
                 continue
             index, values = _flat(tensor, base.shape, name)
+            weighted = np.multiply(values, weight, dtype=np.float64)
             if index is None:
-                total += weight * values
+                total += weighted
                 weight_sum += weight
             else:  # indices are unique (the codec enforces strictly increasing)
-                total[index] += weight * values
+                total[index] += weighted
                 weight_sum[index] += weight
         merged = base.astype(np.float64).ravel().copy()
         sent = weight_sum > 0
@@ -87,15 +88,18 @@ class RunningSum:
         weight = _check_weight(weight)
         flat = [(name, *self._check(name, tensor)) for name, tensor in tensors.items()]
         for name, index, values in flat:
+            weighted = np.multiply(values, weight, dtype=np.float64)  # widens and scales in one pass
             if index is None:
-                self.sums[name] += weight * values
+                self.sums[name] += weighted
                 self.dense_weight[name] += weight
-            else:
-                np.add.at(self.sums[name], index, weight * values)  # float64 in, float64 out: numpy's fast path
-                spread = self.sparse_weight.get(name)
-                if spread is None:
-                    spread = self.sparse_weight[name] = np.zeros(self.sums[name].size, np.float64)
-                np.add.at(spread, index, np.full(index.size, weight))
+                continue
+            # Indices are unique, so a scatter-add is exact; numpy's add.at fast path (float64
+            # values, int64 indices) beats ``sums[index] += weighted`` (a gather, then a scatter).
+            np.add.at(self.sums[name], index, weighted)
+            spread = self.sparse_weight.get(name)
+            if spread is None:
+                spread = self.sparse_weight[name] = np.zeros(self.sums[name].size, np.float64)
+            np.add.at(spread, index, weight)  # a scalar: no per-element weight array
         self.count += 1
         self.total_weight += weight
 
@@ -160,13 +164,14 @@ def _check_weight(weight: float) -> float:
 
 
 def _flat(tensor: Tensor, shape: tuple[int, ...], name: str) -> tuple[np.ndarray | None, np.ndarray]:
+    """(flat indices or None for dense, flat values as they are: callers widen while they scale)."""
     if isinstance(tensor, SparseTensor):
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
-        return tensor.indices, tensor.values.astype(np.float64)
+        return tensor.indices, tensor.values
     if tensor.shape != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tensor.shape}")
-    return None, tensor.astype(np.float64).ravel()
+    return None, np.ravel(tensor)
 
 
 def template_check(template: Mapping[str, tuple[int, ...]]) -> Callable[[Frame], dict[str, Tensor]]:

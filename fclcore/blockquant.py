@@ -89,6 +89,9 @@ def quantize(values: np.ndarray, block: int, rng: np.random.Generator | None = N
 def dequantize(scales: np.ndarray, codes: np.ndarray, block: int) -> np.ndarray:
     """(float32 scales, int8 codes) -> float32 values.  One float32 multiply is enough: c * s
     is exact in float64 (8 + 24 significant bits) and IEEE rounds the float32 product from it."""
-    values = _blocks(codes, block, np.float32)  # (nblocks, block)
-    values *= np.asarray(scales, dtype=np.float32)[:, None]
-    return values.reshape(-1)[: codes.size]
+    codes, scales = np.asarray(codes).reshape(-1), np.asarray(scales, dtype=np.float32)
+    values = np.empty(codes.size, np.float32)
+    whole = codes.size // block * block  # the full blocks, then the short last one (if any)
+    np.multiply(codes[:whole].reshape(-1, block), scales[: whole // block, None], out=values[:whole].reshape(-1, block))
+    np.multiply(codes[whole:], scales[whole // block :], out=values[whole:])  # at most one scale left
+    return values

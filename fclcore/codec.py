@@ -167,6 +167,16 @@ class SparseTensor:
         _check_indices(self.indices, math.prod(self.shape), f"{where}.indices")
 
     @classmethod
+    def _decoded(cls, shape: tuple[int, ...], indices: np.ndarray, values: np.ndarray) -> SparseTensor:
+        """For the decoder, which has just checked all that ``__post_init__`` checks (int64
+        indices strictly increasing below numel, one float32 value each): no second pass."""
+        assert indices.dtype == np.int64 and values.dtype == np.float32 and indices.shape == values.shape
+        tensor = object.__new__(cls)
+        for name, value in (("shape", shape), ("indices", indices), ("values", values)):
+            object.__setattr__(tensor, name, value)
+        return tensor
+
+    @classmethod
     def from_dense(cls, dense: np.ndarray, mask: np.ndarray | None = None) -> SparseTensor:
         """Keep the entries where `mask` is true (default: the non-zero entries)."""
         dense = np.asarray(dense)
@@ -261,15 +271,19 @@ def _check_shape(shape: Any, where: str) -> tuple[int, ...]:
 
 
 def _check_indices(indices: np.ndarray, numel: int, where: str) -> None:
-    """Strictly increasing and inside [0, numel): what makes index order canonical."""
+    """Strictly increasing and inside [0, numel): what makes index order canonical.
+
+    One vectorised comparison of neighbours; once they increase, the ends bound the range.
+    A range error is reported before an order error, whichever the input has."""
     if indices.size == 0:
         return
-    low, high = int(indices.min()), int(indices.max())  # range first: then np.diff cannot overflow
+    unordered = indices[1:] <= indices[:-1]  # a comparison, unlike np.diff, cannot overflow
+    ordered = not unordered.any()
+    low, high = (int(indices[0]), int(indices[-1])) if ordered else (int(indices.min()), int(indices.max()))
     if low < 0 or high >= numel:
         _fail(where, low if low < 0 else high, f"0 <= index < {numel} (numel)")
-    steps = np.diff(indices)
-    if (steps <= 0).any():
-        i = int(np.argmax(steps <= 0)) + 1
+    if not ordered:
+        i = int(np.argmax(unordered)) + 1
         _fail(f"{where}[{i}]", int(indices[i]), f"> {int(indices[i - 1])} (strictly increasing)")
 
 
@@ -650,13 +664,14 @@ def _read_int8(reader: _Reader, count: int, where: str) -> np.ndarray:
     if bad.any():
         i = int(np.argmax(bad))
         _fail(f"{where}.scales[{i}]", scales[i], f"a finite float32 in [0, {blockquant.MAX_SCALE}]")
-    if (codes == -128).any():
+    if count and codes.min() == -128:  # a reduction: no mask unless there is something to report
         i = int(np.argmax(codes == -128))
         _fail(f"{where}.codes[{i}]", -128, "a code in [-127, 127]")
-    zero_scale = np.repeat(scales == 0, block)[:count]
-    if (zero_scale & (codes != 0)).any():
-        i = int(np.argmax(zero_scale & (codes != 0)))
-        _fail(f"{where}.codes[{i}]", int(codes[i]), f"0 (block {i // block} has scale 0)")
+    if not scales.all():  # only blocks with scale 0 need their codes looked at
+        zero_scale = np.repeat(scales == 0, block)[:count]
+        if (zero_scale & (codes != 0)).any():
+            i = int(np.argmax(zero_scale & (codes != 0)))
+            _fail(f"{where}.codes[{i}]", int(codes[i]), f"0 (block {i // block} has scale 0)")
     return blockquant.dequantize(scales, codes, block)
 
 
@@ -680,13 +695,21 @@ def _decode_tensor(reader: _Reader, where: str, version: int, limits: CodecLimit
         _fail(f"{where}.nnz", nnz, f"<= {numel} (numel)")
     if layout == INDEX:
         width = "<u2" if numel <= _SMALL_NUMEL else "<u4"
-        indices = reader.array(width, nnz, f"{where}.indices").astype(np.int64)
-        _check_indices(indices, numel, f"{where}.indices")
+        raw = reader.array(width, nnz, f"{where}.indices")
+        _check_indices(raw, numel, f"{where}.indices")  # on the wire's unsigned ints: no int64 pass first
+        indices = raw.astype(np.int64)
     else:
-        bits = np.unpackbits(reader.array(np.uint8, (numel + 7) // 8, f"{where}.bitmap"), bitorder="little")
-        if bits[numel:].any():
-            _fail(f"{where}.bitmap", f"bits set beyond element {numel - 1}", "zero padding bits")
-        indices = np.flatnonzero(bits.view(bool)).astype(np.int64, copy=False)  # bool: 5x faster
-        if indices.size != nnz:
-            _fail(f"{where}.bitmap popcount", indices.size, f"{nnz} (nnz)")
-    return SparseTensor(shape, indices, _read_values(reader, code, nnz, where))
+        indices = _bitmap_indices(reader.array(np.uint8, (numel + 7) // 8, f"{where}.bitmap"), numel, nnz, where)
+    return SparseTensor._decoded(shape, indices, _read_values(reader, code, nnz, where))
+
+
+def _bitmap_indices(packed: np.ndarray, numel: int, nnz: int, where: str) -> np.ndarray:
+    """The set bits' positions: strictly increasing and below numel by construction."""
+    spare = 8 * packed.size - numel
+    if spare and packed[-1] >> (8 - spare):
+        _fail(f"{where}.bitmap", f"bits set beyond element {numel - 1}", "zero padding bits")
+    bits = np.unpackbits(packed, count=numel, bitorder="little")
+    indices = np.flatnonzero(bits.view(bool))  # int64; on bool, numpy's fastest path
+    if indices.size != nnz:
+        _fail(f"{where}.bitmap popcount", indices.size, f"{nnz} (nnz)")
+    return indices

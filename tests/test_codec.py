@@ -265,6 +265,52 @@ def test_decode_rejects(name):
         decode(data)
 
 
+def _reference_index_error(indices: list[int], numel: int) -> str | None:
+    """The rule, spelled out slowly: any index out of range is reported (the lowest below 0,
+    else the highest), and only then the first that does not increase."""
+    if not indices:
+        return None
+    low, high = min(indices), max(indices)
+    if low < 0 or high >= numel:
+        return f"got {low if low < 0 else high}, expected 0 <= index < {numel} (numel)"
+    for i in range(1, len(indices)):
+        if indices[i] <= indices[i - 1]:
+            return f"[{i}]: got {indices[i]}, expected > {indices[i - 1]} (strictly increasing)"
+    return None
+
+
+@FAST
+@given(st.lists(st.integers(-3, 12), max_size=8), st.integers(1, 10), st.booleans())
+def test_index_check_reports_what_the_rule_says(indices, numel, ordered):
+    """The one-pass check (neighbours first, the ends as the range) reports exactly what the
+    rule does, for sorted and unsorted input alike."""
+    indices = sorted(set(indices)) if ordered else indices
+    expected = _reference_index_error(indices, numel)
+    if expected is None:
+        assert SparseTensor((numel,), indices, [1.0] * len(indices)).nnz == len(indices)
+        return
+    with pytest.raises(CodecError) as raised:
+        SparseTensor((numel,), indices, [1.0] * len(indices))
+    assert str(raised.value).endswith(expected), (str(raised.value), expected)
+
+
+@FAST
+@given(st.integers(1, 70), st.integers(0, 2**32 - 1))
+def test_bitmap_decodes_to_its_set_bits_and_refuses_every_padding_bit(numel, seed):
+    mask = np.random.default_rng(seed).random(numel) < 0.3
+    nnz = int(mask.sum())
+    packed = np.packbits(mask, bitorder="little")
+    record = rec(layout=2, dims=(numel,), nnz=nnz, data=packed.tobytes() + f32(*range(nnz)))
+    tensor = decode(raw_frame(tensors=[record])).tensors["t"]
+    np.testing.assert_array_equal(tensor.indices, np.flatnonzero(mask))
+    np.testing.assert_array_equal(tensor.values, np.arange(nnz, dtype=np.float32))
+    for bit in range(numel, 8 * packed.size):  # each padding bit alone is refused
+        bad = packed.copy()
+        bad[-1] |= 1 << (bit % 8)
+        with pytest.raises(CodecError, match="padding"):
+            decode(raw_frame(tensors=[rec(layout=2, dims=(numel,), nnz=nnz, data=bad.tobytes() + f32(*range(nnz)))]))
+
+
 def test_error_message_names_value_and_expectation():
     with pytest.raises(CodecError, match=r"header\.version: got 3, expected 1 or 2"):
         decode(raw_frame(version=3))

@@ -114,6 +114,19 @@ def test_round_trip_within_bound(tensors, block, rounding):
             np.testing.assert_array_equal(q, x)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 300), st.integers(1, 70), st.integers(0, 2**32 - 1))
+def test_dequantize_is_code_times_its_block_scale(count, block, seed):
+    """Whole blocks and the short last one: each value is float32(code) * its float32 scale."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(-127, 128, count).astype(np.int8)
+    scales = rng.uniform(0, 2, blockquant.block_count(count, block)).astype(np.float32)
+    expected = codes.astype(np.float32) * np.repeat(scales, block)[:count]
+    got = blockquant.dequantize(scales, codes, block)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_bound_is_tight_enough_to_fail():
     """The helper really checks: a value moved by more than s/2 fails it."""
     x = np.array([127.0, 0.3])  # s = 1
