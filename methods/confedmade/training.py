@@ -45,12 +45,13 @@ class MadeLearner(Learner):
         for _ in range(self.fed.train.local_epochs):
             for batch in torch.randperm(len(x), generator=generator).split(self.fed.train.batch_size):
                 model.set_order(step_order(self.made, self.options, rnd, step))
+                self.optimizer.zero_grad(set_to_none=True)  # before the forward: old grads never meet its graph
                 nll, total = loss(x[batch])
-                self.optimizer.zero_grad(set_to_none=True)
                 total.backward()
                 self.optimizer.step()
                 losses.append(nll.item())
                 step += 1
+        self.optimizer.zero_grad(set_to_none=True)  # no gradients held between rounds
         return float(np.mean(losses))
 
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
