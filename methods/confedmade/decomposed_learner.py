@@ -33,6 +33,7 @@ from fclcore.made_spec import made_masks, mask_for_param
 from fclcore.masked_upload import MIN_GATE, dense, pack, selection, top_units
 from fclcore.models.decomposed_made import DecomposedMADE
 from fclcore.orders import upload_order
+from fclcore.procmem import release_free_memory
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import ServedModel
@@ -89,12 +90,16 @@ class DecomposedLearner(MadeLearner):
     def start_task(self, task: int, downlink: Frame | None) -> None:
         ids = self._knowledge_ids(downlink)  # validate before any state changes
         super().start_task(task, downlink)
+        # The last task's optimiser moments and anchors are replaced below: freed first, so the
+        # new task's knowledge stack is never built beside them.
+        self.optimizer, self.anchor = None, {}
         for layer in self.model.layers.values():  # earlier tasks' masks and attention are frozen
             for i in range(task):
                 layer.unit_logits[i].requires_grad_(False)
                 layer.attention[i].requires_grad_(False)
         if task > 0:  # the last task's alpha is final: its entries collapse to one term per layer
             self.model.settle(task - 1)  # (before the new stack is built: the device never holds both)
+        release_free_memory()  # what was just freed goes back to the OS before the new stack is mapped
         self.anchor = {p: _snapshot(l) for p, l in self.model.layers.items()}
         self.model.add_task(self._knowledge(downlink, ids), self.opts.mask_init, self.opts.lambda3)
         self.entries.append(ids)
