@@ -45,11 +45,12 @@ class WeightPenalty(torch.autograd.Function):
     def forward(ctx: Any, terms: PenaltyTerms, base: Tensor, *adaptive: Tensor) -> Tensor:
         ctx.terms = terms
         ctx.save_for_backward(base, *adaptive)
-        with torch.no_grad():
-            total = terms.lambda1 * sum(float((a * terms.mask).abs().sum()) for a in adaptive)
+        with torch.no_grad():  # the value (to float32 precision): one temporary per term, in place
+            total = terms.lambda1 * sum(float(torch.mul(a, terms.mask).abs_().sum()) for a in adaptive)
             d_base = base - terms.base0
             for i, gate in enumerate(terms.gates):
-                total += terms.lambda2 * float(((d_base * gate + (adaptive[i] - terms.adaptive0[i])) ** 2).sum())
+                drift = torch.mul(d_base, gate).add_(adaptive[i]).sub_(terms.adaptive0[i])
+                total += terms.lambda2 * float(drift.square_().sum())
         return base.new_tensor(total)
 
     @staticmethod
