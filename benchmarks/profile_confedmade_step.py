@@ -7,7 +7,7 @@ a knowledge frame of ``--entries-per-task`` entries per earlier task (the scenar
 clients: all of their earlier tasks, as ``kb_policy: all`` does), each a thresholded
 ``A``-like tensor as the aggregator forwards it.  At the last task it measures, around each
 phase of one optimiser step (forward NLL, regulariser, backward, step) and of the
-evaluation, the RSS before and the phase's own peak: the peak is reset before the phase by
+evaluation and of the checkpoint, the RSS before and the phase's own peak: the peak is reset before the phase by
 writing 5 to ``/proc/self/clear_refs`` and read from VmHWM after it.
 
     python benchmarks/profile_confedmade_step.py
@@ -22,6 +22,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fclcore import checkpoint  # noqa: E402
 from fclcore.codec import Frame, Header, Kind, SparseTensor  # noqa: E402
 from fclcore.config import load_config  # noqa: E402
 from fclcore.data import Dataset  # noqa: E402
@@ -124,6 +126,13 @@ def main() -> None:
     measure(
         rows, "evaluate (5 test sets of 1,000 rows)", lambda: learner.evaluate([Dataset(x[:1000], data.y[:1000])] * 5)
     )
+    with tempfile.TemporaryDirectory() as tmp:
+        measure(
+            rows,
+            "checkpoint (state + fclcore.checkpoint.save)",
+            lambda: checkpoint.save(Path(tmp) / "c.npz", *learner.state()),
+        )
+        rows[-1]["file_mb"] = round((Path(tmp) / "c.npz").stat().st_size / 2**20, 1)
     doc = {
         "command": "python benchmarks/profile_confedmade_step.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.platform()}, {platform.machine()}",
