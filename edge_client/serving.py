@@ -13,7 +13,9 @@ A MADE is exported by a short-lived child process (``python -m export.child``): 
 writes the snapshot, the parity rows and the torch MADE's logits on them (``export.child.write_job``) (``snapshot``
 computes those, so the child needs no torch), and waits for it at most
 ``serve.export_timeout_s``.  The daemon thereby never imports onnx or onnxruntime and never
-holds the export's buffers (``firmware_notes/memory.md``).  The other formats are traced from
+holds the export's buffers (``firmware_notes/memory.md``).  A text-groups model whose frozen
+backbone came unchanged from a model directory (FedET's) is exported by the same child, which
+loads the backbone itself (``export.text_groups_job``).  The other formats are traced from
 torch modules and export in process.
 """
 
@@ -49,6 +51,11 @@ class ServeJob:
     served: Any  # a fclcore.served description (already a copy of the learner's state)
     parity_inputs: np.ndarray
     reference: np.ndarray | None = None  # the torch MADE's logits on parity_inputs: exported in a child
+
+    @property
+    def in_child(self) -> bool:
+        """A MADE with its reference logits, or a text-groups model a child can load again."""
+        return self.reference is not None or bool(getattr(self.served, "backbone_source", ""))
 
 
 class ServedModelWriter:
@@ -133,7 +140,7 @@ class ServedModelWriter:
 
     def write(self, job: ServeJob) -> dict | None:
         """Export one served model now; the report, or None if the export failed."""
-        if job.reference is not None:
+        if job.in_child:
             return self._write_in_child(job)
         try:
             from export.formats import ExportError, export_served
@@ -156,19 +163,14 @@ class ServedModelWriter:
 
     def _write_in_child(self, job: ServeJob) -> dict | None:
         """``python -m export.child`` on a job directory (format in ``export.child``)."""
-        from export.child import write_job  # numpy only: onnx is imported by the child
-        from export.snapshot import SnapshotError, save_snapshot
+        from export.snapshot import SnapshotError
 
         served = job.served
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            snapshot = self.out_dir / "served.npz"  # what `fcl export` reads, and the child too
-            save_snapshot(served, snapshot)
             with tempfile.TemporaryDirectory(prefix=".export-", dir=self.out_dir) as tmp:
                 job_dir = Path(tmp)
-                write_job(
-                    job_dir, snapshot.resolve(), job.parity_inputs, job.reference, self.model_path.resolve(), self.int8
-                )
+                self._write_job(job_dir, job)
                 done = subprocess.run(
                     [*self.child_command, str(job_dir)],
                     capture_output=True,
@@ -195,6 +197,20 @@ class ServedModelWriter:
         self.child_peak_rss_mb = max(self.child_peak_rss_mb, float(doc.get("peak_rss_mb", 0.0)))
         log.info("serving task %d model (%s): %s", served.task, served.format, self.model_path)
         return doc["report"]
+
+    def _write_job(self, job_dir: Path, job: ServeJob) -> None:
+        """The job directory ``export.child`` reads (no onnx imported here)."""
+        if job.served.format == "text-groups":
+            from export.text_groups_job import write_text_groups_job
+
+            write_text_groups_job(job_dir, job.served, job.parity_inputs, self.model_path.resolve(), self.int8)
+            return
+        from export.child import write_job
+        from export.snapshot import save_snapshot
+
+        snapshot = self.out_dir / "served.npz"  # what `fcl export` reads, and the child too
+        save_snapshot(job.served, snapshot)
+        write_job(job_dir, snapshot.resolve(), job.parity_inputs, job.reference, self.model_path.resolve(), self.int8)
 
 
 def _child_env() -> dict[str, str]:

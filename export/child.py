@@ -1,9 +1,11 @@
-"""Export a served MADE in a short-lived process, so the training daemon never holds onnx,
+"""Export a served model in a short-lived process, so the training daemon never holds onnx,
 onnxruntime or the export's buffers (``edge_client.serving`` starts it; see
 ``firmware_notes/memory.md``).
 
     python -m export.child JOB_DIR
 
+A text-groups model (FedET's) is a job of ``export.text_groups_job`` (``"format": "text-groups"``
+in ``job.json``): the child imports torch and loads the frozen backbone itself.  A MADE's
 ``JOB_DIR`` holds what the daemon wrote with :func:`write_job`:
 
 * ``parity.npy`` and ``reference.npy``: the parity rows and the torch MADE's logits on them,
@@ -20,10 +22,12 @@ malformed job.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -46,33 +50,40 @@ def run_job(job_dir: Path) -> dict:
     """Run the export a job describes; the ``report.json`` document."""
     try:
         job = json.loads((job_dir / "job.json").read_text())
-        if (
-            not isinstance(job, dict)
-            or not all(isinstance(job.get(k), str) for k in ("served", "path"))
-            or not isinstance(job.get("int8"), bool)
-        ):
-            raise ValueError("job.json: expected {'served': str, 'path': str, 'int8': bool}")
-        served = load_snapshot(job["served"])
-        parity = np.load(job_dir / "parity.npy", allow_pickle=False)
-        reference = np.load(job_dir / "reference.npy", allow_pickle=False)
+        if not isinstance(job, dict) or not isinstance(job.get("path"), str) or not isinstance(job.get("int8"), bool):
+            raise ValueError("job.json: expected {'served': ..., 'path': str, 'int8': bool}")
+        export = _text_groups_export(job_dir, job) if job.get("format") == "text-groups" else _made_export(job_dir, job)
     except (OSError, ValueError, SnapshotError) as exc:
         raise SystemExit(_done(job_dir, {"ok": False, "error": f"malformed job: {exc}"}, 2)) from None
-    from export.onnx_made import export_served_model
-
     try:
-        report = export_served_model(
-            served,
-            job["path"],
-            parity_inputs=parity,
-            int8=job["int8"],
-            toolkit_version=str(job.get("toolkit_version", "0.1.0")),
-            reference_logits=reference,
-        )
+        report = export(job["path"], int8=job["int8"], toolkit_version=str(job.get("toolkit_version", "0.1.0")))
     except (ExportError, ValueError, OSError) as exc:
         raise SystemExit(_done(job_dir, {"ok": False, "error": str(exc)}, 1)) from None
     doc = {"ok": True, "report": report, "peak_rss_mb": peak_rss_mb()}
     _done(job_dir, doc, 0)
     return doc
+
+
+def _made_export(job_dir: Path, job: dict) -> Callable[..., dict]:
+    """A MADE job's export, its inputs read and checked."""
+    if not isinstance(job.get("served"), str):
+        raise ValueError("job.json: expected 'served', the snapshot's path")
+    served = load_snapshot(job["served"])
+    parity = np.load(job_dir / "parity.npy", allow_pickle=False)
+    reference = np.load(job_dir / "reference.npy", allow_pickle=False)
+    from export.onnx_made import export_served_model
+
+    return functools.partial(export_served_model, served, parity_inputs=parity, reference_logits=reference)
+
+
+def _text_groups_export(job_dir: Path, job: dict) -> Callable[..., dict]:
+    """A text-groups job's export, its model rebuilt (torch; the backbone loaded from its directory)."""
+    from export.formats import export_served
+    from export.text_groups_job import read_text_groups_job
+
+    served = read_text_groups_job(job_dir, job.get("served"))
+    parity = np.load(job_dir / "parity.npy", allow_pickle=False)
+    return functools.partial(export_served, served, parity_inputs=parity)
 
 
 def _done(job_dir: Path, doc: dict, status: int) -> int:

@@ -484,7 +484,7 @@ class ServeSpec:
 
     every: Literal["task", "round", "never"] = "task"
     int8: bool = False  # also write model.int8.onnx (dynamic int8 weights)
-    export_timeout_s: float = 600.0  # a MADE export child still running after this is killed
+    export_timeout_s: float = 600.0  # an export child (MADE, FedET text) still running after this is killed
 
     def __post_init__(self) -> None:
         if not self.export_timeout_s > 0:

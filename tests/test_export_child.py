@@ -4,6 +4,7 @@ leaves the served model in place."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -120,3 +121,126 @@ def test_the_daemon_process_never_imports_onnx(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert (tmp_path / "model.onnx").is_file()
+
+
+# -- a text-groups model (FedET's): the child loads the frozen backbone from its directory ------
+
+
+def _save_backbone_dir(encoder, cfg, path: Path) -> Path:
+    """A Hugging Face style model directory (config.json + model.safetensors) of ``encoder``."""
+    from fclcore.models.enhancer import _hf_name
+
+    path.mkdir()
+    hf = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "intermediate_size": cfg.intermediate,
+        "max_position_embeddings": cfg.max_positions,
+        "type_vocab_size": cfg.type_vocab,
+        "layer_norm_eps": cfg.eps,
+    }
+    (path / "config.json").write_text(json.dumps(hf))
+    header, blobs, offset = {}, [], 0
+    for name, value in encoder.state_dict().items():
+        raw = value.numpy().astype("<f4").tobytes()
+        header[_hf_name(name)] = {
+            "dtype": "F32",
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_job(tmp_path_factory):
+    """(a tiny text-groups model whose backbone was loaded from a directory, parity token rows)."""
+    import torch
+
+    from fclcore.models.enhancer import (
+        BertEncoder,
+        EnhancerConfig,
+        EnhancerGroup,
+        FrozenBackbone,
+        load_minilm,
+        pooled_embeddings,
+        tiny_config,
+    )
+    from fclcore.served import TextGroupsServed
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    source = _save_backbone_dir(BertEncoder(cfg), cfg, tmp_path_factory.mktemp("backbone") / "model")
+    backbone = FrozenBackbone(load_minilm(source))
+    ecfg = EnhancerConfig(hidden=32, bottleneck=8, blocks=2)
+    groups = [EnhancerGroup(ecfg, [0, 1], seed=1), EnhancerGroup(ecfg), EnhancerGroup(ecfg, [2], seed=2)]
+    rng = np.random.default_rng(0)
+    ids = np.zeros((6, 10), np.int64)
+    for r, n in enumerate([10, 7, 4, 10, 5, 8]):
+        ids[r, :n] = np.concatenate([[2], rng.integers(4, 40, n - 2), [3]])
+    pooled = pooled_embeddings(backbone, ids, (ids != 0).astype(np.int64))
+    served = TextGroupsServed(
+        backbone, groups, {c: pooled[c] for c in range(3)}, {0: 0, 1: 0, 2: 2}, task=1, max_length=16, method="fedet"
+    )
+    return dataclasses.replace(served, backbone_source=str(source)), ids
+
+
+def test_child_exports_the_text_groups_model_the_daemon_would(text_job, tmp_path):
+    served, ids = text_job
+    job = ServeJob(served, ids)
+    assert job.in_child and not ServeJob(dataclasses.replace(served, backbone_source=""), ids).in_child
+    child = ServedModelWriter(tmp_path / "child", "bbc", int8=True)
+    report = child.write(job)
+    assert report is not None and report["parity_rows"] == 6 and child.child_peak_rss_mb > 0
+    in_process = ServedModelWriter(tmp_path / "here", "bbc", int8=False)
+    reference = in_process.write(ServeJob(dataclasses.replace(served, backbone_source=""), ids))
+    assert reference is not None and in_process.child_peak_rss_mb == 0
+    assert report["sha256"] == reference["sha256"]  # the same weights, backbone loaded again
+    assert (tmp_path / "child" / "model.int8.onnx").is_file() and not list((tmp_path / "child").glob(".export-*"))
+
+
+@pytest.mark.parametrize(
+    "command,timeout",
+    [
+        ([sys.executable, "-c", "import sys; sys.exit(3)"], 60.0),
+        ([sys.executable, "-c", "import time; time.sleep(60)"], 1.0),
+    ],
+    ids=["fails", "times-out"],
+)
+def test_a_failing_or_hanging_text_export_leaves_the_old_model_and_the_worker(
+    text_job, tmp_path, command, timeout, caplog
+):
+    """A text-groups child that fails or hangs: the old model stays, and the background worker
+    the daemon trains beside goes on to export the next model."""
+    served, ids = text_job
+    (tmp_path / "model.onnx").write_bytes(b"the model in service")
+    writer = ServedModelWriter(tmp_path, "bbc", int8=False, timeout_s=timeout, child_command=command)
+    started = time.monotonic()
+    writer.submit(ServeJob(served, ids))
+    assert writer.wait(60) and time.monotonic() - started < 30
+    assert (tmp_path / "model.onnx").read_bytes() == b"the model in service"
+    assert "previous model stays in service" in caplog.text
+    writer.child_command, writer.timeout_s = [sys.executable, "-m", "export.child"], 300.0
+    writer.submit(ServeJob(served, ids))
+    writer.close(300)
+    assert (tmp_path / "model.onnx").read_bytes() != b"the model in service"
+    assert not list(tmp_path.glob(".export-*"))
+
+
+def test_a_text_job_without_its_backbone_is_refused(text_job, tmp_path):
+    served, ids = text_job
+    from export.text_groups_job import write_text_groups_job
+
+    write_text_groups_job(tmp_path, served, ids, tmp_path / "m.onnx", False)
+    job = json.loads((tmp_path / "job.json").read_text())
+    job["served"]["backbone_dir"] = str(tmp_path / "nowhere")
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    done = subprocess.run([sys.executable, "-m", "export.child", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "malformed job" in json.loads((tmp_path / "report.json").read_text())["error"]
+    assert not (tmp_path / "m.onnx").exists()

@@ -109,3 +109,39 @@ def test_state_from_another_structure_is_refused() -> None:
         fresh = learner_for(fed, D, 0)
         fresh.start_task(0, None)
         fresh.load_state(meta, broken)
+
+
+def test_confedmade_restored_through_the_daemons_state_file_continues_identically(tmp_path) -> None:
+    """The memory layout of issue 20 (penalty without a kept graph, gradients freed between
+    rounds, optimiser and anchors dropped at a task start, the checkpoint streamed to its
+    file): a device written to its state file by the daemon's store and rebuilt from it trains
+    the next round bit for bit as the one that never stopped."""
+    from edge_client.state import ClientState, ClientStateStore
+
+    torch.set_num_threads(1)
+    fed = _fed("confedmade")
+    made = fed.model.made_config(D)
+    data = [_data(t) for t in range(3)]
+    g = init_params(made, 0)
+    learner = learner_for(fed, D, 0)
+    for rnd in range(5):
+        if rnd // 2 != learner.task:
+            learner.start_task(rnd // 2, _knowledge(rnd // 2, made))
+        _step(learner, rnd, data[: learner.task + 1], g)
+    meta, arrays = learner.state()
+    store = ClientStateStore(tmp_path)
+    store.save(ClientState("c0", {}, learner.task, 4, 1, learner_meta=meta, learner_arrays=arrays, input_dim=D))
+    loaded = store.load()
+
+    rebuilt = learner_for(fed, D, 0)
+    for t in range(loaded.task + 1):
+        rebuilt.start_task(t, _knowledge(t, made))
+    rebuilt.load_state(loaded.learner_meta, loaded.learner_arrays)
+    g2 = {k: v + 0.01 for k, v in g.items()}
+    expected, got = _as_dense(_step(learner, 5, data, g2)), _as_dense(_step(rebuilt, 5, data, g2))
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    for a, b in zip(learner.model.parameters(), rebuilt.model.parameters()):
+        assert torch.equal(a, b)
+    assert all(p.grad is None for p in learner.model.parameters())  # nothing held between rounds

@@ -33,9 +33,11 @@ from fclcore.made_spec import made_masks, mask_for_param
 from fclcore.masked_upload import MIN_GATE, dense, pack, selection, top_units
 from fclcore.models.decomposed_made import DecomposedMADE
 from fclcore.orders import upload_order
+from fclcore.procmem import release_free_memory
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import ServedModel
+from methods.confedmade.penalty import PenaltyTerms, WeightPenalty
 from methods.confedmade.training import MadeLearner, mean_nll
 from methods.confedmade.wire import EXTRA, KB_PREFIX, knowledge_key, parse_knowledge_meta
 
@@ -90,12 +92,16 @@ class DecomposedLearner(MadeLearner):
     def start_task(self, task: int, downlink: Frame | None) -> None:
         ids = self._knowledge_ids(downlink)  # validate before any state changes
         super().start_task(task, downlink)
+        # The last task's optimiser moments and anchors are replaced below: freed first, so the
+        # new task's knowledge stack is never built beside them.
+        self.optimizer, self.anchor = None, {}
         for layer in self.model.layers.values():  # earlier tasks' masks and attention are frozen
             for i in range(task):
                 layer.unit_logits[i].requires_grad_(False)
                 layer.attention[i].requires_grad_(False)
         if task > 0:  # the last task's alpha is final: its entries collapse to one term per layer
             self.model.settle(task - 1)  # (before the new stack is built: the device never holds both)
+        release_free_memory()  # what was just freed goes back to the OS before the new stack is mapped
         self.anchor = {p: _snapshot(l) for p, l in self.model.layers.items()}
         self.model.add_task(self._knowledge(downlink, ids), self.opts.mask_init, self.opts.lambda3)
         self.entries.append(ids)
@@ -134,19 +140,24 @@ class DecomposedLearner(MadeLearner):
         return len(x), self.local_epochs(self.model, x, rnd, loss)
 
     def _regularizer(self) -> torch.Tensor:
+        """Eq. 6's L1 and drift terms: the weight-sized part through ``WeightPenalty`` (no
+        autograd graph kept), the bias part through autograd."""
         total = torch.zeros(())
         t = self.task
+        drift = t > 0 and self.opts.lambda2 != 0
         for prefix, layer in self.model.layers.items():
-            mask = layer.mask if self.masked else 1.0
-            total = total + self.opts.lambda1 * sum((a * mask).abs().sum() for a in layer.adaptive)
-            if t == 0 or self.opts.lambda2 == 0:
-                continue
             base0, adaptive0, bias0, offsets0 = self.anchor[prefix]
-            d_base = layer.weight - base0  # (out, in)
-            for i in range(t):
-                drift = d_base * torch.sigmoid(layer.unit_logits[i])[:, None] + (layer.adaptive[i] - adaptive0[i])
-                total = total + self.opts.lambda2 * (drift**2).sum()
-                if layer.bias is not None:  # the task's bias b + c_i is held the same way
+            terms = PenaltyTerms(
+                base0,
+                adaptive0[:t] if drift else [],
+                [torch.sigmoid(layer.unit_logits[i]).detach()[:, None] for i in range(t)] if drift else [],
+                layer.mask if self.masked else 1.0,
+                self.opts.lambda1,
+                self.opts.lambda2,
+            )
+            total = total + WeightPenalty.apply(terms, layer.weight, *layer.adaptive)
+            if drift and layer.bias is not None:  # the task's bias b + c_i is held the same way
+                for i in range(t):
                     bias_drift = (layer.bias - bias0) + (layer.bias_offsets[i] - offsets0[i])
                     total = total + self.opts.lambda2 * (bias_drift**2).sum()
         return total

@@ -13,6 +13,7 @@ from fclcore.data import Dataset
 from fclcore.learner import Learner, round_seed
 from fclcore.made_spec import MadeConfig
 from fclcore.orders import step_order
+from fclcore.procmem import release_free_memory
 from fclcore.schema import FederationSpec
 
 EVAL_BATCH = 1024
@@ -45,12 +46,14 @@ class MadeLearner(Learner):
         for _ in range(self.fed.train.local_epochs):
             for batch in torch.randperm(len(x), generator=generator).split(self.fed.train.batch_size):
                 model.set_order(step_order(self.made, self.options, rnd, step))
+                self.optimizer.zero_grad(set_to_none=True)  # before the forward: old grads never meet its graph
                 nll, total = loss(x[batch])
-                self.optimizer.zero_grad(set_to_none=True)
                 total.backward()
                 self.optimizer.step()
                 losses.append(nll.item())
                 step += 1
+        self.optimizer.zero_grad(set_to_none=True)  # no gradients held between rounds
+        release_free_memory()  # the steps' freed buffers go back to the OS before the upload is packed
         return float(np.mean(losses))
 
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
@@ -89,4 +92,5 @@ def mean_nll(nll, data: Dataset | None) -> float | None:
         return None
     x = torch.from_numpy(data.x)
     total = sum(nll(x[i : i + EVAL_BATCH]).sum().item() for i in range(0, len(x), EVAL_BATCH))
+    release_free_memory()  # the batches' buffers are not left under the next phase's peak
     return round(total / len(x), 4)

@@ -37,6 +37,7 @@ from fclcore.models.enhancer import (
     EnhancerConfig,
     EnhancerGroup,
     FrozenBackbone,
+    default_minilm_dir,
     group_prefix,
     group_to_tensors,
     load_minilm,
@@ -72,7 +73,8 @@ class FedETLearner(Learner):
         super().__init__(fed, options, input_dim, client_index)
         spec = options
         torch.manual_seed(fed.seed)
-        self.backbone = FrozenBackbone(load_minilm())
+        self.backbone_dir = default_minilm_dir()  # an export child loads the backbone from here too
+        self.backbone = FrozenBackbone(load_minilm(self.backbone_dir))
         self.enhancer = EnhancerConfig(
             hidden=self.backbone.cfg.hidden, bottleneck=spec.bottleneck, blocks=self.backbone.cfg.layers
         )
@@ -206,6 +208,7 @@ class FedETLearner(Learner):
             task=task,
             max_length=self.options.max_length,
             method=self.fed.method,
+            backbone_source=str(self.backbone_dir),
         )
 
     # -- checkpoints ---------------------------------------------------------------------
