@@ -51,6 +51,8 @@ VARIANTS = {  # a benchmark entry that is a method's scenario with overrides: (m
         ["federation.options.catchup_every=5", "federation.options.catchup_share=0.25"],
     ),
     "confedmade-kb2": ("confedmade", ["federation.options.kb_budget_mb=2"]),
+    "confedmade-kb6": ("confedmade", ["federation.options.kb_budget_mb=6"]),
+    "confedmade-int8-kb6": ("confedmade", ["federation.wire.value_dtype=int8", "federation.options.kb_budget_mb=6"]),
 }
 ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
     (
