@@ -120,6 +120,7 @@ class AggregatorService:
         )
         self.tensor_bytes: dict[str, dict[str, int]] = {}  # client -> bytes by kind of its accepted update
         self.up_kinds: dict[str, dict[str, int]] = {}  # client -> its accepted update's packet bytes by kind
+        self.sync_seen: dict[str, dict[str, int]] = {}  # client -> its latest cumulative sync report
         self.store = StateStore(cfg.state_dir or Path(cfg.out_dir) / "state")
         self.fingerprint = fingerprint(to_dict(self.fed), cfg.input_dim)
         self.next_round = self._resume()
@@ -576,7 +577,7 @@ class AggregatorService:
             update = received.get(client)
             meta = update.frame.meta if update else {}
             kb_bytes, kb_payload = knowledge.get(client, (0, 0))
-            sync = _counts(meta.get("sync")) or {}  # the sync frames this device fetched for this round
+            sync = self._new_syncs(client, meta.get("sync")) if update else {}  # fetched since its last report
             sync_bytes = sync.pop("bytes", 0)
             self.runlog.round_client(
                 rnd,
@@ -638,6 +639,16 @@ class AggregatorService:
         received = self._collect(last, roster, kind=Kind.EVAL)
         self.runlog.round_summary(last - 1, self.schedule.task_of(last - 1))
         log.info("final evaluation from %d/%d clients", len(received), len(roster))
+
+    def _new_syncs(self, client: str, report: object) -> dict[str, int]:
+        """What a device's cumulative sync report adds to the last one this service took from it
+        (all of it when a count went down: the device restarted and counts afresh)."""
+        now = _counts(report) or {}
+        before = self.sync_seen.get(client, {})
+        self.sync_seen[client] = now
+        if any(n < before.get(k, 0) for k, n in now.items()):
+            return dict(now)
+        return {k: n - before.get(k, 0) for k, n in now.items() if n > before.get(k, 0)}
 
     def _write_summary(self, duration: float) -> None:
         self.runlog.summary(

@@ -27,9 +27,8 @@ class ModelReplica:
         self.version: int | None = None
         self.params: dict[str, np.ndarray] | None = None
         self.hash = ""
-        # since the last report: "full" / "catchup" syncs, "hash_mismatch", "bad_delta", and the
-        # "bytes" of the sync frames received; ``totals``: the same over the device's life (wire.json)
-        self.counts: Counter[str] = Counter()
+        # over the device's life: "full" / "catchup" syncs, "hash_mismatch", "bad_delta", and the
+        # "bytes" of the sync frames received (its updates report them, its wire.json keeps them)
         self.totals: Counter[str] = Counter()
 
     def take(self, frame: Frame) -> dict[str, Tensor] | str:
@@ -70,10 +69,9 @@ class ModelReplica:
         return None
 
     def report(self) -> dict[str, int]:
-        """What the device tells the aggregator with its next update (and resets)."""
-        out, self.counts = dict(self.counts), Counter()
-        return out
+        """What the device tells the aggregator with each update: its totals so far (cumulative,
+        so a report in an update that arrives too late is not lost: the next one carries it)."""
+        return dict(self.totals)
 
     def _note(self, what: str, n: int = 1) -> None:
-        self.counts[what] += n
         self.totals[what] += n

@@ -257,7 +257,9 @@ def test_simulate_in_process_starts_late_devices_when_their_task_comes(tmp_path:
     monkeypatch.setattr(
         AggregatorService, "_accept", lambda self, u, *a, **k: metas.append(u.frame.meta) or accept(self, u, *a, **k)
     )
-    overrides = sets("membership=increasing", "allow_embedding_upload=true", "federation.rounds_per_task=2")
+    overrides = sets(
+        "membership=increasing", "allow_embedding_upload=true", "federation.rounds_per_task=2", "compare=[]"
+    )
     assert simulate(str(QUICKSTART), str(tmp_path), overrides=overrides, in_process=True) == 0
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first = {}

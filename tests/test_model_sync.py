@@ -69,7 +69,7 @@ def test_a_device_that_applies_every_delta_holds_the_aggregators_model(dtype: st
             atol = {"float32": 0, "float16": 0, "int8": np.abs(params[name]).max() / 127}[dtype]
             np.testing.assert_allclose(value, params[name], rtol=1e-3 if dtype == "float16" else 0, atol=atol)
         params = _perturb(rng, wire.downlink.served, share)
-    assert not replica.counts
+    assert not replica.totals
 
 
 def test_only_changed_entries_travel_and_nothing_changed_costs_no_tensor() -> None:
@@ -147,7 +147,7 @@ def test_a_device_behind_catches_up_or_fetches_the_full_model() -> None:
     assert ModelRef.of(catchup.meta).base == 0
     assert behind.sync(catchup, CATCHUP, size) is None
     assert behind.version == 3 and behind.hash == wire.downlink.hash
-    assert behind.report() == {"catchup": 1, "bytes": size} and behind.report() == {}
+    assert behind.report() == {"catchup": 1, "bytes": size} == behind.report()  # cumulative
     assert fresh.take(frame) == FULL
     full, size = wire.sync("full")
     assert fresh.sync(full, FULL, size) is None and fresh.hash == wire.downlink.hash
@@ -197,7 +197,7 @@ def test_forged_or_corrupted_deltas_are_never_kept() -> None:
     for reason, forged in cases.items():
         assert replica.take(forged) == FULL, reason
         assert replica.version == 0 and all(np.array_equal(before[k], replica.params[k]) for k in before)
-    assert replica.counts["hash_mismatch"] == 2 and replica.counts["bad_delta"] >= 2
+    assert replica.totals["hash_mismatch"] == 2 and replica.totals["bad_delta"] >= 2
     wrong_base = _forged(frame, model={"base": 7, "version": 9})
     assert replica.take(wrong_base) == CATCHUP and replica.version == 0
     assert model_hash(replica.take(frame)) == wire.downlink.hash  # the genuine frame still applies
