@@ -87,10 +87,14 @@ def _run_when_ready(argv: list[str], cwd: Path, services: dict[str, subprocess.P
     """A one-off command of the page, run when what it reads is there: ``fcl status`` before
     the third device once the two devices are online; the rest once the aggregator is done."""
     if "status" in argv and "client-2.yaml" not in services:
+        # as a person would: two devices online, and the aggregator saying whom it waits for (it
+        # says so after a few seconds of waiting) before the third device is started
+        aggregator_log = cwd / "aggregator.yaml.log"
         deadline = time.monotonic() + 60
         while True:
             out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=30)
-            if "2/3 clients online" in out.stdout or time.monotonic() > deadline:
+            waiting = aggregator_log.exists() and "waiting for" in aggregator_log.read_text()
+            if ("2/3 clients online" in out.stdout and waiting) or time.monotonic() > deadline:
                 return out.stdout + out.stderr
             time.sleep(0.5)
     services["aggregator.yaml"].wait(timeout=240)

@@ -17,7 +17,6 @@ import importlib.util
 import json
 import math
 import struct
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -286,22 +285,23 @@ def _linear(n_in: int, n_out: int, device: str | None = None) -> nn.Linear:
     """nn.Linear that also allows 0 outputs (a group before its first task) without a warning."""
     if n_out:
         return nn.Linear(n_in, n_out, device=device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return nn.Linear(n_in, 0, device=device)
+    layer = nn.Linear.__new__(nn.Linear)  # zero outputs: nothing to initialise, no RNG drawn, no warning
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = n_in, 0
+    layer.weight = nn.Parameter(torch.empty(0, n_in, device=device))
+    layer.bias = nn.Parameter(torch.empty(0, device=device))
+    return layer
 
 
 def _seeded_reset(module: nn.Module, generator: torch.Generator) -> None:
     """``nn.Linear``'s default initialisation, drawn from ``generator`` in construction order,
     then the Enhancers' zero up-projections: the values ``torch.manual_seed(seed)`` followed by
     construction gives, without the process-wide RNG (threads may share it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # zero-element heads
-        for sub in module.modules():
-            if isinstance(sub, nn.Linear):
-                nn.init.kaiming_uniform_(sub.weight, a=math.sqrt(5), generator=generator)
-                bound = 1 / math.sqrt(sub.in_features) if sub.in_features > 0 else 0
-                nn.init.uniform_(sub.bias, -bound, bound, generator=generator)
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear) and sub.weight.numel():  # a zero-class head draws nothing either way
+            nn.init.kaiming_uniform_(sub.weight, a=math.sqrt(5), generator=generator)
+            bound = 1 / math.sqrt(sub.in_features) if sub.in_features > 0 else 0
+            nn.init.uniform_(sub.bias, -bound, bound, generator=generator)
     with torch.no_grad():
         for sub in module.modules():
             if isinstance(sub, Enhancer):
