@@ -61,7 +61,7 @@ class ModelReplica:
         if ref is None:
             raise ValueError("model: a sync frame without meta.model")
         if self.version is not None and ref.version <= self.version:
-            return wanted if wanted == FULL else FULL  # stale: the full model is published with every version
+            return FULL  # stale: the full model is published with every version
         got = self.take(frame)
         if isinstance(got, str):
             return FULL

@@ -16,6 +16,22 @@ def reseal(body: bytes) -> bytes:
     return bytes(body) + struct.pack("<I", zlib.crc32(body))
 
 
+def mutated(frame: bytes, edits) -> bytes:
+    """``frame`` (CRC dropped) with (op, pos, byte) edits applied: "insert", "set" or delete,
+    resealed with a valid CRC so the decoder's own checks are what the edits hit."""
+    body = bytearray(frame[:-4])
+    for op, pos, byte in edits:
+        pos %= len(body) + 1
+        if op == "insert":
+            body.insert(pos, byte)
+        elif pos < len(body):
+            if op == "set":
+                body[pos] = byte
+            else:
+                del body[pos]
+    return reseal(bytes(body))
+
+
 def raw_frame(
     *,
     magic=MAGIC,
