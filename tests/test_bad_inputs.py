@@ -1,7 +1,9 @@
 """Bad input, table-driven (issue 21): every row runs a real ``fcl`` command (or the install
 script) as a user would and checks the documented exit code, a reason of at most a few lines
 on stderr that names the problem, and no traceback.  Each row fails in about a second, before
-any training, except the diverging run (a tiny in-process run that stops at its first round)."""
+any training, except the diverging run (a tiny in-process run that stops at its first round).
+How long each row takes is measured by ``benchmarks/bench_bad_inputs.py`` against each row's
+``seconds``; the test itself only guards against a hang (``HANG_S``)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ TINY = [
     "federation.model.hidden_sizes=[16]",
 ]
 MAX_STDERR_LINES = 3
+HANG_S = 60  # a row still running then is hung, not slow
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Case:
     code: int
     says: str  # a fragment stderr must contain (stdout for a successful row)
     shell: str | None = None  # instead of argv: a bash pipeline (``{fcl}`` is the fcl command)
-    seconds: float = 8.0
+    seconds: float = 8.0  # the row's time budget, checked by benchmarks/bench_bad_inputs.py
 
 
 def _sim(*extra: str, out: str = "{run}") -> tuple[str, ...]:
@@ -131,8 +134,12 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    """The files the rows point at: a scenario typo, non-model files, a served-model snapshot
-    and its ONNX file, service configs, and a run directory holding an earlier run."""
+    return make_work(tmp_path_factory.mktemp("bad"))
+
+
+def make_work(w: Path) -> Path:
+    """The files the rows point at, in ``w``: a scenario typo, non-model files, a served-model
+    snapshot and its ONNX file, service configs, and a run directory holding an earlier run."""
     import numpy as np
 
     from export.onnx_made import ServedModel, export_served_model
@@ -140,7 +147,6 @@ def work(tmp_path_factory) -> Path:
     from fcl_edge.simulate import plan, write_configs
     from fclcore.made_spec import MadeConfig, init_params
 
-    w = tmp_path_factory.mktemp("bad")
     (w / "typo.yaml").write_text(Path(QUICKSTART).read_text().replace("method: fedavg", "metod: fedavg"))
     (w / "binary.yaml").write_bytes(bytes(range(128, 256)))
     np.savez(w / "plain.npz", weights=np.zeros(3))
@@ -155,20 +161,26 @@ def work(tmp_path_factory) -> Path:
     return w
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_exits_with_its_code_and_one_reason(name: str, work: Path) -> None:
+def run_case(name: str, work: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """Run one row as a user would; its result and its wall seconds."""
     case = CASES[name]
     fill = {"w": str(work), "run": str(work / name.replace(" ", "-")), "closed": str(free_port())}
     fill["fcl"] = f"{sys.executable} -m fcl_edge.cli"
     started = time.monotonic()
     if case.shell is not None:
         script = f"set -o pipefail; {case.shell.format(**fill)}"
-        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=HANG_S)
     else:
         argv = [a.format(**fill) for a in case.argv]
         cmd = [sys.executable, "-m", "fcl_edge.cli", *argv]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-    took = time.monotonic() - started
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, stdin=subprocess.DEVNULL)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_exits_with_its_code_and_one_reason(name: str, work: Path) -> None:
+    case = CASES[name]
+    result, _ = run_case(name, work)
     shown = f"exit {result.returncode}\nstdout: {result.stdout[-2000:]}\nstderr: {result.stderr[-2000:]}"
     assert result.returncode == case.code, shown
     assert "Traceback" not in result.stdout + result.stderr, shown
@@ -176,7 +188,6 @@ def test_bad_input_exits_with_its_code_and_one_reason(name: str, work: Path) -> 
     assert len(result.stderr.strip().splitlines()) <= MAX_STDERR_LINES, shown
     assert case.says in (result.stderr if case.code else result.stdout), shown
     assert "%|" not in result.stderr, shown  # tqdm draws its bar on a terminal only
-    assert took < case.seconds, f"{name}: {took:.1f} s"
     if name == "install script help":
         assert "set -euo" not in result.stdout and result.stdout.startswith("Install"), shown
 
