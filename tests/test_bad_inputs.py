@@ -161,10 +161,12 @@ def make_work(w: Path) -> Path:
     return w
 
 
-def run_case(name: str, work: Path) -> tuple[subprocess.CompletedProcess, float]:
-    """Run one row as a user would; its result and its wall seconds."""
+def run_case(name: str, work: Path, attempt: int = 0) -> tuple[subprocess.CompletedProcess, float]:
+    """Run one row as a user would (``attempt`` > 0: again, into a run directory of its own);
+    its result and its wall seconds."""
     case = CASES[name]
-    fill = {"w": str(work), "run": str(work / name.replace(" ", "-")), "closed": str(free_port())}
+    run = work / (name.replace(" ", "-") + (f"-{attempt}" if attempt else ""))
+    fill = {"w": str(work), "run": str(run), "closed": str(free_port())}
     fill["fcl"] = f"{sys.executable} -m fcl_edge.cli"
     started = time.monotonic()
     if case.shell is not None:
