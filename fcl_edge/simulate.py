@@ -41,7 +41,15 @@ from fclcore.errors import BrokerUnreachable
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership, preset
 from fclcore.schedule import TaskSchedule
-from fclcore.schema import AggregatorConfig, BrokerSpec, ClientConfig, ClientDataSpec, Scenario, parse_broker_url
+from fclcore.schema import (
+    AggregatorConfig,
+    BrokerSpec,
+    ClientConfig,
+    ClientDataSpec,
+    Scenario,
+    ServeSpec,
+    parse_broker_url,
+)
 from fclcore.signing import write_key
 from fclcore.text import bbc_split, class_incremental_tasks, client_class_subsets
 
@@ -493,11 +501,18 @@ def _show(event: dict, rounds: dict[int, dict], bar: tqdm) -> None:
         tqdm.write(f"{event['round']:>5} {row['task']:>4} {score:>9.3f} {row['up']:>10,} {row['down']:>11,}")
 
 
+# After the aggregator ends, a device may still be exporting its final served model: it is given
+# as long as its own export may take (the export child's timeout), plus time to exit.
+FINAL_GRACE_S = ServeSpec().export_timeout_s + 30.0
+
+
 def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float, failed: Sequence[str] = ()) -> int:
     codes = {}
+    grace = 30.0 if failed else FINAL_GRACE_S
+    until = min(deadline, time.monotonic() + grace)  # one bound for all of them
     for name, proc in procs.items():
         try:
-            codes[name] = proc.wait(timeout=max(1.0, min(30.0, deadline - time.monotonic())))
+            codes[name] = proc.wait(timeout=max(1.0, until - time.monotonic()))
         except subprocess.TimeoutExpired:
             codes[name] = None
     summary_path = out_dir / "summary.json"
@@ -514,7 +529,8 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float,
     if unfinished:
         name, code = next(iter(unfinished.items()))
         if code is None:
-            print(f"fcl: error: {name} did not finish within --timeout; stopped it", file=sys.stderr)
+            when = "within --timeout" if until == deadline else f"{grace:.0f} s after the run ended"
+            print(f"fcl: error: {name} did not finish {when}; stopped it", file=sys.stderr)
         else:
             print(f"fcl: error: {name} exited {code}: {_reason(out_dir, name, procs[name])}", file=sys.stderr)
         return int(ExitCode.CLIENT_FAILED)
