@@ -31,7 +31,7 @@ from aggregator.partial import Sites
 from aggregator.progress import WaitNotice, byte_totals, quorum_count, round_line
 from aggregator.runlog import RunLog
 from aggregator.state import Committed, StateStore, fingerprint
-from fclcore import topics
+from fclcore import fastfold, topics
 from fclcore.aggregation import RunningSum
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode
@@ -198,6 +198,8 @@ class AggregatorService:
 
     def run(self) -> ExitCode:
         log.info("aggregator for %s, broker %s", self.fed.name, self.cfg.broker.redacted())
+        if self.strategy.streams:  # compiled before the first round, not in its first fold
+            log.info("streaming fold: %s", "compiled kernels (numba)" if fastfold.warm() else "numpy")
         try:
             self.link.start()
         except TransportError as exc:
