@@ -286,10 +286,9 @@ class SiteAggregator:
             payload = self._frame(open_, meta, tensors, Kind.UPDATE)
             checkpoint.write_atomic(path, payload)
         self.link.publish(topics.update_topic(self.fed.name, self.cfg.site_id), payload, tag=f"partial:{open_.rnd}")
-        self.store.commit(
+        self.store.commit(  # clears the journal
             Committed(self.fingerprint, open_.rnd, self.sequence, dict(self.inbox.last_seq), run_id=self.run_id)
         )
-        self.store.clear_journal()
         for old in self.forwarded_dir.glob("*.frame"):
             if old != path:
                 old.unlink(missing_ok=True)

@@ -165,8 +165,7 @@ class RunningSum:
         for name, base in previous.items():
             weight = self.weights(name)
             merged = np.asarray(base, np.float64).ravel().copy()
-            sent = weight > 0
-            merged[sent] = sums[name][sent] / weight[sent]
+            np.divide(sums[name], weight, out=merged, where=weight > 0)  # no boolean gathers: O(model), one pass
             out[name] = merged.reshape(self.shapes[name]).astype(np.float32)
         return out
 
