@@ -742,10 +742,13 @@ def _checked_bitmap(packed: np.ndarray, numel: int, nnz: int, where: str) -> np.
     spare = 8 * packed.size - numel
     if spare and packed[-1] >> (8 - spare):
         _fail(f"{where}.bitmap", f"bits set beyond element {numel - 1}", "zero padding bits")
-    if hasattr(np, "bitwise_count"):  # numpy >= 2.0: a popcount, no expansion
-        count = int(np.bitwise_count(packed).sum(dtype=np.int64))
+    bitmap = packed.copy()  # aligned, so whole words of it can be counted
+    if hasattr(np, "bitwise_count"):  # numpy >= 2.0: a popcount, 64 bits at a time, no expansion
+        whole = bitmap.size // 8 * 8
+        count = int(np.bitwise_count(bitmap[:whole].view(np.uint64)).sum(dtype=np.int64))
+        count += int(np.bitwise_count(bitmap[whole:]).sum(dtype=np.int64))
     else:
-        count = int(np.count_nonzero(np.unpackbits(packed)))
+        count = int(np.count_nonzero(np.unpackbits(bitmap)))
     if count != nnz:
         _fail(f"{where}.bitmap popcount", count, f"{nnz} (nnz)")
-    return packed.copy()
+    return bitmap
