@@ -224,8 +224,9 @@ class _Stage:
 
     def __init__(self, numel: int) -> None:
         self.numel, self.count, self.filled = numel, 0, 0
+        self.capacity = max(numel, int(numel * fastfold.STAGED_VALUES))  # values that may wait
         self.mode = ""  # "bitmap" or "index": what is staged now (one kind at a time)
-        self.values = np.empty(numel, np.float32)  # at most numel values wait: one dense tensor's worth
+        self.values = np.empty(self.capacity, np.float32)
         self.offsets = np.zeros(fastfold.MAX_PENDING + 1, np.int64)
         self.weights = np.zeros(fastfold.MAX_PENDING, np.float64)
         self.words: np.ndarray | None = None  # (MAX_PENDING, ceil(numel / 64)) uint64, allocated on first use
@@ -234,7 +235,7 @@ class _Stage:
     def fits(self, tensor: SparseTensor) -> bool:
         mode = "bitmap" if _packed(tensor) and tensor.bitmap is not None else "index"
         return not self.count or (
-            self.mode == mode and self.count < fastfold.MAX_PENDING and self.filled + tensor.nnz <= self.numel
+            self.mode == mode and self.count < fastfold.MAX_PENDING and self.filled + tensor.nnz <= self.capacity
         )
 
     def put(self, tensor: SparseTensor, weight: float) -> None:
@@ -247,7 +248,7 @@ class _Stage:
         else:
             self.mode = "index"
             if self.index is None:
-                self.index = np.empty(self.numel, np.int32 if self.numel < 2**31 else np.int64)
+                self.index = np.empty(self.capacity, np.int32 if self.numel < 2**31 else np.int64)
             self.index[start:end] = tensor.index if _packed(tensor) and tensor.index is not None else tensor.indices
         self.values[start:end] = tensor.values  # float32, or float16 widened exactly (as NumPy's multiply does)
         self.weights[u], self.offsets[u + 1] = weight, end

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-MAX_PENDING = 16  # updates staged before a fold; more buys little once a tile is reused (benchmarks)
+MAX_PENDING = 16  # updates staged before a fold
+STAGED_VALUES = 1.0  # values staged per tensor before a fold, in dense copies of the tensor (float32)
 TILE_ELEMENTS = 16384  # elements per tile: 256 KiB of sums and weight sums, inside a core's L2
 _kernels: Any = None
 _loaded = False
