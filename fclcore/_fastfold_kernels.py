@@ -13,7 +13,16 @@ import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 
-@numba.njit(cache=True, nogil=True)
+def _jit(fn):
+    """Compiled, and cached on disk when numba finds a writable cache directory (next to this
+    file, ``NUMBA_CACHE_DIR``, or the user's cache); compiled at every start otherwise."""
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # "cannot cache function ...: no locator available" (a read-only install)
+        return numba.njit(nogil=True)(fn)
+
+
+@_jit
 def fold_bitmaps(sums, weight_sums, words, values, offsets, weights, count, tile):  # pragma: no cover (compiled)
     """``words``: (staged, ceil(numel / 64)) uint64, the codec's little-bit-order bitmaps."""
     nwords = words.shape[1]
@@ -36,7 +45,7 @@ def fold_bitmaps(sums, weight_sums, words, values, offsets, weights, count, tile
             cursor[u] = k
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def fold_indices(sums, weight_sums, indices, values, offsets, weights, count, tile):  # pragma: no cover (compiled)
     """``indices``: update ``u``'s strictly increasing flat positions at ``offsets[u]:offsets[u + 1]``."""
     n = sums.size

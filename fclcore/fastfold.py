@@ -18,11 +18,13 @@ with NumPy.  They are compiled on first use (a few seconds, then cached on disk 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 MAX_PENDING = 16  # updates staged before a fold
 STAGED_VALUES = 1.0  # values staged per tensor before a fold, in dense copies of the tensor (float32)
 TILE_ELEMENTS = 16384  # elements per tile: 256 KiB of sums and weight sums, inside a core's L2
@@ -43,7 +45,10 @@ def kernels() -> Any:
         if os.environ.get("FCL_EDGE_NUMBA", "1") != "0":
             try:
                 _kernels = _compile()
-            except ImportError:
+            except ImportError:  # numba is not installed: the NumPy fold
+                _kernels = None
+            except Exception as exc:  # noqa: BLE001  (an accelerator that fails to load must not stop a service)
+                log.warning("compiled fold unavailable, folding with NumPy: %s", exc)
                 _kernels = None
     return _kernels
 

@@ -165,3 +165,12 @@ def test_packed_sparse_is_a_sparse_tensor():
         assert got == sent and np.array_equal(got.to_dense(), sent.to_dense())
         assert got.indices.dtype == np.int64 and got.nnz == sent.nnz
         assert decode(encode(Frame(Header(Kind.UPDATE, "f", 1, 0, "c", 1), {}, {"t": got}))).tensors["t"] == sent
+
+
+def test_the_kernels_compile_where_numba_cannot_cache_them():
+    """A read-only install without NUMBA_CACHE_DIR: numba refuses cache=True; compile anyway."""
+    from fclcore._fastfold_kernels import _jit
+
+    namespace: dict = {}
+    exec("def plus_one(x):\n    return x + 1", namespace)  # no source file: numba has no cache locator for it
+    assert _jit(namespace["plus_one"])(41) == 42
