@@ -172,6 +172,7 @@ def _time_ours(args, shapes, previous, impl: str, n: int) -> dict:
         "decode_cpu_seconds": round(decode_cpu, 4),
         "close_seconds": round(close_s, 4),
         "folds_per_s": round(n / fold_s, 1) if streaming else None,  # RunningSum.add alone
+        "folds_per_cpu_s": round(n / fold_cpu, 1) if streaming else None,  # the same per CPU-second (a busy machine)
         "decoded_folds_per_s": round(n / (decode_s + fold_s), 1) if streaming else None,  # bytes in, folded
         "fold": (f"numba {fastfold.version()}" if fast else "numpy") if streaming else None,
         "crc_seconds": round(crc_s, 4) if streaming else None,
@@ -309,7 +310,8 @@ def markdown(report: dict) -> str:
         "is ours from bytes to sums, decode included, over Flower's; `ratio_streaming_fold_only_vs_flwr_N` "
         "leaves our decode out.  `cpu s` and the `_cpu` ratio are process CPU time, for a shared machine.  "
         "`folds/s`: `RunningSum.add` alone (and the fold of what is still staged at the end); "
-        "`decoded folds/s`: decode + add.  `fold`: the compiled kernels (numba) or NumPy.  `CRC s`: the "
+        "`decoded folds/s`: decode + add (both wall time; `folds_per_cpu_s` in the JSON is folds per "
+        "CPU-second).  `fold`: the compiled kernels (numba) or NumPy.  `CRC s`: the "
         "decoder's checksum alone (inside `decode s`); `HMAC s`: verifying a device signature (not in the "
         "ratio: these updates are unsigned).",
         "",
@@ -337,12 +339,14 @@ def targets(report: dict) -> list[str]:
     """Issue 18's two aggregation targets, judged from this run (not timed tests)."""
     top = max(r["n"] for r in report["runs"])
     ratio = report.get(f"ratio_streaming_vs_flwr_{top}")
-    folds = next((r["folds_per_s"] for r in report["runs"] if r["impl"] == "streaming" and r["n"] == top), None)
+    run = next((r for r in report["runs"] if r["impl"] == "streaming" and r["n"] == top), {})
+    folds, per_cpu = run.get("folds_per_s"), run.get("folds_per_cpu_s")
     out = []
     if ratio is not None:
         out.append(f"- target: ratio (decode included) <= {RATIO_TARGET} at N={top}: {_met(ratio <= RATIO_TARGET)}")
     if folds is not None:
-        out.append(f"- target: >= {FOLDS_TARGET:,} folds/s at N={top}: {_met(folds >= FOLDS_TARGET)} ({folds:g})")
+        cpu = f"; {per_cpu:g} per CPU-second" if per_cpu is not None else ""
+        out.append(f"- target: >= {FOLDS_TARGET:,} folds/s at N={top}: {_met(folds >= FOLDS_TARGET)} ({folds:g}{cpu})")
     return out
 
 
