@@ -58,11 +58,14 @@ class RunLog:
         self.syncs: Counter[str] = Counter()  # sync frames fetched by devices, by reason
         self.evals: dict[str, dict[int, dict]] = defaultdict(dict)  # client -> round -> report
 
-    def write(self, event: str, **fields: object) -> None:
+    def write(self, event: str, flush: bool = True, **fields: object) -> None:
+        """Append one event; ``flush=False`` leaves it in the buffer for the next flushed write
+        (a round's thousand ``round_client`` rows are one write to the file, not a thousand)."""
         line = json.dumps({"event": event, **fields}, sort_keys=False)
         with self._lock:
             self._file.write(line + "\n")
-            self._file.flush()
+            if flush:
+                self._file.flush()
 
     def round_client(
         self,
@@ -86,6 +89,7 @@ class RunLog:
         self.dense_fp32_down += dense_fp32_down
         self.write(
             "round_client",
+            False,  # the round's own event, after its clients' rows, flushes them all
             round=rnd,
             task=task,
             client=client,

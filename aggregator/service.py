@@ -31,7 +31,7 @@ from aggregator.partial import Sites
 from aggregator.progress import WaitNotice, byte_totals, quorum_count, round_line
 from aggregator.runlog import RunLog
 from aggregator.state import Committed, StateStore, fingerprint
-from fclcore import topics
+from fclcore import fastfold, topics
 from fclcore.aggregation import RunningSum
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode
@@ -198,6 +198,8 @@ class AggregatorService:
 
     def run(self) -> ExitCode:
         log.info("aggregator for %s, broker %s", self.fed.name, self.cfg.broker.redacted())
+        if self.strategy.streams:  # compiled before the first round, not in its first fold
+            log.info("streaming fold: %s", "compiled kernels (numba)" if fastfold.warm() else "numpy")
         try:
             self.link.start()
         except TransportError as exc:
@@ -240,6 +242,7 @@ class AggregatorService:
             if not finished_before:  # the summary of a finished run stays as it was written
                 self._write_summary(time.monotonic() - started)
             self.runlog.close()
+            self.store.wait_swept(timeout=10)  # the last round's journal files (a restart deletes what is left)
             self.watchdog.stop()
             self.metrics.close()
         return ExitCode.INTERRUPTED if self.stop.is_set() else ExitCode.OK
@@ -573,6 +576,7 @@ class AggregatorService:
         knowledge: dict[str, tuple[int, int]],
     ) -> None:
         model_down = self.announced_model_bytes
+        dense_fp32 = self.strategy.dense_fp32_bytes  # a property that sums the model's shapes: once, not per row
         for client in roster:
             update = received.get(client)
             meta = update.frame.meta if update else {}
@@ -587,8 +591,8 @@ class AggregatorService:
                 payload_up=update.payload_bytes if update else 0,
                 down=down + kb_bytes + sync_bytes,
                 payload_down=payload_down + kb_payload + sync_bytes,
-                dense_fp32_up=self.strategy.dense_fp32_bytes if update else 0,
-                dense_fp32_down=self.strategy.dense_fp32_bytes,
+                dense_fp32_up=dense_fp32 if update else 0,
+                dense_fp32_down=dense_fp32,
                 up_kinds=self.up_kinds.get(client, {}) if update else _kinds(0, 0, 0),
                 down_kinds=_kinds(model_down + sync_bytes, kb_bytes, down - model_down),
                 **({"sync": sync} if sync else {}),

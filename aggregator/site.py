@@ -34,7 +34,7 @@ from aggregator.inbox import Inbox, Rejection
 from aggregator.partial import check_hierarchy, encode_partial
 from aggregator.runlog import RunLog
 from aggregator.state import Committed, StateStore, fingerprint
-from fclcore import checkpoint, topics
+from fclcore import checkpoint, fastfold, topics
 from fclcore.aggregation import RunningSum
 from fclcore.checkpoint import CheckpointError
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
@@ -133,6 +133,7 @@ class SiteAggregator:
             log.error("%s", exc)
             return ExitCode.BROKER_UNREACHABLE
         log.info("site %s of %s, %d device(s)", self.cfg.site_id, self.fed.name, len(self.devices))
+        log.info("streaming fold: %s", "compiled kernels (numba)" if fastfold.warm() else "numpy")
         code = ExitCode.INTERRUPTED
         try:
             while not self.stop.is_set():
@@ -285,10 +286,9 @@ class SiteAggregator:
             payload = self._frame(open_, meta, tensors, Kind.UPDATE)
             checkpoint.write_atomic(path, payload)
         self.link.publish(topics.update_topic(self.fed.name, self.cfg.site_id), payload, tag=f"partial:{open_.rnd}")
-        self.store.commit(
+        self.store.commit(  # clears the journal
             Committed(self.fingerprint, open_.rnd, self.sequence, dict(self.inbox.last_seq), run_id=self.run_id)
         )
-        self.store.clear_journal()
         for old in self.forwarded_dir.glob("*.frame"):
             if old != path:
                 old.unlink(missing_ok=True)

@@ -3,7 +3,10 @@
 
 * ``streaming``: each update is decoded from its wire frame and folded into a
   ``fclcore.aggregation.RunningSum`` as it "arrives"; the round then closes from the sums.
-  Only one update is alive at a time.
+  Only one update is alive at a time (plus up to 16 staged in the compiled fold).  The fold
+  is ``fclcore.fastfold``'s compiled kernels when numba is installed (``pip install
+  fcl-edge[fast]``) and NumPy otherwise, or with ``--fold numpy``; ``fold`` in the run says
+  which.
 * ``batch``: each update is decoded as it arrives and kept; ``weighted_average`` over the list
   at the end (what the aggregator did before streaming).
 * ``flwr``: the same updates in dense float32 form, serialised as Flower ``Parameters`` (what
@@ -19,6 +22,10 @@ ours from bytes to sums (decode + fold + close) over Flower's; the fold-only rat
 (``ratio_streaming_fold_only_vs_flwr_N``) leaves our decode out.  ``cpu_seconds`` is the
 process CPU time of the same timed work (what wall time would be on an idle core), given
 beside the wall times because the machine is shared; ``ratio_*_cpu`` use it.
+The frame checks are timed apart as well, per update on the same frames: ``crc_seconds``
+(the CRC32 the decoder checks, part of ``decode_seconds``) and ``hmac_seconds`` (verifying a
+device signature, what an aggregator with ``keys_dir`` adds before decoding; not in the
+ratio, as the updates here are unsigned).
 Each (impl, N) runs in a child process of its own, so ``peak_rss_mb`` (VmHWM) is that impl's.
 Updates are drawn from ``--seed`` and the update's number, so every impl sees the same ones.
 Writes ``benchmarks/results/aggregate.json`` and ``aggregate.md``.
@@ -34,6 +41,7 @@ import shlex
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +52,11 @@ if str(REPO) not in sys.path:  # allow `python benchmarks/bench_aggregate.py` wi
 
 from bench_codec import machine_info  # noqa: E402  (a sibling script: benchmarks/ is sys.path[0])
 
+from fclcore import fastfold  # noqa: E402
 from fclcore.aggregation import RunningSum, weighted_average  # noqa: E402
 from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, decode, encode  # noqa: E402
 from fclcore.procmem import peak_rss_mb, rss_mb  # noqa: E402
+from fclcore.signing import sign, verify  # noqa: E402
 
 IMPLS = ("streaming", "batch", "flwr")
 RATIO_TARGET, FOLDS_TARGET = 0.25, 4000  # issue 18: vs Flower's dense FedAvg path; updates per second
@@ -63,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--density", type=float, default=0.1, help="fraction of each tensor an update carries")
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS, help="implementations to time")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed of the updates")
+    parser.add_argument(
+        "--fold", choices=("auto", "numpy"), default="auto", help="streaming fold: compiled kernels if numba imports"
+    )
     parser.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "aggregate.json", help="JSON output path"
     )
@@ -118,11 +131,21 @@ def run_child(args: argparse.Namespace, impl: str, n: int) -> dict:
 
 
 def _time_ours(args, shapes, previous, impl: str, n: int) -> dict:
-    decode_s = fold_s = decode_cpu = fold_cpu = 0.0
-    running = RunningSum.over(previous) if impl == "streaming" else None
+    decode_s = fold_s = decode_cpu = fold_cpu = crc_s = hmac_s = 0.0
+    fast = impl == "streaming" and args.fold == "auto" and fastfold.warm()  # compiled before timing
+    running = RunningSum.over(previous, fast=fast) if impl == "streaming" else None
     kept = []
+    key = bytes(range(32))
     for i in range(n):
         payload = wire_frame(*make_update(args, shapes, i), i)  # untimed: the device's side
+        if running is not None:
+            signed = sign(payload, key)  # untimed: the device's side
+            t0 = time.perf_counter()
+            zlib.crc32(memoryview(payload)[:-4])
+            t1 = time.perf_counter()
+            verify(signed, key)
+            crc_s, hmac_s = crc_s + t1 - t0, hmac_s + time.perf_counter() - t1
+            del signed
         c0, t0 = time.process_time(), time.perf_counter()
         frame = decode(payload, LIMITS)
         c1, t1 = time.process_time(), time.perf_counter()
@@ -134,6 +157,10 @@ def _time_ours(args, shapes, previous, impl: str, n: int) -> dict:
         decode_s, decode_cpu = decode_s + t1 - t0, decode_cpu + c1 - c0
         fold_s, fold_cpu = fold_s + time.perf_counter() - t1, fold_cpu + time.process_time() - c1
         _progress(i, n)
+    if running is not None:  # what is still staged is folded here, and counted as folding
+        c0, t0 = time.process_time(), time.perf_counter()
+        running.flush()
+        fold_s, fold_cpu = fold_s + time.perf_counter() - t0, fold_cpu + time.process_time() - c0
     c0, t0 = time.process_time(), time.perf_counter()
     result = running.result(previous) if running is not None else weighted_average(kept, previous)
     close_s, close_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -145,7 +172,11 @@ def _time_ours(args, shapes, previous, impl: str, n: int) -> dict:
         "decode_cpu_seconds": round(decode_cpu, 4),
         "close_seconds": round(close_s, 4),
         "folds_per_s": round(n / fold_s, 1) if streaming else None,  # RunningSum.add alone
+        "folds_per_cpu_s": round(n / fold_cpu, 1) if streaming else None,  # the same per CPU-second (a busy machine)
         "decoded_folds_per_s": round(n / (decode_s + fold_s), 1) if streaming else None,  # bytes in, folded
+        "fold": (f"numba {fastfold.version()}" if fast else "numpy") if streaming else None,
+        "crc_seconds": round(crc_s, 4) if streaming else None,
+        "hmac_seconds": round(hmac_s, 4) if streaming else None,
         "checksum": float(sum(np.sum(v, dtype=np.float64) for v in result.values())),
     }
 
@@ -231,6 +262,15 @@ def summarise(args: argparse.Namespace, runs: list[dict], load_before: tuple) ->
         report[f"ratio_streaming_vs_flwr_{top}_cpu"] = round(
             (s["cpu_seconds"] + s["decode_cpu_seconds"]) / f["cpu_seconds"], 4
         )
+    if ("streaming", top) in by and by[("streaming", top)].get("crc_seconds") is not None:
+        s = by[("streaming", top)]
+        ours = s["seconds"] + s["decode_seconds"]  # bytes to sums, the CRC check included
+        report[f"frame_checks_{top}"] = {
+            "crc_ms_per_update": round(1e3 * s["crc_seconds"] / top, 4),
+            "hmac_ms_per_update": round(1e3 * s["hmac_seconds"] / top, 4),
+            "crc_share_of_streaming": round(s["crc_seconds"] / ours, 3),  # of decode + fold + close
+            "hmac_share_if_signed": round(s["hmac_seconds"] / (ours + s["hmac_seconds"]), 3),
+        }
     if ("batch", top) in by and ("flwr", top) in by:
         b, f = by[("batch", top)], by[("flwr", top)]
         report[f"ratio_batch_vs_flwr_{top}"] = round((b["seconds"] + b["decode_seconds"]) / f["seconds"], 4)
@@ -246,6 +286,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], load_before: tuple) ->
         machine={
             **machine_info(),
             "flwr": flwr_version(),
+            "numba": fastfold.version(),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         },
@@ -268,22 +309,27 @@ def markdown(report: dict) -> str:
         "(CRC and every validation).  The headline `ratio_streaming_vs_flwr_N` (and `ratio_batch_vs_flwr_N`) "
         "is ours from bytes to sums, decode included, over Flower's; `ratio_streaming_fold_only_vs_flwr_N` "
         "leaves our decode out.  `cpu s` and the `_cpu` ratio are process CPU time, for a shared machine.  "
-        "`folds/s`: `RunningSum.add` alone; `decoded folds/s`: decode + add.",
+        "`folds/s`: `RunningSum.add` alone (and the fold of what is still staged at the end); "
+        "`decoded folds/s`: decode + add (both wall time; `folds_per_cpu_s` in the JSON is folds per "
+        "CPU-second).  `fold`: the compiled kernels (numba) or NumPy.  `CRC s`: the "
+        "decoder's checksum alone (inside `decode s`); `HMAC s`: verifying a device signature (not in the "
+        "ratio: these updates are unsigned).",
         "",
-        "| impl | N | seconds | cpu s | decode s (ours) | decode cpu s | close s | folds/s | decoded folds/s "
-        "| peak RSS MiB | baseline RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| impl | fold | N | seconds | cpu s | decode s (ours) | decode cpu s | close s | folds/s | decoded folds/s "
+        "| CRC s | HMAC s | peak RSS MiB | baseline RSS MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["runs"]:
         cells = [r.get(k) for k in ("cpu_seconds", "decode_seconds", "decode_cpu_seconds", "close_seconds")]
-        cells += [r.get("folds_per_s"), r.get("decoded_folds_per_s")]
+        cells += [r.get(k) for k in ("folds_per_s", "decoded_folds_per_s", "crc_seconds", "hmac_seconds")]
         lines.append(
-            f"| {r['impl']} | {r['n']} | {r['seconds']:.3f} | {' | '.join(map(_cell, cells))} | "
+            f"| {r['impl']} | {_cell(r.get('fold'))} | {r['n']} | {r['seconds']:.3f} | "
+            f"{' | '.join(map(_cell, cells))} | "
             f"{r['peak_rss_mb']:.0f} | {_cell(r.get('baseline_rss_mb'))} |"
         )
     lines.append("")
     for key, value in report.items():
-        if key.startswith("ratio_") or key == "streaming_equals_batch":
+        if key.startswith(("ratio_", "frame_checks_")) or key == "streaming_equals_batch":
             lines.append(f"- `{key}`: {value}")
     lines += ["", *targets(report)]
     return "\n".join(lines) + "\n"
@@ -293,12 +339,14 @@ def targets(report: dict) -> list[str]:
     """Issue 18's two aggregation targets, judged from this run (not timed tests)."""
     top = max(r["n"] for r in report["runs"])
     ratio = report.get(f"ratio_streaming_vs_flwr_{top}")
-    folds = next((r["folds_per_s"] for r in report["runs"] if r["impl"] == "streaming" and r["n"] == top), None)
+    run = next((r for r in report["runs"] if r["impl"] == "streaming" and r["n"] == top), {})
+    folds, per_cpu = run.get("folds_per_s"), run.get("folds_per_cpu_s")
     out = []
     if ratio is not None:
         out.append(f"- target: ratio (decode included) <= {RATIO_TARGET} at N={top}: {_met(ratio <= RATIO_TARGET)}")
     if folds is not None:
-        out.append(f"- target: >= {FOLDS_TARGET:,} folds/s at N={top}: {_met(folds >= FOLDS_TARGET)} ({folds:g})")
+        cpu = f"; {per_cpu:g} per CPU-second" if per_cpu is not None else ""
+        out.append(f"- target: >= {FOLDS_TARGET:,} folds/s at N={top}: {_met(folds >= FOLDS_TARGET)} ({folds:g}{cpu})")
     return out
 
 

@@ -167,16 +167,6 @@ class SparseTensor:
         _check_indices(self.indices, math.prod(self.shape), f"{where}.indices")
 
     @classmethod
-    def _decoded(cls, shape: tuple[int, ...], indices: np.ndarray, values: np.ndarray) -> SparseTensor:
-        """For the decoder, which has just checked all that ``__post_init__`` checks (int64
-        indices strictly increasing below numel, one float32 value each): no second pass."""
-        assert indices.dtype == np.int64 and values.dtype == np.float32 and indices.shape == values.shape
-        tensor = object.__new__(cls)
-        for name, value in (("shape", shape), ("indices", indices), ("values", values)):
-            object.__setattr__(tensor, name, value)
-        return tensor
-
-    @classmethod
     def from_dense(cls, dense: np.ndarray, mask: np.ndarray | None = None) -> SparseTensor:
         """Keep the entries where `mask` is true (default: the non-zero entries)."""
         dense = np.asarray(dense)
@@ -203,6 +193,45 @@ class SparseTensor:
             and np.array_equal(self.indices, other.indices)
             and np.array_equal(self.values, other.values)
         )
+
+
+class PackedSparse(SparseTensor):
+    """A sparse tensor as the decoder read it: its positions stay in their wire layout (the
+    bitmap, or the u16/u32 index list) until something asks for ``indices``, which are then
+    expanded once.  ``RunningSum`` folds the wire layout directly (``fclcore.fastfold``), so
+    an aggregator never expands the positions of an update it only adds up.  Everything else
+    sees an ordinary ``SparseTensor``; the decoder has checked all that its constructor does."""
+
+    @classmethod
+    def _packed(cls, shape: tuple[int, ...], nnz: int, values: np.ndarray, *, bitmap=None, index=None) -> PackedSparse:
+        assert values.dtype == np.float32 and values.shape == (nnz,) and (bitmap is None) != (index is None)
+        tensor = object.__new__(cls)
+        for name, value in (("shape", shape), ("values", values), ("_nnz", nnz), ("_indices", None)):
+            object.__setattr__(tensor, name, value)
+        object.__setattr__(tensor, "bitmap", bitmap)  # uint8, ceil(numel / 8) bytes, little bit order
+        object.__setattr__(tensor, "index", index)  # u16 or u32 flat positions, strictly increasing
+        return tensor
+
+    @property
+    def indices(self) -> np.ndarray:  # int64 flat positions, expanded on first use
+        if self._indices is None:
+            if self.bitmap is not None:
+                bits = np.unpackbits(self.bitmap, count=math.prod(self.shape), bitorder="little")
+                expanded = np.flatnonzero(bits.view(bool))  # int64; on bool, numpy's fastest path
+            else:
+                expanded = self.index.astype(np.int64)
+            object.__setattr__(self, "_indices", expanded)
+        return self._indices
+
+    @indices.setter
+    def indices(self, value: np.ndarray) -> None:  # only the dataclass __init__ sets it (object.__setattr__)
+        object.__setattr__(self, "_indices", value)
+        object.__setattr__(self, "bitmap", None)
+        object.__setattr__(self, "index", None)
+
+    @property
+    def nnz(self) -> int:
+        return int(self._nnz) if self._indices is None else int(self._indices.size)
 
 
 Tensor = np.ndarray | SparseTensor
@@ -693,23 +722,33 @@ def _decode_tensor(reader: _Reader, where: str, version: int, limits: CodecLimit
     nnz = reader.uint(_U32, f"{where}.nnz")
     if nnz > numel:
         _fail(f"{where}.nnz", nnz, f"<= {numel} (numel)")
+    # The positions are kept as they came (copied: the frame's buffer may be reused) and
+    # expanded only if asked for (PackedSparse); both layouts are checked in full here.
     if layout == INDEX:
         width = "<u2" if numel <= _SMALL_NUMEL else "<u4"
         raw = reader.array(width, nnz, f"{where}.indices")
         _check_indices(raw, numel, f"{where}.indices")  # on the wire's unsigned ints: no int64 pass first
-        indices = raw.astype(np.int64)
+        positions = {"index": raw.astype(raw.dtype.newbyteorder("="))}  # a native-order copy
     else:
-        indices = _bitmap_indices(reader.array(np.uint8, (numel + 7) // 8, f"{where}.bitmap"), numel, nnz, where)
-    return SparseTensor._decoded(shape, indices, _read_values(reader, code, nnz, where))
+        positions = {
+            "bitmap": _checked_bitmap(reader.array(np.uint8, (numel + 7) // 8, f"{where}.bitmap"), numel, nnz, where)
+        }
+    return PackedSparse._packed(shape, nnz, _read_values(reader, code, nnz, where), **positions)
 
 
-def _bitmap_indices(packed: np.ndarray, numel: int, nnz: int, where: str) -> np.ndarray:
-    """The set bits' positions: strictly increasing and below numel by construction."""
+def _checked_bitmap(packed: np.ndarray, numel: int, nnz: int, where: str) -> np.ndarray:
+    """A copy of the bitmap once its padding bits are clear and it has nnz set bits (whose
+    positions are then strictly increasing and below numel by construction)."""
     spare = 8 * packed.size - numel
     if spare and packed[-1] >> (8 - spare):
         _fail(f"{where}.bitmap", f"bits set beyond element {numel - 1}", "zero padding bits")
-    bits = np.unpackbits(packed, count=numel, bitorder="little")
-    indices = np.flatnonzero(bits.view(bool))  # int64; on bool, numpy's fastest path
-    if indices.size != nnz:
-        _fail(f"{where}.bitmap popcount", indices.size, f"{nnz} (nnz)")
-    return indices
+    bitmap = packed.copy()  # aligned, so whole words of it can be counted
+    if hasattr(np, "bitwise_count"):  # numpy >= 2.0: a popcount, 64 bits at a time, no expansion
+        whole = bitmap.size // 8 * 8
+        count = int(np.bitwise_count(bitmap[:whole].view(np.uint64)).sum(dtype=np.int64))
+        count += int(np.bitwise_count(bitmap[whole:]).sum(dtype=np.int64))
+    else:
+        count = int(np.count_nonzero(np.unpackbits(bitmap)))
+    if count != nnz:
+        _fail(f"{where}.bitmap popcount", count, f"{nnz} (nnz)")
+    return bitmap

@@ -155,4 +155,6 @@ def without_tensors(update: Update, keep: Mapping[str, Tensor] | None = None) ->
 
 def tensor_nbytes(t: Tensor) -> int:
     """Bytes of a tensor's values (and indices, if sparse) as decoded."""
-    return int(t.values.nbytes + t.indices.nbytes) if isinstance(t, SparseTensor) else int(np.asarray(t).nbytes)
+    if isinstance(t, SparseTensor):  # int64 indices (SparseTensor's dtype), not expanded to count them
+        return int(t.values.nbytes + 8 * t.nnz)
+    return int(np.asarray(t).nbytes)

@@ -86,6 +86,24 @@ def test_state_store_commit_and_journal(tmp_path) -> None:
     assert set(loaded.strategy_arrays) == {"kb/0/x/indices"}
 
 
+def test_a_cleared_journal_is_renamed_away_and_deleted_in_the_background(tmp_path) -> None:
+    store = StateStore(tmp_path / "state")
+    for client in ("a", "b", "c"):
+        store.journal(2, client, b"x" * 10, 50)
+    store.clear_journal()  # one rename: nothing of round 2 is journaled any more, at once
+    assert store.journaled(2) == [] and not store.open_dir.exists()
+    assert store.wait_swept(timeout=30) and sorted(p.name for p in store.dir.iterdir()) == []
+    store.journal(3, "a", b"y", 1)  # the next round journals into a fresh open/
+    assert store.journaled(3) == [("a", b"y", 1)]
+    # a crash between the rename and the deletion leaves a cleared journal: never read, deleted at start
+    left = store.dir / "cleared.1.0"
+    left.mkdir()
+    (left / "3__1__b.frame").write_bytes(b"z")
+    restarted = StateStore(tmp_path / "state")
+    assert restarted.journaled(3) == [("a", b"y", 1)]
+    assert restarted.wait_swept(timeout=30) and not left.exists()
+
+
 def _service_cfg(tmp_path, **federation):
     from fclcore.config import from_dict
     from fclcore.schema import AggregatorConfig
