@@ -66,6 +66,10 @@ FINAL_SEND_S = 60.0  # how long the final evaluation is retried across broker ou
 _BUILD_LOCK = threading.Lock()
 
 
+def _no_tensors(header: Header) -> bool:
+    return False
+
+
 class RejectedFrame(ValueError):
     """A downlink message that must be dropped; the message says why."""
 
@@ -169,7 +173,7 @@ class ClientDaemon:
             fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
             for t, raw in state.knowledge.items():  # every frame is checked, one at a time
                 if t > state.task:
-                    decode(raw, self.limits)
+                    decode(raw, self.limits, _no_tensors)
             with _BUILD_LOCK:
                 self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
@@ -386,7 +390,8 @@ class ClientDaemon:
         """Belong to ``run``: knowledge frames of other runs go; those of this run kept aside come in."""
         self.run_id = run
         for task, raw in list(self.knowledge_raw.items()):
-            if decode(raw, self.limits).meta.get("run", run) != run:  # (a frame from before runs had ids stays)
+            # (a frame from before runs had ids stays)
+            if decode(raw, self.limits, _no_tensors).meta.get("run", run) != run:
                 self.knowledge_raw.pop(task, None)
                 self.knowledge_bytes.pop(task, None)
         for task, (raw, size) in sorted(self.newer.pop(run, {}).items()):
@@ -571,10 +576,14 @@ class ClientDaemon:
         self._round(frame)
         return False
 
+    def _keeps_tensors(self, header: Header) -> bool:
+        return header.kind is not Kind.KNOWLEDGE or header.task == self.task
+
     def _check(self, payload: bytes) -> tuple[Frame, FederationSpec]:
         """Validate a downlink frame without touching any state."""
         try:
-            frame = decode(payload, self.limits)
+            # a knowledge frame for a task not yet started is only stored (raw): checked, not kept decoded
+            frame = decode(payload, self.limits, self._keeps_tensors)
         except CodecError as exc:
             raise RejectedFrame(f"codec: {exc}") from None
         h = frame.header

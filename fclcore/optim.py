@@ -184,21 +184,34 @@ class Adam(Optimizer):
         )
         super().__init__(params, defaults)
 
+    def _state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        """``p``'s state, created as torch's first step creates it (step 0, zero moments)."""
+        state = self.state.setdefault(p, {})
+        if not state:
+            state["step"] = (
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                if group["fused"]
+                else torch.tensor(0.0, dtype=_scalar_dtype())
+            )
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def init_state(self) -> None:
+        """Create every parameter's state now, as its first step would (the same values): the
+        moments are then allocated when the caller chooses, not in the middle of a step among
+        its temporaries.  A parameter that never gets a gradient keeps a state at step 0."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state(group, p)
+
     def _step_group(self, group: dict[str, Any], group_params: list[Tensor]) -> None:
         """``group_params``: the group's parameters with a gradient, in the group's order."""
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group_params:
             if p.grad.is_sparse:
                 raise RuntimeError("Adam does not support sparse gradients")
-            state = self.state.setdefault(p, {})
-            if not state:
-                state["step"] = (
-                    torch.zeros((), dtype=torch.float32, device=p.device)
-                    if group["fused"]
-                    else torch.tensor(0.0, dtype=_scalar_dtype())
-                )
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state = self._state(group, p)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])

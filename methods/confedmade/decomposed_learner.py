@@ -136,6 +136,8 @@ class DecomposedLearner(MadeLearner):
     # -- training ------------------------------------------------------------------------
     def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float]:
         x = torch.from_numpy(train[-1].x)
+        if not self.optimizer.state:  # a task's first round: the moments are made before the steps'
+            self.optimizer.init_state()  # temporaries (not among them), once the knowledge frame is gone
 
         def loss(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             nll = self.model.nll(batch, self.task).mean()
