@@ -131,7 +131,7 @@ def child(args: argparse.Namespace) -> None:
 
     cfg = load_config(ClientConfig, args.config)
     daemon.torch.set_num_threads(cfg.threads)  # as ClientDaemon.__init__ does
-    data = daemon.load_client_data(cfg)
+    data = daemon.load_client_data(cfg, compact=True)  # as ClientDaemon.__init__ loads it
     arrays = [d for d in (*data.train, *data.test, *(data.fleet or ())) if d is not None]
     extra["data"] = {
         "train_rows": [len(d) for d in data.train],
@@ -153,6 +153,8 @@ def child(args: argparse.Namespace) -> None:
         learner = methods.learner_for(fed, input_dim, cfg.data.client_index)
     learner.allow_embedding_upload = cfg.allow_embedding_upload
     learner.fleet_data = data.fleet
+    if not learner.compact_pixels:  # ClientDaemon._fit_pixels
+        data = daemon.float_tasks(data)
     mark("learner", learner=type(learner).__name__)
 
     knowledge = decode(Path(args.knowledge_frame).read_bytes()) if args.knowledge_frame else None
@@ -184,7 +186,7 @@ def child(args: argparse.Namespace) -> None:
     mark("evaluate", eval_mode=args.eval_mode, report=report)
 
     writer = ServedModelWriter(Path(args.work), cfg.data.dataset, cfg.serve.int8)  # as the daemon serves
-    job = writer.snapshot(learner, place.task, data.test[place.task].x)
+    job = writer.snapshot(learner, place.task, daemon.float_pixels(data.test[place.task]).x)
     if job is None:
         mark("export", skipped=f"{type(learner).__name__}.served_model returned None")
     else:

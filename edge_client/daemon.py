@@ -33,7 +33,7 @@ from edge_client.serving import ServedModelWriter
 from edge_client.state import ClientState, ClientStateStore
 from edge_client.taskdir import TaskDirectory
 from fclcore import topics
-from fclcore.checkpoint import CheckpointError
+from fclcore.checkpoint import CheckpointError, FileBytes
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode, max_value
 from fclcore.config import ConfigError, from_dict, to_dict
 from fclcore.data import (
@@ -66,6 +66,10 @@ FINAL_SEND_S = 60.0  # how long the final evaluation is retried across broker ou
 _BUILD_LOCK = threading.Lock()
 
 
+def _no_tensors(header: Header) -> bool:
+    return False
+
+
 class RejectedFrame(ValueError):
     """A downlink message that must be dropped; the message says why."""
 
@@ -77,7 +81,8 @@ class ClientDaemon:
         self.stop = stop or threading.Event()
         self.out_dir = Path(cfg.out_dir)
         self.task_dir = TaskDirectory(cfg.data_dir) if cfg.data_dir else None
-        self.data = load_client_data(cfg) if cfg.data else self.task_dir.scan(None)
+        # compact: binarised MNIST stays uint8 until a learner that needs float32 is built (_fit_pixels)
+        self.data = load_client_data(cfg, compact=True) if cfg.data else self.task_dir.scan(None)
         self.input_dim: int | None = int(self.data.train[0].x.shape[1]) if self.data.train else None
         self.waiting: tuple[Frame, int] | None = None  # a round whose task's data has not arrived yet
         self.served_round = -1  # the round after which the served model was last exported
@@ -94,8 +99,10 @@ class ClientDaemon:
         # (task start, training, upload); the rest of round_cpu_s is I/O and background threads
         self.round_cpu_phases: dict[int, dict[str, float]] = {}
         self.round_rss_mb: dict[int, list[float | None]] = {}  # [RSS, peak RSS] in MiB after each round
-        self.knowledge: dict[int, Frame] = {}  # task -> knowledge frame from the aggregator, until the task starts
-        self.knowledge_raw: dict[int, bytes] = {}
+        # task -> the aggregator's knowledge frame for it, as received: validated on arrival, kept in
+        # a file of the state directory (not in memory: 36 MB by ConFedMADE's fifth MNIST task),
+        # decoded again only when the task starts (a decoded frame is 5x its bytes), kept for restarts
+        self.knowledge_raw: dict[int, FileBytes] = {}
         self.knowledge_bytes: dict[int, int] = {}
         self.mid_frames: dict[int, tuple[Frame, int]] = {}  # round -> (own frame, size) inside a started task
         self.pending: tuple[Frame, int] | None = None  # a round waiting for its own frame
@@ -106,7 +113,7 @@ class ClientDaemon:
         self.final_state = "stopped"  # the retained status run() leaves: "retired" once the membership retires it
         self.told_not_enrolled = False
         self.run_id: str | None = None  # the run this device belongs to (fclcore.runid); None until its first round
-        self.newer: dict[str, dict[int, tuple[Frame, bytes, int]]] = {}  # knowledge of a newer run, until it is joined
+        self.newer: dict[str, dict[int, tuple[bytes, int]]] = {}  # knowledge of a newer run, until it is joined
         self.clock_offset_us = 0  # the aggregator's clock minus ours (from its announcements): sequences follow it
         self.exit_code: ExitCode | None = None  # set when the run ends other than by finishing (failed, other run)
         self.aggregator_lost_since: float | None = None  # since when the aggregator is gone (status or link)
@@ -165,11 +172,14 @@ class ClientDaemon:
         self.input_dim = self.input_dim or state.input_dim
         try:
             fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
-            frames = {t: decode(raw, self.limits) for t, raw in state.knowledge.items() if t > state.task}
+            for t, raw in state.knowledge.items():  # every frame is checked, one at a time
+                if t > state.task:
+                    decode(raw, self.limits, _no_tensors)
             with _BUILD_LOCK:
                 self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
             self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
             self.learner.fleet_data = self.data.fleet
+            self._fit_pixels()
             for t in range(state.task + 1):  # decoded one at a time: a started task's frame is kept raw only
                 raw = state.knowledge.get(t)
                 self.learner.start_task(t, None if raw is None else decode(raw, self.limits))
@@ -179,7 +189,8 @@ class ClientDaemon:
                 f"state_dir {self.store.path.parent}: cannot resume ({exc}); move it away to rejoin from scratch"
             ) from None
         self.fed, self.task, self.done_round = fed, state.task, state.done_round
-        self.knowledge, self.knowledge_raw, self.unacked = frames, dict(state.knowledge), state.unacked
+        self.knowledge_raw = {t: self.store.spill(t, raw) for t, raw in state.knowledge.items()}
+        self.unacked = state.unacked
         self.sequence = max(self.sequence, state.sequence)
         self.run_id = state.run or None
         log.info(
@@ -290,7 +301,7 @@ class ClientDaemon:
             if self.run_id is not None and run != self.run_id:
                 if not is_newer(run, self.run_id):
                     raise RejectedFrame(f"run: knowledge of run {run}, an earlier run than this device's {self.run_id}")
-                self.newer.setdefault(run, {})[frame.header.task] = (frame, payload, size)  # kept until it is joined
+                self.newer.setdefault(run, {})[frame.header.task] = (payload, size)  # kept until it is joined
                 return False
             return self._on_knowledge(topic, frame, payload, size)
         if kind is Kind.MODEL:
@@ -371,7 +382,7 @@ class ClientDaemon:
             self.run_id,
         )
         self.learner, self.fed, self.task, self.done_round = None, None, -1, -1
-        self.knowledge, self.knowledge_raw, self.knowledge_bytes, self.mid_frames = {}, {}, {}, {}
+        self.knowledge_raw, self.knowledge_bytes, self.mid_frames = {}, {}, {}
         self.pending = self.waiting = self.unacked = None
         self.served_round, self.told_not_enrolled = -1, False
         self._adopt_run(run)
@@ -381,13 +392,12 @@ class ClientDaemon:
         """Belong to ``run``: knowledge frames of other runs go; those of this run kept aside come in."""
         self.run_id = run
         for task, raw in list(self.knowledge_raw.items()):
-            held = self.knowledge.get(task) or decode(raw, self.limits)  # a started task's is kept raw
-            if held.meta.get("run", run) != run:  # (a frame from before runs had ids stays)
-                self.knowledge.pop(task, None)
+            # (a frame from before runs had ids stays)
+            if decode(raw.read(), self.limits, _no_tensors).meta.get("run", run) != run:
                 self.knowledge_raw.pop(task, None)
                 self.knowledge_bytes.pop(task, None)
-        for task, (frame, raw, size) in sorted(self.newer.pop(run, {}).items()):
-            self.knowledge[task], self.knowledge_raw[task], self.knowledge_bytes[task] = frame, raw, size
+        for task, (raw, size) in sorted(self.newer.pop(run, {}).items()):
+            self.knowledge_raw[task], self.knowledge_bytes[task] = self.store.spill(task, raw), size
         self.newer = {r: f for r, f in self.newer.items() if is_newer(r, run)}
         self.link.status_fields.update(run=run)
 
@@ -497,8 +507,7 @@ class ClientDaemon:
             self.mid_frames = {r: f for r, f in self.mid_frames.items() if r > self.done_round}
             self.mid_frames[frame.header.round] = (frame, size)
         else:
-            self.knowledge[frame.header.task] = frame
-            self.knowledge_raw[frame.header.task] = payload
+            self.knowledge_raw[frame.header.task] = self.store.spill(frame.header.task, payload)
             self.knowledge_bytes[frame.header.task] = size
         if self.pending is not None and not self._needs_knowledge(self.pending[0]):
             pending, self.pending = self.pending, None
@@ -569,10 +578,14 @@ class ClientDaemon:
         self._round(frame)
         return False
 
+    def _keeps_tensors(self, header: Header) -> bool:
+        return header.kind is not Kind.KNOWLEDGE or header.task == self.task
+
     def _check(self, payload: bytes) -> tuple[Frame, FederationSpec]:
         """Validate a downlink frame without touching any state."""
         try:
-            frame = decode(payload, self.limits)
+            # a knowledge frame for a task not yet started is only stored (raw): checked, not kept decoded
+            frame = decode(payload, self.limits, self._keeps_tensors)
         except CodecError as exc:
             raise RejectedFrame(f"codec: {exc}") from None
         h = frame.header
@@ -659,11 +672,18 @@ class ClientDaemon:
                 raise RejectedFrame(f"federation: {exc}") from None
             self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
             self.learner.fleet_data = self.data.fleet
+            self._fit_pixels()
             self.fed = fed
         try:
             self.learner.load_global(frame.tensors, frame.header.round, frame.meta)
         except ValueError as exc:
             raise RejectedFrame(f"tensors: {exc}") from None
+
+    def _fit_pixels(self) -> None:
+        """The shards as the new learner reads them: uint8 0/1 pixels stay so for a learner
+        that converts per batch (``Learner.compact_pixels``), else become float32 once."""
+        if not self.learner.compact_pixels:
+            self.data = float_tasks(self.data)
 
     @property
     def client_index(self) -> int:
@@ -727,9 +747,10 @@ class ClientDaemon:
         starts those it missed; only ``task`` gets its own knowledge frame)."""
         try:
             for t in range(self.task + 1, task + 1):
-                self.learner.start_task(t, self.knowledge.get(t) if t == task else None)
-                self.knowledge.pop(t, None)  # the learner holds what it needs; the raw frame stays for restarts
-        except ValueError as exc:
+                raw = self.knowledge_raw.get(t) if t == task else None
+                # decoded only now, after the last task's state is gone; the raw frame stays for restarts
+                self.learner.start_task(t, None if raw is None else decode(raw.read(), self.limits))
+        except ValueError as exc:  # CodecError too
             raise RejectedFrame(f"knowledge: {exc}") from None
         release_free_memory()
         self.task = task
@@ -778,7 +799,7 @@ class ClientDaemon:
         # have fewer task folders than the federation has tasks (or none yet): its newest ones.
         tests = self.data.test
         ordered = ([tests[task]] if task < len(tests) else []) + list(reversed(tests))
-        parity = next((d.x for d in ordered if len(d)), None)
+        parity = next((float_pixels(d).x for d in ordered if len(d)), None)  # float32 for the export
         if parity is None:
             log.info("not serving the model after round %d: no data on this device yet", after_round)
             return None
@@ -878,8 +899,11 @@ def _places(frame: Frame) -> tuple[RoundPlace, RoundPlace | None]:
     return place, before
 
 
-def load_client_data(cfg: ClientConfig) -> ClientTasks:
-    """This device's shard, derived from the shared plan alone (the same split ``fcl simulate`` checked)."""
+def load_client_data(cfg: ClientConfig, compact: bool = False) -> ClientTasks:
+    """This device's shard, derived from the shared plan alone (the same split ``fcl simulate`` checked).
+
+    ``compact``: binarised MNIST shards stay uint8 0/1 (pass them through :func:`float_tasks`
+    for a learner without ``compact_pixels``); else every shard is float32."""
     spec = cfg.data
     seed = spec.data_seed
     gray = spec.domains is not None
@@ -897,7 +921,7 @@ def load_client_data(cfg: ClientConfig) -> ClientTasks:
         )
     if spec.pool_ids is not None:
         pooled = pool_task_split(train, test, spec.pool_tasks, spec.pool_ids, seed, spec.per_class, spec.test_per_class)
-        return _float(pooled)
+        return pooled if compact else float_tasks(pooled)
     own = client_task_split(
         train, test, spec.client_tasks, spec.client_index, seed, spec.test_tasks, spec.per_class, spec.test_per_class
     )
@@ -912,11 +936,12 @@ def load_client_data(cfg: ClientConfig) -> ClientTasks:
             for t in range(len(own.train))
         )
     arrivals = tuple(spec.arrivals) if spec.arrivals is not None else None
-    return _float(ClientTasks(own.train, own.test, arrivals, fleet))
+    tasks = ClientTasks(own.train, own.test, arrivals, fleet)
+    return tasks if compact else float_tasks(tasks)
 
 
-def _float(tasks: ClientTasks) -> ClientTasks:
-    """The shards as float32, cut from a compact set (the whole set is not kept)."""
+def float_tasks(tasks: ClientTasks) -> ClientTasks:
+    """The shards as float32, cut from a compact set (the whole set is not kept); float shards unchanged."""
     return dataclasses.replace(
         tasks, train=tuple(map(float_pixels, tasks.train)), test=tuple(map(float_pixels, tasks.test))
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from fclcore import checkpoint
-from fclcore.checkpoint import CheckpointError
+from fclcore.checkpoint import CheckpointError, FileBytes
 
 STATE_VERSION = 1
 _LEARNER, _KNOWLEDGE, _UNACKED = "learner/", "knowledge/", "unacked"
@@ -31,7 +31,8 @@ class ClientState:
     task: int
     done_round: int
     sequence: int
-    knowledge: dict[int, bytes] = field(default_factory=dict)  # task -> raw knowledge frame
+    # task -> raw knowledge frame: bytes, or (the daemon's) a file of the state directory, ``spill``
+    knowledge: dict[int, bytes | FileBytes] = field(default_factory=dict)
     unacked: bytes | None = None  # the last update's payload, until a later round is announced
     learner_meta: dict = field(default_factory=dict)
     learner_arrays: dict[str, np.ndarray] = field(default_factory=dict)
@@ -42,6 +43,15 @@ class ClientState:
 class ClientStateStore:
     def __init__(self, state_dir: str | os.PathLike) -> None:
         self.path = Path(state_dir) / "client.npz"
+
+    def spill(self, task: int, raw: bytes) -> FileBytes:
+        """Keep task ``task``'s knowledge frame in a file beside the checkpoint instead of in
+        memory (written atomically; ``save`` copies it into every checkpoint, which stays the
+        one file a restart reads).  A frame is tens of MB by a late task and needed only when its
+        task starts or the device restarts."""
+        path = self.path.parent / "knowledge" / f"{int(task)}.frame"
+        checkpoint.write_atomic(path, raw)
+        return FileBytes(path)
 
     def save(self, state: ClientState) -> None:
         meta = {
@@ -57,7 +67,12 @@ class ClientStateStore:
             "run": state.run,
         }
         arrays = {_LEARNER + k: v for k, v in state.learner_arrays.items()}
-        arrays.update({f"{_KNOWLEDGE}{t}": np.frombuffer(raw, np.uint8) for t, raw in state.knowledge.items()})
+        arrays.update(
+            {
+                f"{_KNOWLEDGE}{t}": raw if isinstance(raw, FileBytes) else np.frombuffer(raw, np.uint8)
+                for t, raw in state.knowledge.items()
+            }
+        )
         if state.unacked is not None:
             arrays[_UNACKED] = np.frombuffer(state.unacked, np.uint8)
         checkpoint.save(self.path, meta, arrays)

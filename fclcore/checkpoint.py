@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Mapping
 
@@ -23,6 +25,18 @@ META_KEY = "__meta__"
 
 class CheckpointError(StateError):
     """A state file exists but cannot be used (truncated, tampered, wrong version)."""
+
+
+@dataclass(frozen=True)
+class FileBytes:
+    """A file's bytes as a checkpoint array (uint8): ``save`` copies the file into the checkpoint
+    in chunks, so what a process keeps on disk anyway (a device's knowledge frames) is never in
+    its memory whole.  The file must not change while a checkpoint is written."""
+
+    path: Path
+
+    def read(self) -> bytes:
+        return Path(self.path).read_bytes()
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], None]) -> None:
@@ -44,17 +58,35 @@ def write_atomic(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], Non
     fsync_dir(path.parent)
 
 
-def save(path: str | os.PathLike, meta: Mapping, arrays: Mapping[str, np.ndarray]) -> None:
-    """One checkpoint: ``meta`` (JSON-able) and named arrays (numeric dtypes only)."""
+def save(path: str | os.PathLike, meta: Mapping, arrays: Mapping[str, np.ndarray | FileBytes]) -> None:
+    """One checkpoint: ``meta`` (JSON-able) and named arrays (numeric dtypes only, or
+    ``FileBytes``, read back by ``load`` as a uint8 array)."""
     if META_KEY in arrays:
         raise ValueError(f"array name {META_KEY!r} is reserved")
     for name, array in arrays.items():
-        if np.asarray(array).dtype.kind not in "biuf":
+        if not isinstance(array, FileBytes) and np.asarray(array).dtype.kind not in "biuf":
             raise ValueError(f"{name}: only numeric arrays are stored, got {np.asarray(array).dtype}")
     blob = np.frombuffer(json.dumps(meta, allow_nan=False).encode("utf-8"), dtype=np.uint8)
     # Streamed into the file: a device's checkpoint (186 MB for ConFedMADE's MNIST model by its
     # fifth task) used to be built in memory first, the daemon's peak (firmware_notes/memory.md).
-    write_atomic(path, lambda f: np.savez(f, **{META_KEY: blob}, **{k: np.asarray(v) for k, v in arrays.items()}))
+    write_atomic(path, lambda f: _write_npz(f, {META_KEY: blob, **arrays}))
+
+
+def _write_npz(handle: BinaryIO, arrays: Mapping[str, np.ndarray | FileBytes]) -> None:
+    """What ``np.savez`` writes (a stored zip of ``.npy`` members), ``FileBytes`` copied in chunks."""
+    with zipfile.ZipFile(handle, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, value in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                if not isinstance(value, FileBytes):
+                    np.lib.format.write_array(member, np.asarray(value), allow_pickle=False)
+                    continue
+                with open(value.path, "rb") as source:
+                    size = os.fstat(source.fileno()).st_size
+                    header = {"descr": "|u1", "fortran_order": False, "shape": (size,)}
+                    np.lib.format.write_array_header_1_0(member, header)
+                    shutil.copyfileobj(source, member, 1 << 20)
+                    if source.tell() != size:
+                        raise OSError(f"{value.path}: changed while it was copied into a checkpoint")
 
 
 def load(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:

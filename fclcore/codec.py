@@ -78,7 +78,7 @@ import operator
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 
@@ -586,8 +586,14 @@ def _utf8(raw: memoryview, where: str) -> str:
         _fail(where, f"invalid UTF-8 ({exc.reason} at byte {exc.start})", "valid UTF-8")
 
 
-def decode(data: bytes, limits: CodecLimits = CodecLimits()) -> Frame:
-    """Parse and fully validate one frame (size first, then CRC, then the body)."""
+def decode(
+    data: bytes, limits: CodecLimits = CodecLimits(), keep_tensors: Callable[[Header], bool] | None = None
+) -> Frame:
+    """Parse and fully validate one frame (size first, then CRC, then the body).
+
+    ``keep_tensors(header)`` False: every tensor is still decoded and validated, but one at a
+    time and dropped, and the frame comes back without tensors (a receiver that only stores
+    the bytes for later needs no decoded copy, up to 12 bytes per sparse entry, at once)."""
     try:
         view = memoryview(data).cast("B")
     except TypeError:
@@ -602,7 +608,7 @@ def decode(data: bytes, limits: CodecLimits = CodecLimits()) -> Frame:
     reader = _Reader(view[:-4])
     header, version = _decode_header(reader)
     meta = _decode_meta(reader, limits)
-    tensors = _decode_tensors(reader, version, limits)
+    tensors = _decode_tensors(reader, version, limits, keep_tensors is None or keep_tensors(header))
     if reader.remaining:
         _fail("trailing bytes", f"{reader.remaining} bytes after the tensor table", "0")
     return Frame(header, meta, tensors)
@@ -660,16 +666,21 @@ def _decode_meta(reader: _Reader, limits: CodecLimits) -> dict:
     return meta
 
 
-def _decode_tensors(reader: _Reader, version: int, limits: CodecLimits) -> dict[str, Tensor]:
+def _decode_tensors(reader: _Reader, version: int, limits: CodecLimits, keep: bool = True) -> dict[str, Tensor]:
     count = reader.uint(_U16, "tensor count")
     if count > limits.max_tensors:
         _fail("tensor count", count, f"<= {limits.max_tensors} (max_tensors)")
     tensors: dict[str, Tensor] = {}
+    names: set[str] = set()
     for i in range(count):
         name = reader.text(f"tensor[{i}].name", min(limits.max_name_bytes, _U8_MAX))
-        if not name or name in tensors:
+        if not name or name in names:
             _fail(f"tensor[{i}].name", repr(name), "a non-empty name not used by an earlier tensor")
-        tensors[name] = _decode_tensor(reader, f"tensor[{i}] {_short(name)}", version, limits)
+        names.add(name)
+        tensor = _decode_tensor(reader, f"tensor[{i}] {_short(name)}", version, limits)
+        if keep:
+            tensors[name] = tensor
+        del tensor  # (not kept: dropped before the next one is decoded)
     return tensors
 
 

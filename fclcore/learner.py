@@ -35,6 +35,10 @@ class Learner:
     sees_all_tasks = False  # True: ``train_round`` gets every task's data from the start (offline)
     allow_embedding_upload = False  # True: this device opted in to uploading embeddings of its data
     fleet_data: tuple[Dataset, ...] | None = None  # every device's shard per task (MethodSpec.fleet_data only)
+    # True: ``train_round`` and ``evaluate`` also take binarised images as uint8 0/1 (a compact
+    # set, ``fclcore.data.float_pixels``) and convert per batch; the daemon then keeps its shard
+    # in a quarter of float32's memory.  False: the daemon hands the learner float32 pixels.
+    compact_pixels = False
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         self.fed = fed

@@ -16,7 +16,9 @@ capturable or differentiable steps.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+import functools
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -49,6 +51,42 @@ class Optimizer:
                 group.setdefault(key, value)
             self.param_groups.append(group)
         self.state: dict[Tensor, dict[str, Any]] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group(group, params)
+
+    def _step_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def stepping_in_backward(self) -> Iterator[None]:
+        """Inside, a backward pass updates each parameter as soon as it has accumulated the
+        parameter's gradient, and drops that gradient: the gradients of a model are never all
+        held at once.  Every parameter's update reads only its own gradient and state, so the
+        values are bit-for-bit those of ``backward()`` then ``step()`` (``tests/test_optim.py``).
+        A node that saved a parameter for its own backward and runs after the update would
+        make autograd raise (the saved tensor's version changed), never compute with new
+        values.  The hooks go when the block ends."""
+        handles = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._step_now, group)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _step_now(self, group: dict[str, Any], p: Tensor) -> None:
+        with torch.no_grad():
+            self._step_group(group, [p])
+        p.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -146,53 +184,63 @@ class Adam(Optimizer):
         )
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Adam does not support sparse gradients")
-                state = self.state.setdefault(p, {})
-                if not state:
-                    state["step"] = (
-                        torch.zeros((), dtype=torch.float32, device=p.device)
-                        if group["fused"]
-                        else torch.tensor(0.0, dtype=_scalar_dtype())
-                    )
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-            beta1, beta2 = group["betas"]
-            _adam(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                [],
-                steps,
-                amsgrad=False,
-                has_complex=any(torch.is_complex(p) for p in params),
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=False,
-                foreach=group["foreach"],
-                capturable=False,
-                differentiable=False,
-                fused=group["fused"],
-                grad_scale=None,
-                found_inf=None,
-                decoupled_weight_decay=group["decoupled_weight_decay"],
+    def _state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        """``p``'s state, created as torch's first step creates it (step 0, zero moments)."""
+        state = self.state.setdefault(p, {})
+        if not state:
+            state["step"] = (
+                torch.zeros((), dtype=torch.float32, device=p.device)
+                if group["fused"]
+                else torch.tensor(0.0, dtype=_scalar_dtype())
             )
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def init_state(self) -> None:
+        """Create every parameter's state now, as its first step would (the same values): the
+        moments are then allocated when the caller chooses, not in the middle of a step among
+        its temporaries.  A parameter that never gets a gradient keeps a state at step 0."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state(group, p)
+
+    def _step_group(self, group: dict[str, Any], group_params: list[Tensor]) -> None:
+        """``group_params``: the group's parameters with a gradient, in the group's order."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group_params:
+            if p.grad.is_sparse:
+                raise RuntimeError("Adam does not support sparse gradients")
+            state = self._state(group, p)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        _adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            amsgrad=False,
+            has_complex=any(torch.is_complex(p) for p in params),
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            foreach=group["foreach"],
+            capturable=False,
+            differentiable=False,
+            fused=group["fused"],
+            grad_scale=None,
+            found_inf=None,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
 
 
 class AdamW(Adam):
@@ -246,35 +294,32 @@ class SGD(Optimizer):
         )
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            params, grads, buffers = [], [], []
-            has_sparse = False
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                params.append(p)
-                grads.append(p.grad)
-                has_sparse |= p.grad.is_sparse
-                if group["momentum"] != 0:
-                    buffers.append(self.state.get(p, {}).get("momentum_buffer"))
-            _sgd(
-                params,
-                grads,
-                buffers,
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
-                lr=group["lr"],
-                dampening=group["dampening"],
-                nesterov=group["nesterov"],
-                maximize=False,
-                has_sparse_grad=has_sparse,
-                foreach=group["foreach"],
-                fused=group["fused"],
-                grad_scale=None,
-                found_inf=None,
-            )
+    def _step_group(self, group: dict[str, Any], group_params: list[Tensor]) -> None:
+        """``group_params``: the group's parameters with a gradient, in the group's order."""
+        params, grads, buffers = [], [], []
+        has_sparse = False
+        for p in group_params:
+            params.append(p)
+            grads.append(p.grad)
+            has_sparse |= p.grad.is_sparse
             if group["momentum"] != 0:
-                for p, buffer in zip(params, buffers):
-                    self.state.setdefault(p, {})["momentum_buffer"] = buffer
+                buffers.append(self.state.get(p, {}).get("momentum_buffer"))
+        _sgd(
+            params,
+            grads,
+            buffers,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=False,
+            has_sparse_grad=has_sparse,
+            foreach=group["foreach"],
+            fused=group["fused"],
+            grad_scale=None,
+            found_inf=None,
+        )
+        if group["momentum"] != 0:
+            for p, buffer in zip(params, buffers):
+                self.state.setdefault(p, {})["momentum_buffer"] = buffer

@@ -208,6 +208,26 @@ def test_raw_builder_matches_spec():
     assert frame.tensors["b"].indices.tolist() == [1, 2] and frame.tensors["b"].shape == (2, 5)
 
 
+def test_a_frame_checked_without_keeping_its_tensors_is_still_checked_whole():
+    """``keep_tensors`` False (a knowledge frame the daemon only stores): the same header and
+    meta, no tensors, and every tensor still validated (a bad one later in the frame, or a
+    repeated name, is refused as by a full decode)."""
+    sparse = rec(b"i", layout=1, dims=(10,), nnz=2, data=u16(1, 7) + f32(1, 2))
+    good = raw_frame(meta=b'{"a":1}', tensors=[rec(), sparse])
+    full = decode(good)
+    light = decode(good, keep_tensors=lambda header: header.kind is not Kind.UPDATE)
+    assert light.header == full.header and light.meta == full.meta and light.tensors == {}
+    assert decode(good, keep_tensors=lambda header: True).tensors.keys() == full.tensors.keys()
+    nan = rec(b"n", data=f32(1, 2, float("nan"), 4))
+    unsorted = rec(b"u", layout=1, dims=(10,), nnz=2, data=u16(7, 1) + f32(1, 2))
+    for bad in ([rec(), nan], [rec(), unsorted], [rec(), rec()]):
+        with pytest.raises(CodecError) as expected:
+            decode(raw_frame(tensors=bad))
+        with pytest.raises(CodecError) as got:
+            decode(raw_frame(tensors=bad), keep_tensors=lambda header: False)
+        assert str(got.value) == str(expected.value)
+
+
 BAD_FRAMES = {
     "magic": (raw_frame(magic=b"FCLX"), "magic"),
     "version 0": (raw_frame(version=0), "version"),

@@ -100,3 +100,53 @@ def test_training_never_imports_torch_dynamo():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name,kwargs", CASES)
+def test_stepping_inside_the_backward_pass_equals_backward_then_step(name, kwargs):
+    """Each parameter updated by its gradient hook, its gradient dropped: the same values and
+    state as torch's backward() then step(), with no gradient left after the pass."""
+    ref, ours = _model(3), _model(3)
+    ref_opt = getattr(torch.optim, name)(ref.parameters(), **kwargs)
+    our_opt = getattr(optim, name)(ours.parameters(), **kwargs)
+    _train(ref, ref_opt, 9, 4)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(9):
+        x = torch.randn(16, 7, generator=g)
+        our_opt.zero_grad(set_to_none=True)
+        with our_opt.stepping_in_backward():
+            ours(x).pow(2).mean().backward()
+        assert all(p.grad is None for p in ours.parameters())
+        our_opt.step()  # nothing left to do
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
+    ref_state, our_state = ref_opt.state_dict()["state"], our_opt.state_dict()["state"]
+    for i in ref_state:
+        for k in ref_state[i]:
+            assert torch.equal(torch.as_tensor(ref_state[i][k]), torch.as_tensor(our_state[i][k])), (i, k)
+    ours(torch.ones(1, 7)).sum().backward()  # outside the block: no hook is left
+    assert all(p.grad is not None for p in ours.parameters())
+
+
+def test_a_parameter_updated_before_a_node_that_saved_it_raises():
+    """A graph where a node reads a parameter after the parameter's gradient is complete:
+    autograd refuses the stale value instead of computing with the updated one."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    v = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    opt = optim.SGD([w, v], lr=0.1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with opt.stepping_in_backward():
+            (w.detach() * v * w).sum().backward()  # MulBackward saved w for v's gradient
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_adam_state_made_before_the_first_step_changes_nothing(fused):
+    ref, ours = _model(5), _model(5)
+    ref_opt = optim.Adam(ref.parameters(), lr=1e-2, fused=fused)
+    our_opt = optim.Adam(ours.parameters(), lr=1e-2, fused=fused)
+    our_opt.init_state()
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in our_opt.state.values())
+    _train(ref, ref_opt, 6, 6)
+    _train(ours, our_opt, 6, 6)
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(a, b)

@@ -50,14 +50,16 @@ class DecomposedLinear(nn.Module):
             self.bias_offsets.append(nn.Parameter(torch.zeros(n_out)))
 
     def composed(self, task: int | None) -> Tensor:
-        """The task's weight; ``None`` is the shared base alone (before any task)."""
+        """The task's weight; ``None`` is the shared base alone (before any task).  Added up in
+        place on the first product (the same values and gradients as ``a + b + c``; two
+        weight-sized buffers a step fewer)."""
         if task is None:
             return self.weight
-        w = self.weight * torch.sigmoid(self.unit_logits[task])[:, None] + self.adaptive[task]  # (out, in)
+        w = (self.weight * torch.sigmoid(self.unit_logits[task])[:, None]).add_(self.adaptive[task])  # (out, in)
         if task in self.settled:
-            w = w + self.settled[task]
+            w.add_(self.settled[task])
         elif self.knowledge[task].shape[0]:
-            w = w + torch.einsum("k,koi->oi", self.attention[task], self.knowledge[task])
+            w.add_(torch.einsum("k,koi->oi", self.attention[task], self.knowledge[task]))
         return w
 
     @torch.no_grad()
@@ -80,7 +82,9 @@ class DecomposedLinear(nn.Module):
         return self.bias + self.bias_offsets[task]
 
     def forward(self, x: Tensor, task: int | None) -> Tensor:
-        return F.linear(x, self.composed(task) * self.mask, self.composed_bias(task))
+        w = self.composed(task)
+        w = w * self.mask if task is None else w.mul_(self.mask)  # a task's composition is a fresh tensor
+        return F.linear(x, w, self.composed_bias(task))
 
 
 class DecomposedMADE(nn.Module):

@@ -37,7 +37,7 @@ from fclcore.procmem import release_free_memory
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import ServedModel
-from methods.confedmade.penalty import PenaltyTerms, WeightPenalty
+from methods.confedmade.penalty import PenaltyTerms, WeightPenalty, Workspace
 from methods.confedmade.training import MadeLearner, mean_nll
 from methods.confedmade.wire import EXTRA, KB_PREFIX, knowledge_key, parse_knowledge_meta
 
@@ -48,6 +48,8 @@ class DecomposedLearner(MadeLearner):
     masked_l1 = False  # M inside the L1 term
     restrict_to_made_mask = False  # uploads restricted to the round's MADE mask (with upload_made_mask)
     own_masks = False  # every client draws its own MADE masks
+    compact_pixels = True  # uint8 0/1 shards are converted per batch (local_epochs, mean_nll)
+    step_in_backward = True  # B and the A_i: up to 6 weight-sized gradients per layer never held together
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         super().__init__(fed, options, input_dim, client_index)
@@ -63,6 +65,7 @@ class DecomposedLearner(MadeLearner):
         self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # B, A_i at task start
         self.entries: list[list[str]] = []  # knowledge-base entry ids per task
         self.values_sent = 0
+        self.work = Workspace()  # the penalty's scratch buffers
 
     # -- federation ----------------------------------------------------------------------
     @torch.no_grad()
@@ -104,6 +107,7 @@ class DecomposedLearner(MadeLearner):
         release_free_memory()  # what was just freed goes back to the OS before the new stack is mapped
         self.anchor = {p: _snapshot(l) for p, l in self.model.layers.items()}
         self.model.add_task(self._knowledge(downlink, ids), self.opts.mask_init, self.opts.lambda3)
+        self.work.reserve(max(layer.weight.numel() for layer in self.model.layers.values()))
         self.entries.append(ids)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optim.Adam(trainable, lr=self.fed.train.lr, fused=True)
@@ -132,6 +136,8 @@ class DecomposedLearner(MadeLearner):
     # -- training ------------------------------------------------------------------------
     def train_round(self, train: Sequence[Dataset], rnd: int, place: RoundPlace) -> tuple[int, float]:
         x = torch.from_numpy(train[-1].x)
+        if not self.optimizer.state:  # a task's first round: the moments are made before the steps'
+            self.optimizer.init_state()  # temporaries (not among them), once the knowledge frame is gone
 
         def loss(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             nll = self.model.nll(batch, self.task).mean()
@@ -154,6 +160,7 @@ class DecomposedLearner(MadeLearner):
                 layer.mask if self.masked else 1.0,
                 self.opts.lambda1,
                 self.opts.lambda2,
+                self.work,
             )
             total = total + WeightPenalty.apply(terms, layer.weight, *layer.adaptive)
             if drift and layer.bias is not None:  # the task's bias b + c_i is held the same way

@@ -3,6 +3,7 @@ with the synchronised order schedule, and its checkpoint (model + optimiser mome
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -23,6 +24,10 @@ class MadeLearner(Learner):
     """A learner whose model is a MADE (plain or decomposed) built from ``federation.model``."""
 
     model: torch.nn.Module
+    # True: each parameter is updated inside the backward pass as soon as its gradient is
+    # complete, and that gradient dropped (``fclcore.optim.Optimizer.stepping_in_backward``):
+    # the same values, without every gradient of the model held at once
+    step_in_backward = False
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         super().__init__(fed, options, input_dim, client_index)
@@ -37,7 +42,8 @@ class MadeLearner(Learner):
         loss: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> float:
         """The shared local loop: shuffling seeded by (seed, client, round), the MADE order of
-        each step from the synchronised schedule, one optimiser step per mini-batch.
+        each step from the synchronised schedule, one optimiser step per mini-batch.  ``x`` may
+        hold uint8 0/1 pixels (``Learner.compact_pixels``): each batch is made float32.
 
         ``loss(batch)`` returns (mean NLL, NLL + regularisers); the mean NLL is returned."""
         generator = torch.Generator().manual_seed(round_seed(self.fed.seed, self.client_index, rnd))
@@ -47,9 +53,10 @@ class MadeLearner(Learner):
             for batch in torch.randperm(len(x), generator=generator).split(self.fed.train.batch_size):
                 model.set_order(step_order(self.made, self.options, rnd, step))
                 self.optimizer.zero_grad(set_to_none=True)  # before the forward: old grads never meet its graph
-                nll, total = loss(x[batch])
-                total.backward()
-                self.optimizer.step()
+                nll, total = loss(x[batch].to(torch.float32))  # uint8 0/1 pixels: the same values
+                with self.optimizer.stepping_in_backward() if self.step_in_backward else contextlib.nullcontext():
+                    total.backward()
+                self.optimizer.step()  # what the backward pass did not update (all of it, unless step_in_backward)
                 losses.append(nll.item())
                 step += 1
         self.optimizer.zero_grad(set_to_none=True)  # no gradients held between rounds
@@ -90,7 +97,7 @@ def mean_nll(nll, data: Dataset | None) -> float | None:
     """Mean per-sample NLL over ``data`` in batches (None for no data)."""
     if data is None:
         return None
-    x = torch.from_numpy(data.x)
-    total = sum(nll(x[i : i + EVAL_BATCH]).sum().item() for i in range(0, len(x), EVAL_BATCH))
+    x = torch.from_numpy(data.x)  # float32, or uint8 0/1 pixels (converted per batch, the same values)
+    total = sum(nll(x[i : i + EVAL_BATCH].to(torch.float32)).sum().item() for i in range(0, len(x), EVAL_BATCH))
     release_free_memory()  # the batches' buffers are not left under the next phase's peak
     return round(total / len(x), 4)
