@@ -24,6 +24,7 @@ from fclcore.models.enhancer import (
     EnhancerConfig,
     EnhancerGroup,
     FrozenBackbone,
+    Int8Linear,
     enhanced_logits,
     enhanced_logits_from_prefix,
     group_to_tensors,
@@ -173,6 +174,58 @@ def test_frozen_prefix_continues_to_the_same_logits(backbone):
         moved = enhanced_logits(backbone, group, ids_t, mask_t)
         assert not torch.allclose(moved, want, atol=1e-3)
         torch.testing.assert_close(enhanced_logits_from_prefix(backbone, group, prefix, mask_t), moved)
+
+
+def test_int8_blocks_follow_float32_and_leave_the_frozen_passes_alone(backbone):
+    """``with_int8_blocks``: the same encoder, blocks 1.. in int8 in the Enhancer passes.  The
+    logits and the trainable parameters' gradients follow float32 closely but not exactly (the
+    int8 forward and backward are taken); the frozen-only passes (pooled, prefix) are float32
+    bit for bit, and the float32 backbone itself is left as it was."""
+    int8 = backbone.with_int8_blocks()
+    assert int8.encoder is backbone.encoder and all(q is None for q in backbone.int8)
+    assert int8.int8[0] is None and all(q is not None for q in int8.int8[1:])
+    group = EnhancerGroup(ECFG, [0, 1, 2], seed=3)
+    with torch.no_grad():
+        for e in group.enhancers:
+            e.up.weight.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(1))
+    docs = synthetic_docs([0, 1, 2], 4, seed=2)
+    mask = docs.mask.copy()
+    mask[::3, -5:] = 0  # some padded texts
+    ids_t, mask_t = torch.from_numpy(docs.ids), torch.from_numpy(mask)
+    logits, grads = [], []
+    for bb in (backbone, int8):
+        group.zero_grad(set_to_none=True)
+        out = enhanced_logits(bb, group, ids_t, mask_t)
+        nn.functional.cross_entropy(out, torch.from_numpy(docs.labels)).backward()
+        logits.append(out.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in trainable_parameters(group)]))
+    assert not torch.equal(logits[0], logits[1])
+    torch.testing.assert_close(logits[1], logits[0], atol=0.03 * float(logits[0].abs().max()), rtol=0)
+    assert not torch.equal(grads[0], grads[1])
+    assert float(nn.functional.cosine_similarity(grads[0], grads[1], dim=0)) > 0.99
+    np.testing.assert_array_equal(pooled_embeddings(int8, docs.ids, mask), pooled_embeddings(backbone, docs.ids, mask))
+    prefix = prefix_states(int8, docs.ids, mask, batch_size=len(docs))
+    assert torch.equal(prefix, prefix_states(backbone, docs.ids, mask, batch_size=len(docs)))
+    with torch.no_grad():  # the cached-prefix pass is the same int8 pass
+        torch.testing.assert_close(enhanced_logits_from_prefix(int8, group, prefix, mask_t), logits[1], atol=0, rtol=0)
+
+
+def test_int8_linear_backward_is_the_transposed_int8_matmul():
+    """``Int8Linear``: forward ~ x W^T + b, backward ~ g W, each to int8 rounding, and the
+    weight takes no gradient (it is frozen)."""
+    lin = nn.Linear(48, 40)
+    q = Int8Linear(lin.weight, lin.bias)
+    x = torch.randn(3, 7, 48, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(3, 7, 40, generator=torch.Generator().manual_seed(1))
+    y = q(x)
+    assert y.shape == (3, 7, 40)
+    want = lin(x.detach()).detach()
+    torch.testing.assert_close(y.detach(), want, atol=0.03 * float(want.abs().max()), rtol=0)
+    y.backward(g)
+    ref = g @ lin.weight.detach()
+    assert not torch.equal(x.grad, ref)
+    torch.testing.assert_close(x.grad, ref, atol=0.03 * float(ref.abs().max()), rtol=0)
+    assert lin.weight.grad is None
 
 
 def test_prefix_cache_changes_no_round_and_unused_teachers_do_not_run(backbone, monkeypatch):
