@@ -47,7 +47,7 @@ from fclcore.text import (
     load_text_folders,
     split_corpus,
 )
-from methods.fedet.client import FedETClient, FedETConfig
+from methods.fedet.client import FedETClient, FedETConfig, train_epochs
 from methods.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
 from methods.fedet.memory import SampleMemory
 from methods.fedet.server import (
@@ -276,6 +276,62 @@ def test_prefix_cache_changes_no_round_and_unused_teachers_do_not_run(backbone, 
     plain = clients[1].train_round(4)[0]
     for name, value in plain.tensors.items():
         np.testing.assert_allclose(again.tensors[name].to_dense(), value.to_dense(), atol=1e-5, err_msg=name)
+
+
+def test_train_epochs_keeps_each_rows_logits_of_its_training_step(backbone):
+    """``logits_out``: every row's logits as computed for its step (with a zero learning rate
+    nothing moves, so they are the group's logits on every row, whatever the batch order)."""
+    group = EnhancerGroup(ECFG, [0, 1], seed=3)
+    docs = synthetic_docs([0, 1], 5, seed=4)
+    seen = torch.full((len(docs), 2), float("nan"))
+    train_epochs(
+        backbone,
+        group,
+        docs,
+        1,
+        4,
+        torch.optim.SGD(trainable_parameters(group), lr=0.0),
+        torch.Generator().manual_seed(0),
+        lambda logits, b: logits.sum(),
+        logits_out=seen,
+    )
+    assert not seen.requires_grad
+    np.testing.assert_allclose(seen.numpy(), predict_logits(backbone, group, docs.ids, docs.mask), atol=1e-5)
+
+
+def test_teacher_from_training_passes_f_t_over_the_memory_rows_only(backbone, monkeypatch):
+    """``teacher_from_training``: f_t's targets on L_j come from its training pass, so its own
+    pass covers only U's memory rows (and is not run in the first task, where U is L_j); f_old
+    still runs over all of U; the uploads move a little."""
+    starts: list[tuple[bool, tuple[int, ...], int, int]] = []
+    teacher = FedETClient._teacher_logits
+
+    def counted(self, group, s, prefix, start=0):
+        starts.append((self.cfg.teacher_from_training, group.classes, start, len(s.distill_set)))
+        return teacher(self, group, s, prefix, start)
+
+    monkeypatch.setattr(FedETClient, "_teacher_logits", counted)
+    clients = [
+        FedETClient(
+            FedETConfig(ECFG, 1, gamma=0.5, batch_size=4, seed=0, proto_init=10.0, teacher_from_training=t), backbone, 0
+        )
+        for t in (True, False)
+    ]
+    group_of, protos = {}, {}
+    for t, classes in enumerate([(0, 1), (2, 3)]):
+        docs = synthetic_docs(classes, 4, seed=20 + t)
+        pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
+        group_of.update({c: 0 for c in classes})
+        protos.update({c: pooled[docs.labels == c].mean(0) for c in classes})
+        for client in clients:
+            client.start_task(t, docs, pooled, dict(group_of), dict(protos))
+        ups = [client.train_round(t)[0] for client in clients]
+        assert ups[0].meta() == ups[1].meta()
+        assert any(not np.array_equal(ups[0].tensors[k].to_dense(), v.to_dense()) for k, v in ups[1].tensors.items())
+    s = clients[0].active[0]
+    mine = [x[1:] for x in starts if x[0]]
+    assert mine == [((0, 1), 0, len(s.distill_set)), ((2, 3), len(s.data), len(s.distill_set))]  # f_old, f_t
+    assert [x[1:3] for x in starts if not x[0]] == [((0, 1), 0), ((0, 1), 0), ((2, 3), 0)]
 
 
 def test_client_and_server_build_the_same_initial_groups(backbone):

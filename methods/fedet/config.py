@@ -25,6 +25,10 @@ class FedETOptions:
     # passes (training, teachers, evaluation): about half the CPU of a training round; the selector's
     # features, the prefix and the aggregator stay float32 (``FrozenBackbone.with_int8_blocks``)
     int8_blocks: bool = False
+    # device: the temporary group's distillation targets on its own texts (L_j) are its logits of
+    # the round's training pass (each text's, before that step's update) instead of a second pass
+    # after it; the memory's rows of U still get that pass
+    teacher_from_training: bool = False
 
     def __post_init__(self) -> None:
         if (

@@ -91,6 +91,7 @@ class FedETLearner(Learner):
             fed.seed,
             spec.proto_init,
             spec.prefix_cache,
+            spec.teacher_from_training,
         )
         # the Enhancer passes' backbone: the same weights, blocks 1.. in int8 when asked; self.backbone
         # (float32) computes the selector's features and is what the served model exports
