@@ -66,7 +66,7 @@ def overrides(args: argparse.Namespace, name: str, seed: int) -> list[str]:
         f"federation.options.server_epochs={args.server_epochs}",
         f"federation.options.aux_per_round={args.aux_per_round}",
         f"federation.options.proto_init={args.proto_init}",
-        f"federation.options.int8_blocks={args.int8_blocks}",
+        *(f"federation.options.{item}" for item in args.option),
     ]
 
 
@@ -190,10 +190,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument(
-        "--int8-blocks",
-        choices=("true", "false"),
-        default="true",
-        help="devices run encoder blocks 1.. in int8 in their Enhancer passes (the shipped scenario's setting)",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another federation option of every method, e.g. int8_blocks=false (default: the scenario's)",
     )
     p.add_argument("--bottleneck", type=int, default=64, help="Enhancer width m")
     p.add_argument("--gamma", type=float, default=0.1, help="sample memory store ratio")
