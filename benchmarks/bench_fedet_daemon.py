@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before-commit", default=None, help="with --before: the commit it was measured at")
     parser.add_argument("--before-run", default=None, metavar="DIR", help="a run directory of the earlier code")
     parser.add_argument("--before-run-commit", default=None, help="the commit --before-run was made with")
+    parser.add_argument(
+        "--note", default=None, help="a sentence for the report, e.g. when and under what load the runs were made"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     before = before_of(args, out)  # read before the results file is replaced
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.returncode != 0:
         raise SystemExit(f"fcl simulate failed ({result.returncode}): {result.stderr[-2000:]}")
     res = {
-        "command": "python benchmarks/bench_fedet_daemon.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/bench_fedet_daemon.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         # the code that ran: this checkout (a re-measured run: --commit, else unknown)
         "commit": args.commit if args.from_run else git("rev-parse", "--short", "HEAD") or None,
         "uncommitted_changes": False if args.from_run else bool(git("status", "--porcelain", "--untracked-files=no")),
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "scenario": str(SCENARIO.relative_to(ROOT)),
         "overrides": args.set,
+        **({"note": args.note} if args.note else {}),
         **measure(runs),
     }
     if again is not None:  # side by side: the headline ratio; a recorded figure is context only
@@ -234,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{res['machine']['cpu'] or 'CPU unknown'}, {os.cpu_count()} cores (load average "
                 f"{res['machine']['load_before']} before, {res['machine']['load_after']} after).",
                 "",
+                *([res["note"], ""] if res.get("note") else []),
                 "| measure | value |",
                 "|---|---|",
                 f"| FedET settings of the run | {json.dumps(res['fedet_settings'])} |",
