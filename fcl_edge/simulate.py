@@ -493,11 +493,16 @@ def _show(event: dict, rounds: dict[int, dict], bar: tqdm) -> None:
         tqdm.write(f"{event['round']:>5} {row['task']:>4} {score:>9.3f} {row['up']:>10,} {row['down']:>11,}")
 
 
+# after the aggregator ends, how long each device may take to finish: its last act is the final
+# export (FedET's: two child processes, torch then onnxruntime; 30-60 s on a loaded 2-core machine)
+FINAL_WAIT_S = 120.0
+
+
 def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float, failed: Sequence[str] = ()) -> int:
     codes = {}
     for name, proc in procs.items():
         try:
-            codes[name] = proc.wait(timeout=max(1.0, min(30.0, deadline - time.monotonic())))
+            codes[name] = proc.wait(timeout=max(1.0, min(FINAL_WAIT_S, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             codes[name] = None
     summary_path = out_dir / "summary.json"
