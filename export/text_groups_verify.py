@@ -111,6 +111,10 @@ def finish_stage(stage_dir: Path) -> dict[str, Any]:
         path = Path(checks["path"])
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{stage_dir}: not a complete export stage ({exc!r})") from None
+    try:  # the graph's checker pass, left out of the first process (``build_text_classifier_onnx``)
+        onnx.checker.check_model(str(stage_dir / "model.onnx"))
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"the staged model fails the ONNX checker: {exc}") from None
     temps: list[Path] = []
     try:
         tmp = temp_path(path)  # next to the target, so that publishing it is a rename
