@@ -66,6 +66,7 @@ def overrides(args: argparse.Namespace, name: str, seed: int) -> list[str]:
         f"federation.options.server_epochs={args.server_epochs}",
         f"federation.options.aux_per_round={args.aux_per_round}",
         f"federation.options.proto_init={args.proto_init}",
+        *(f"federation.options.{item}" for item in args.option),
     ]
 
 
@@ -188,6 +189,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="new head rows start as a nearest-prototype classifier of this logit scale (0: zeros)",
     )
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another federation option of every method, e.g. int8_blocks=false (default: the scenario's)",
+    )
     p.add_argument("--bottleneck", type=int, default=64, help="Enhancer width m")
     p.add_argument("--gamma", type=float, default=0.1, help="sample memory store ratio")
     p.add_argument("--lr", type=float, default=2e-3)

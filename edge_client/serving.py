@@ -171,15 +171,12 @@ class ServedModelWriter:
             with tempfile.TemporaryDirectory(prefix=".export-", dir=self.out_dir) as tmp:
                 job_dir = Path(tmp)
                 self._write_job(job_dir, job)
-                done = subprocess.run(
-                    [*self.child_command, str(job_dir)],
-                    capture_output=True,
-                    text=True,
-                    timeout=self.timeout_s,
-                    env=_child_env(),
-                )
-                report_file = job_dir / "report.json"
-                doc = json.loads(report_file.read_text()) if report_file.is_file() else {}
+                done, doc = self._run_child(job_dir)
+                if done.returncode == 0 and doc.get("ok") and doc.get("next") == "finish":
+                    # a staged job (text-groups): its checks and int8 copy in a second, torch-free process
+                    self.child_peak_rss_mb = max(self.child_peak_rss_mb, float(doc.get("peak_rss_mb", 0.0)))
+                    (job_dir / "report.json").unlink()
+                    done, doc = self._run_child(job_dir, "--finish")
         except subprocess.TimeoutExpired:
             log.error(
                 "export after task %d timed out after %.0f s (child killed), previous model stays in service",
@@ -197,6 +194,19 @@ class ServedModelWriter:
         self.child_peak_rss_mb = max(self.child_peak_rss_mb, float(doc.get("peak_rss_mb", 0.0)))
         log.info("serving task %d model (%s): %s", served.task, served.format, self.model_path)
         return doc["report"]
+
+    def _run_child(self, job_dir: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+        """One ``export.child`` process on ``job_dir`` (TimeoutExpired past ``timeout_s``): its
+        exit and its ``report.json`` document ({} if it wrote none)."""
+        done = subprocess.run(
+            [*self.child_command, *flags, str(job_dir)],
+            capture_output=True,
+            text=True,
+            timeout=self.timeout_s,
+            env=_child_env(),
+        )
+        report_file = job_dir / "report.json"
+        return done, json.loads(report_file.read_text()) if report_file.is_file() else {}
 
     def _write_job(self, job_dir: Path, job: ServeJob) -> None:
         """The job directory ``export.child`` reads (no onnx imported here)."""

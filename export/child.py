@@ -3,10 +3,16 @@ onnxruntime or the export's buffers (``edge_client.serving`` starts it; see
 ``firmware_notes/memory.md``).
 
     python -m export.child JOB_DIR
+    python -m export.child --finish JOB_DIR
 
 A text-groups model (FedET's) is a job of ``export.text_groups_job`` (``"format": "text-groups"``
-in ``job.json``): the child imports torch and loads the frozen backbone itself.  A MADE's
-``JOB_DIR`` holds what the daemon wrote with :func:`write_job`:
+in ``job.json``) in two processes, so that none holds torch and the backbone together with
+onnxruntime and the int8 copy: the first imports torch, loads the frozen backbone itself,
+builds the file and the torch reference and leaves them in ``JOB_DIR/stage``
+(``export.text_groups_verify.write_stage``), reporting ``"next": "finish"``; the caller then
+runs ``--finish``, which checks, quantises and publishes without torch
+(``export.text_groups_verify.finish_stage``).  A MADE's ``JOB_DIR`` holds what the daemon
+wrote with :func:`write_job`:
 
 * ``parity.npy`` and ``reference.npy``: the parity rows and the torch MADE's logits on them,
   computed by the daemon, so this process needs no torch;
@@ -15,9 +21,10 @@ in ``job.json``): the child imports torch and loads the frozen backbone itself. 
   with ``allow_pickle=False``).
 
 It runs ``export.onnx_made.export_served_model`` (the same verified, atomic publication as in
-process) and writes ``report.json``: ``{"ok": true, "report": {...}, "peak_rss_mb": ...}`` or
-``{"ok": false, "error": "..."}``.  Exit status 0 on success, 1 on a failed export, 2 on a
-malformed job.
+process) and writes ``report.json``: ``{"ok": true, "report": {...}, "peak_rss_mb": ...,
+"imported": [the frameworks the process loaded]}`` (a staged text-groups job: also ``"next":
+"finish"``) or ``{"ok": false, "error": "..."}``.  Exit status 0 on success, 1 on a failed
+export, 2 on a malformed job.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from export.publish import ExportError
 from export.snapshot import SnapshotError, load_snapshot
 from fclcore.procmem import peak_rss_mb
 
-__all__ = ["run_job", "write_job"]
+__all__ = ["run_job", "finish_job", "write_job", "STAGE"]
+
+STAGE = "stage"  # a text-groups job's stage directory, inside JOB_DIR
 
 
 def write_job(job_dir: Path, snapshot: Path, parity: np.ndarray, reference: np.ndarray, path: Path, int8: bool) -> None:
@@ -59,9 +68,31 @@ def run_job(job_dir: Path) -> dict:
         report = export(job["path"], int8=job["int8"], toolkit_version=str(job.get("toolkit_version", "0.1.0")))
     except (ExportError, ValueError, OSError) as exc:
         raise SystemExit(_done(job_dir, {"ok": False, "error": str(exc)}, 1)) from None
-    doc = {"ok": True, "report": report, "peak_rss_mb": peak_rss_mb()}
+    doc = {"ok": True, "report": report, "peak_rss_mb": peak_rss_mb(), "imported": _frameworks()}
+    if "staged" in report:
+        doc["next"] = "finish"
     _done(job_dir, doc, 0)
     return doc
+
+
+def finish_job(job_dir: Path) -> dict:
+    """The second process of a staged text-groups job (no torch): its ``report.json`` document."""
+    from export.text_groups_verify import finish_stage
+
+    try:
+        report = finish_stage(job_dir / STAGE)
+    except ExportError as exc:
+        raise SystemExit(_done(job_dir, {"ok": False, "error": str(exc)}, 1)) from None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(_done(job_dir, {"ok": False, "error": f"malformed job: {exc}"}, 2)) from None
+    doc = {"ok": True, "report": report, "peak_rss_mb": peak_rss_mb(), "imported": _frameworks()}
+    _done(job_dir, doc, 0)
+    return doc
+
+
+def _frameworks() -> list[str]:
+    """The heavy frameworks this process has imported (the report says which half held what)."""
+    return [m for m in ("torch", "onnx", "onnxruntime") if m in sys.modules]
 
 
 def _made_export(job_dir: Path, job: dict) -> Callable[..., dict]:
@@ -77,13 +108,14 @@ def _made_export(job_dir: Path, job: dict) -> Callable[..., dict]:
 
 
 def _text_groups_export(job_dir: Path, job: dict) -> Callable[..., dict]:
-    """A text-groups job's export, its model rebuilt (torch; the backbone loaded from its directory)."""
-    from export.formats import export_served
+    """A text-groups job's first half, its model rebuilt (torch; the backbone loaded from its
+    directory): built and staged for ``finish_job``."""
+    from export.onnx_text_groups import export_text_groups
     from export.text_groups_job import read_text_groups_job
 
     served = read_text_groups_job(job_dir, job.get("served"))
     parity = np.load(job_dir / "parity.npy", allow_pickle=False)
-    return functools.partial(export_served, served, parity_inputs=parity)
+    return functools.partial(export_text_groups, served, parity_inputs=parity, stage_dir=job_dir / STAGE)
 
 
 def _done(job_dir: Path, doc: dict, status: int) -> int:
@@ -95,10 +127,13 @@ def _done(job_dir: Path, doc: dict, status: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    finish = bool(args) and args[0] == "--finish"
+    if finish:
+        args = args[1:]
     if len(args) != 1 or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if args and args[0] in ("-h", "--help") else 2
-    run_job(Path(args[0]))
+    (finish_job if finish else run_job)(Path(args[0]))
     return 0
 
 

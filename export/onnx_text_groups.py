@@ -53,19 +53,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from export.publish import (
-    ExportError,
-    int8_path_for,
-    publish_export,
-    quantize_int8,
-    remove_temps,
-    seal,
-    temp_path,
-    write_synced,
-)
-from export.runtime import ModelFileError
+from export.publish import ExportError, int8_path_for, remove_temps, seal, temp_path, write_synced
 from export.text_export import parity_token_rows, tokenizer_metadata, trace_token_model
-from export.text_runtime import FORMAT, TextClassifierRuntime
+from export.text_groups_verify import (
+    FORMAT,
+    INT8_MIN_AGREEMENT,
+    PARITY_TOL,
+    ROUTE_TOL,
+    verify_and_publish,
+    write_stage,
+)
 from fclcore.models.enhancer import (
     EnhancerGroup,
     FrozenBackbone,
@@ -92,11 +89,6 @@ __all__ = [
     "INT8_MIN_AGREEMENT",
     "int8_path_for",
 ]
-
-PARITY_TOL = 1e-4  # |onnx - torch| <= PARITY_TOL * max(1, |torch|) for every finite logit
-ROUTE_TOL = 1e-4  # a cosine (selector) or logit (head) top-2 gap below this is a float32 tie
-INT8_MIN_AGREEMENT = 0.9  # default: int8 labels must equal the fp32 torch labels on >= 90% of parity rows
-_INT8_OPS = {"MatMulInteger", "QAttention", "DynamicQuantizeLinear", "DequantizeLinear"}
 
 
 # ------------------------------------------------------------------ the graph
@@ -453,11 +445,14 @@ def build_text_classifier_onnx(
     *,
     max_length: int = 128,
     graph: str = "two-pass",
+    check: bool = True,
 ) -> tuple[onnx.ModelProto, list[int], list[int]]:
     """Trace the graph (unsealed); returns (proto, exported group indices, classes).
 
     ``graph``: ``"two-pass"`` (:class:`TextGroupsGraph`, what is served) or ``"all-groups"``
-    (:class:`AllGroupsGraph`, the 1 + J pass baseline the benchmark compares against)."""
+    (:class:`AllGroupsGraph`, the 1 + J pass baseline the benchmark compares against).
+    ``check``: run ``onnx.checker`` on the proto (which serialises and parses a whole copy of
+    it); a staged export checks the written file in its second process instead."""
     if graph not in GRAPHS:
         raise ExportError(f"graph must be one of {sorted(GRAPHS)}, got {graph!r}")
     group_ids, classes = _plan(backbone, groups, selector, max_length)
@@ -480,134 +475,9 @@ def build_text_classifier_onnx(
         f"{backbone_passes(graph, len(group_ids))} backbone passes per text; "
         "input_ids, attention_mask -> label, group, logits"
     )
-    onnx.checker.check_model(proto)
+    if check:
+        onnx.checker.check_model(proto)
     return proto, group_ids, classes
-
-
-# ------------------------------------------------------------------ parity
-
-
-def _compare(
-    ref: dict[str, np.ndarray], labels: np.ndarray, groups: np.ndarray, logits: np.ndarray, what: str, desc: str
-) -> dict[str, Any]:
-    """fp32 parity: labels and groups exactly (except float32 ties), logits within PARITY_TOL."""
-    route_tie = ref["route_margin"] <= ROUTE_TOL
-    same_route = groups == ref["group"]
-    scale = np.abs(ref["logits"]).max(axis=1, initial=0.0, where=np.isfinite(ref["logits"]))
-    label_tie = ref["label_margin"] <= ROUTE_TOL * np.maximum(1.0, scale)
-    bad_route = ~same_route & ~route_tie
-    bad_label = same_route & (labels != ref["label"]) & ~label_tie
-    if bad_route.any() or bad_label.any():
-        rows = np.flatnonzero(bad_route | bad_label)[:5].tolist()
-        raise ExportError(
-            f"{what} parity check failed on {int(bad_route.sum())} routes and {int(bad_label.sum())} "
-            f"labels of {len(labels)} rows ({desc}; first rows {rows}: onnx label/group "
-            f"{labels[rows].tolist()}/{groups[rows].tolist()}, torch {ref['label'][rows].tolist()}/"
-            f"{ref['group'][rows].tolist()})"
-        )
-    r, g = ref["logits"][same_route].astype(np.float64), logits[same_route].astype(np.float64)
-    finite = np.isfinite(r)
-    if not np.array_equal(finite, np.isfinite(g)) or np.isnan(g).any():
-        raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
-    diff = np.abs(g[finite] - r[finite])
-    err = float(diff.max()) if diff.size else 0.0
-    scaled = float((diff / np.maximum(1.0, np.abs(r[finite]))).max()) if diff.size else 0.0
-    if not scaled <= PARITY_TOL:
-        raise ExportError(
-            f"{what} parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
-            f"{PARITY_TOL:g} (max abs logit error {err:.3g}) on {len(labels)} rows ({desc})"
-        )
-    return {
-        "max_abs_err": err,
-        "max_scaled_err": scaled,
-        "label_agreement": float((labels == ref["label"]).mean()),
-        "float32_ties": int((~same_route | (labels != ref["label"])).sum()),
-    }
-
-
-# ------------------------------------------------------------------ int8
-
-
-def _selector_nodes(proto: onnx.ModelProto) -> list[str]:
-    """Names of the nodes reading the prototypes (the selector's MatMul): kept in fp32 by int8."""
-    names = {t.name for t in proto.graph.initializer if "prototypes_t" in t.name}
-    return [n.name for n in proto.graph.node if names & set(n.input)]
-
-
-def _stack_gathers(proto: onnx.ModelProto) -> list[str]:
-    """Names of the Gathers picking each row's group from the stacked ``stack_*`` tensors.
-
-    Left alone the int8 quantiser would quantise every float one (Gather is in its op list)
-    with one scale per tensor across all groups; excluded, the Enhancers and heads stay fp32
-    (the per-row MatMuls they feed are not quantised either: their weights are not constant
-    initializers, and dynamic quantisation only takes MatMuls with a constant B)."""
-    names = {t.name for t in proto.graph.initializer if t.name.startswith("stack_")}
-    return [n.name for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in names]
-
-
-def _quantize(src: Path, dst: Path, exclude: list[str], per_channel: bool) -> None:
-    quantize_int8(src, dst, exclude, per_channel)
-
-
-def _load(path: Path, what: str) -> TextClassifierRuntime:
-    try:
-        return TextClassifierRuntime(path, tokenizer=False)
-    except ModelFileError as exc:
-        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
-
-
-def _export_int8(
-    fp32_tmp: Path,
-    q_tmp: Path,
-    q_path: Path,
-    ref: dict[str, np.ndarray],
-    ids: np.ndarray,
-    mask: np.ndarray,
-    desc: str,
-    metadata: dict[str, Any],
-    min_agreement: float,
-    per_channel: bool,
-    exclude_selector: bool,
-) -> dict[str, Any]:
-    proto = onnx.load(fp32_tmp, load_external_data=False)
-    exclude = (_selector_nodes(proto) if exclude_selector else []) + _stack_gathers(proto)
-    _quantize(fp32_tmp, q_tmp, exclude, per_channel)
-    proto = onnx.load(q_tmp)
-    meta = dict(
-        metadata,
-        quantization="int8-dynamic",
-        int8_label_agreement=0.0,
-        int8_group_agreement=0.0,
-        int8_min_agreement=min_agreement,
-        int8_eval=desc,
-    )
-    write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
-    labels, groups, _ = _load(q_tmp, "int8").predict_ids(ids, mask)
-    agree, g_agree = float((labels == ref["label"]).mean()), float((groups == ref["group"]).mean())
-    if not agree >= min_agreement:
-        raise ExportError(
-            f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows "
-            f"({desc}); nothing written"
-        )
-    meta.update(int8_label_agreement=agree, int8_group_agreement=g_agree)
-    write_synced(q_tmp, seal(proto, meta).SerializeToString())
-    rt = _load(q_tmp, "int8")
-    again, g_again, _ = rt.predict_ids(ids, mask)
-    if not (np.array_equal(again, labels) and np.array_equal(g_again, groups)):
-        raise ExportError("the sealed int8 model disagrees with the measured one")
-    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
-    return {
-        "int8_path": str(q_path),
-        "int8_bytes": size_q,
-        "int8_size_ratio": size_q / size_fp32,
-        "int8_label_agreement": agree,
-        "int8_group_agreement": g_agree,
-        "int8_min_agreement": min_agreement,
-        "int8_excluded_nodes": exclude,
-        "int8_quantized_ops": sorted({n.op_type for n in proto.graph.node if n.op_type in _INT8_OPS}),
-        "int8_per_channel": per_channel,
-        "int8_sha256": rt.metadata["weights_sha256"],
-    }
 
 
 # ------------------------------------------------------------------ export
@@ -634,6 +504,7 @@ def export_text_classifier(
     int8_per_channel: bool = True,
     int8_exclude_selector: bool = True,
     graph: str = "two-pass",
+    stage_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Write the text classifier as ONNX to ``path`` atomically, after verifying the written bytes.
 
@@ -658,6 +529,10 @@ def export_text_classifier(
 
     ``graph``: ``"two-pass"`` (default, what is served) or ``"all-groups"`` (the 1 + J pass
     graph from before, for the benchmark's comparison); recorded as ``fcl.backbone_passes``.
+    ``stage_dir``: only build the file and the torch reference, and leave them there with what
+    the checks need (``export.text_groups_verify.write_stage``); the checks, the int8 copy and
+    the publication are then ``export.text_groups_verify.finish_stage``'s, in a process without
+    torch (``export.child``).  Returns ``{"staged": stage_dir, "path": path}``.
     ``tokenizer_json``: the tokenizer the model expects; its sha256 is recorded and, with
     ``embed_tokenizer``, the file itself is embedded (the runtime then needs nothing else).
     ``max_length``: tokens per text the runtime keeps (default: min(128, backbone positions);
@@ -676,7 +551,7 @@ def export_text_classifier(
         max_length = min(128, backbone.cfg.max_positions)
     selector = _selector(prototypes, group_of)
     proto, group_ids, classes = build_text_classifier_onnx(
-        backbone, groups, selector, max_length=max_length, graph=graph
+        backbone, groups, selector, max_length=max_length, graph=graph, check=stage_dir is None
     )
     if class_names is not None:
         if all(isinstance(n, str) for n in class_names) and len(class_names) > max(classes):
@@ -708,48 +583,27 @@ def export_text_classifier(
         metadata.update(tokenizer_metadata(tokenizer_json, backbone.cfg.vocab_size, embed_tokenizer)[0])
     ids, mask, desc = parity_token_rows(backbone.cfg.vocab_size, max_length, parity_ids, parity_mask)
     ref = text_classifier_reference(backbone, groups, selector, classes, ids, mask)
+    checks = {
+        "path": str(path),
+        "metadata": metadata,
+        "parity": {"ids": ids, "mask": mask, "desc": desc, **ref},
+        "classes": classes,
+        "groups": group_ids,
+        "int8": bool(int8),
+        "int8_min_agreement": float(int8_min_agreement),
+        "int8_per_channel": bool(int8_per_channel),
+        "int8_exclude_selector": bool(int8_exclude_selector),
+    }
+    if stage_dir is not None:  # the checks and the publication are another process's
+        write_stage(Path(stage_dir), seal(proto, metadata).SerializeToString(), checks)
+        return {"staged": str(stage_dir), "path": str(path)}
     temps: list[Path] = []
     try:
         tmp = temp_path(path)
         temps.append(tmp)
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
-        rt = _load(tmp, "fp32")
-        wrong = [k for k, v in metadata.items() if rt.metadata.get(k) != v]
-        if wrong:
-            raise ExportError(f"exported metadata does not round-trip: {wrong}")
-        labels, routes, logits = rt.predict_ids(ids, mask)
-        report: dict[str, Any] = {
-            "path": str(path),
-            "bytes": tmp.stat().st_size,
-            "classes": classes,
-            "groups": group_ids,
-            "parity_rows": len(ids),
-            "parity_data": desc,
-            **_compare(ref, labels, routes, logits, "fp32", desc),
-            "sha256": rt.metadata["weights_sha256"],
-        }
-        del rt
-        int8_fn = (
-            (
-                lambda q_tmp, q_path: _export_int8(
-                    tmp,
-                    q_tmp,
-                    q_path,
-                    ref,
-                    ids,
-                    mask,
-                    desc,
-                    metadata,
-                    int8_min_agreement,
-                    int8_per_channel,
-                    int8_exclude_selector,
-                )
-            )
-            if int8
-            else None
-        )
-        return publish_export(tmp, path, temps, report, int8_fn)
+        return verify_and_publish(tmp, temps, checks)
     finally:
         remove_temps(temps)
 
@@ -779,8 +633,10 @@ def export_text_groups(
     parity_inputs: np.ndarray | None = None,
     int8: bool = False,
     toolkit_version: str = "0.1.0",
+    stage_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-    """Export a :class:`~fclcore.served.TextGroupsServed` to ``path`` (verified, atomic).
+    """Export a :class:`~fclcore.served.TextGroupsServed` to ``path`` (verified, atomic;
+    ``stage_dir``: staged for a second process, as in :func:`export_text_classifier`).
 
     ``parity_inputs``: int64 token ids ``(N, L)``, right-padded with id 0 (the attention mask
     is ``ids != 0``), or None for the exporter's seeded random token rows.  The recorded
@@ -813,4 +669,5 @@ def export_text_groups(
         task=task,
         max_length=max_length,
         toolkit_version=toolkit_version,
+        stage_dir=stage_dir,
     )

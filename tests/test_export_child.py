@@ -204,6 +204,39 @@ def test_child_exports_the_text_groups_model_the_daemon_would(text_job, tmp_path
     assert (tmp_path / "child" / "model.int8.onnx").is_file() and not list((tmp_path / "child").glob(".export-*"))
 
 
+def test_the_text_export_runs_in_two_processes_torch_then_onnxruntime(text_job, tmp_path):
+    """The first child holds torch and the backbone but no onnxruntime, and publishes nothing;
+    the second (``--finish``) checks, quantises and publishes without torch.  A stage that
+    fails its checks in the second leaves the old model in place."""
+    from export.text_groups_job import write_text_groups_job
+
+    served, ids = text_job
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"the model in service")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    write_text_groups_job(job_dir, served, ids, target, True)
+    child = [sys.executable, "-m", "export.child"]
+    done = subprocess.run([*child, str(job_dir)], capture_output=True, text=True, timeout=300)
+    first = json.loads((job_dir / "report.json").read_text())
+    assert done.returncode == 0 and first["ok"] and first["next"] == "finish", done.stderr[-2000:]
+    assert "torch" in first["imported"] and "onnxruntime" not in first["imported"]
+    assert target.read_bytes() == b"the model in service"
+    good = (job_dir / "stage" / "model.onnx").read_bytes()
+    (job_dir / "stage" / "model.onnx").write_bytes(good.replace(b"fcl-edge", b"fcl-EDGE", 1))  # not what was sealed
+    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "failed validation" in json.loads((job_dir / "report.json").read_text())["error"]
+    assert target.read_bytes() == b"the model in service"
+    (job_dir / "stage" / "model.onnx").write_bytes(good)
+    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=300)
+    second = json.loads((job_dir / "report.json").read_text())
+    assert done.returncode == 0 and second["ok"] and "next" not in second, done.stderr[-2000:]
+    assert "torch" not in second["imported"] and "onnxruntime" in second["imported"]
+    assert second["report"]["parity_rows"] == len(ids) and second["report"]["int8_label_agreement"] >= 0.9
+    assert target.read_bytes() != b"the model in service" and (tmp_path / "model.int8.onnx").is_file()
+    assert not list(tmp_path.glob(".model*"))  # no temporaries left next to the model
+
+
 @pytest.mark.parametrize(
     "command,timeout",
     [

@@ -24,6 +24,7 @@ from fclcore.models.enhancer import (
     EnhancerConfig,
     EnhancerGroup,
     FrozenBackbone,
+    Int8Linear,
     enhanced_logits,
     enhanced_logits_from_prefix,
     group_to_tensors,
@@ -46,7 +47,7 @@ from fclcore.text import (
     load_text_folders,
     split_corpus,
 )
-from methods.fedet.client import FedETClient, FedETConfig
+from methods.fedet.client import FedETClient, FedETConfig, train_epochs
 from methods.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
 from methods.fedet.memory import SampleMemory
 from methods.fedet.server import (
@@ -175,6 +176,58 @@ def test_frozen_prefix_continues_to_the_same_logits(backbone):
         torch.testing.assert_close(enhanced_logits_from_prefix(backbone, group, prefix, mask_t), moved)
 
 
+def test_int8_blocks_follow_float32_and_leave_the_frozen_passes_alone(backbone):
+    """``with_int8_blocks``: the same encoder, blocks 1.. in int8 in the Enhancer passes.  The
+    logits and the trainable parameters' gradients follow float32 closely but not exactly (the
+    int8 forward and backward are taken); the frozen-only passes (pooled, prefix) are float32
+    bit for bit, and the float32 backbone itself is left as it was."""
+    int8 = backbone.with_int8_blocks()
+    assert int8.encoder is backbone.encoder and all(q is None for q in backbone.int8)
+    assert int8.int8[0] is None and all(q is not None for q in int8.int8[1:])
+    group = EnhancerGroup(ECFG, [0, 1, 2], seed=3)
+    with torch.no_grad():
+        for e in group.enhancers:
+            e.up.weight.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(1))
+    docs = synthetic_docs([0, 1, 2], 4, seed=2)
+    mask = docs.mask.copy()
+    mask[::3, -5:] = 0  # some padded texts
+    ids_t, mask_t = torch.from_numpy(docs.ids), torch.from_numpy(mask)
+    logits, grads = [], []
+    for bb in (backbone, int8):
+        group.zero_grad(set_to_none=True)
+        out = enhanced_logits(bb, group, ids_t, mask_t)
+        nn.functional.cross_entropy(out, torch.from_numpy(docs.labels)).backward()
+        logits.append(out.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in trainable_parameters(group)]))
+    assert not torch.equal(logits[0], logits[1])
+    torch.testing.assert_close(logits[1], logits[0], atol=0.03 * float(logits[0].abs().max()), rtol=0)
+    assert not torch.equal(grads[0], grads[1])
+    assert float(nn.functional.cosine_similarity(grads[0], grads[1], dim=0)) > 0.99
+    np.testing.assert_array_equal(pooled_embeddings(int8, docs.ids, mask), pooled_embeddings(backbone, docs.ids, mask))
+    prefix = prefix_states(int8, docs.ids, mask, batch_size=len(docs))
+    assert torch.equal(prefix, prefix_states(backbone, docs.ids, mask, batch_size=len(docs)))
+    with torch.no_grad():  # the cached-prefix pass is the same int8 pass
+        torch.testing.assert_close(enhanced_logits_from_prefix(int8, group, prefix, mask_t), logits[1], atol=0, rtol=0)
+
+
+def test_int8_linear_backward_is_the_transposed_int8_matmul():
+    """``Int8Linear``: forward ~ x W^T + b, backward ~ g W, each to int8 rounding, and the
+    weight takes no gradient (it is frozen)."""
+    lin = nn.Linear(48, 40)
+    q = Int8Linear(lin.weight, lin.bias)
+    x = torch.randn(3, 7, 48, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(3, 7, 40, generator=torch.Generator().manual_seed(1))
+    y = q(x)
+    assert y.shape == (3, 7, 40)
+    want = lin(x.detach()).detach()
+    torch.testing.assert_close(y.detach(), want, atol=0.03 * float(want.abs().max()), rtol=0)
+    y.backward(g)
+    ref = g @ lin.weight.detach()
+    assert not torch.equal(x.grad, ref)
+    torch.testing.assert_close(x.grad, ref, atol=0.03 * float(ref.abs().max()), rtol=0)
+    assert lin.weight.grad is None
+
+
 def test_prefix_cache_changes_no_round_and_unused_teachers_do_not_run(backbone, monkeypatch):
     """Two tasks with replay, with and without the frozen-prefix cache: the same uploads.  f_old
     runs once per task and only when the group had classes; f_t once per round."""
@@ -223,6 +276,62 @@ def test_prefix_cache_changes_no_round_and_unused_teachers_do_not_run(backbone, 
     plain = clients[1].train_round(4)[0]
     for name, value in plain.tensors.items():
         np.testing.assert_allclose(again.tensors[name].to_dense(), value.to_dense(), atol=1e-5, err_msg=name)
+
+
+def test_train_epochs_keeps_each_rows_logits_of_its_training_step(backbone):
+    """``logits_out``: every row's logits as computed for its step (with a zero learning rate
+    nothing moves, so they are the group's logits on every row, whatever the batch order)."""
+    group = EnhancerGroup(ECFG, [0, 1], seed=3)
+    docs = synthetic_docs([0, 1], 5, seed=4)
+    seen = torch.full((len(docs), 2), float("nan"))
+    train_epochs(
+        backbone,
+        group,
+        docs,
+        1,
+        4,
+        torch.optim.SGD(trainable_parameters(group), lr=0.0),
+        torch.Generator().manual_seed(0),
+        lambda logits, b: logits.sum(),
+        logits_out=seen,
+    )
+    assert not seen.requires_grad
+    np.testing.assert_allclose(seen.numpy(), predict_logits(backbone, group, docs.ids, docs.mask), atol=1e-5)
+
+
+def test_teacher_from_training_passes_f_t_over_the_memory_rows_only(backbone, monkeypatch):
+    """``teacher_from_training``: f_t's targets on L_j come from its training pass, so its own
+    pass covers only U's memory rows (and is not run in the first task, where U is L_j); f_old
+    still runs over all of U; the uploads move a little."""
+    starts: list[tuple[bool, tuple[int, ...], int, int]] = []
+    teacher = FedETClient._teacher_logits
+
+    def counted(self, group, s, prefix, start=0):
+        starts.append((self.cfg.teacher_from_training, group.classes, start, len(s.distill_set)))
+        return teacher(self, group, s, prefix, start)
+
+    monkeypatch.setattr(FedETClient, "_teacher_logits", counted)
+    clients = [
+        FedETClient(
+            FedETConfig(ECFG, 1, gamma=0.5, batch_size=4, seed=0, proto_init=10.0, teacher_from_training=t), backbone, 0
+        )
+        for t in (True, False)
+    ]
+    group_of, protos = {}, {}
+    for t, classes in enumerate([(0, 1), (2, 3)]):
+        docs = synthetic_docs(classes, 4, seed=20 + t)
+        pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
+        group_of.update({c: 0 for c in classes})
+        protos.update({c: pooled[docs.labels == c].mean(0) for c in classes})
+        for client in clients:
+            client.start_task(t, docs, pooled, dict(group_of), dict(protos))
+        ups = [client.train_round(t)[0] for client in clients]
+        assert ups[0].meta() == ups[1].meta()
+        assert any(not np.array_equal(ups[0].tensors[k].to_dense(), v.to_dense()) for k, v in ups[1].tensors.items())
+    s = clients[0].active[0]
+    mine = [x[1:] for x in starts if x[0]]
+    assert mine == [((0, 1), 0, len(s.distill_set)), ((2, 3), len(s.data), len(s.distill_set))]  # f_old, f_t
+    assert [x[1:3] for x in starts if not x[0]] == [((0, 1), 0), ((0, 1), 0), ((2, 3), 0)]
 
 
 def test_client_and_server_build_the_same_initial_groups(backbone):

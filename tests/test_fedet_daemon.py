@@ -188,6 +188,17 @@ def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
         parse_downlink(meta, {}, learners[0].enhancer, learners[0].options.num_groups)
 
 
+def test_int8_blocks_option_reaches_only_the_enhancer_passes():
+    """``int8_blocks``: the client's passes run on an int8 twin of the learner's backbone (same
+    encoder); the learner's own backbone, which computes the selector's features and is what the
+    served model exports, stays float32; without the option the client uses it directly."""
+    learner = learner_for(dataclasses.replace(FED, options={**FED.options, "int8_blocks": True}), MAX_LENGTH, 0)
+    assert learner.client.backbone.encoder is learner.backbone.encoder
+    assert learner.client.backbone.int8[1] is not None
+    assert all(q is None for q in learner.backbone.int8)
+    assert new_learner(0).client.backbone is not None and all(q is None for q in new_learner(0).client.backbone.int8)
+
+
 def test_failed_distillation_falls_back_to_the_average(tmp_path, bbc):
     """If the server cannot distil a group (here: forced), the round still closes with the
     sample-weighted average of the uploads instead of stopping the service."""

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import math
 import struct
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -76,12 +77,28 @@ class BertBlock(nn.Module):
         self.ffn_out = nn.Linear(cfg.intermediate, cfg.hidden)
         self.ffn_norm = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
 
-    def forward(self, x: Tensor, attn_bias: Tensor) -> Tensor:
+    def forward(self, x: Tensor, attn_bias: Tensor, int8: Mapping[str, "Int8Linear"] | None = None) -> Tensor:
+        """``int8``: the block's matmuls as ``Int8Linear`` (``int8_linears``, kept by
+        ``FrozenBackbone.with_int8_blocks``); None: float32."""
         b, n, d = x.shape
-        q, k, v = (self._split(t) for t in (self.query(x), self.key(x), self.value(x)))  # (B, H, L, d/H)
+        if int8 is None:
+            lin: Mapping[str, nn.Module | Int8Linear] = self._modules  # type: ignore[assignment]
+            qkv = (self.query(x), self.key(x), self.value(x))
+        else:
+            lin = int8
+            qkv = int8["qkv"](x).split(d, dim=-1)  # one matmul on the stacked q|k|v weights
+        q, k, v = (self._split(t) for t in qkv)  # (B, H, L, d/H)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)  # (B, H, L, d/H)
-        x = self.attn_norm(x + self.attn_out(ctx.transpose(1, 2).reshape(b, n, d)))
-        return self.ffn_norm(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+        x = self.attn_norm(x + lin["attn_out"](ctx.transpose(1, 2).reshape(b, n, d)))
+        return self.ffn_norm(x + lin["ffn_out"](F.gelu(lin["ffn_in"](x))))
+
+    def int8_linears(self) -> dict[str, "Int8Linear"]:
+        """The block's matmuls for ``forward(..., int8=)``: q|k|v stacked into one, then the rest."""
+        stacked = [self.query, self.key, self.value]
+        out = {"qkv": Int8Linear(torch.cat([m.weight for m in stacked]), torch.cat([m.bias for m in stacked]))}
+        for name in ("attn_out", "ffn_in", "ffn_out"):
+            out[name] = Int8Linear(getattr(self, name).weight, getattr(self, name).bias)
+        return out
 
     def _split(self, t: Tensor) -> Tensor:
         b, n, d = t.shape
@@ -226,6 +243,20 @@ class FrozenBackbone(nn.Module):
         for p in self.encoder.parameters():
             p.requires_grad_(False)
         super().train(False)
+        # per block: its linears as Int8Linear (None: float32); see ``with_int8_blocks``
+        self.int8: list[dict[str, Int8Linear] | None] = [None] * encoder.cfg.layers
+
+    def with_int8_blocks(self) -> "FrozenBackbone":
+        """The same encoder (shared, not copied) whose blocks 1.. run their six matmuls in int8
+        (``BertBlock.int8_linears``) in the Enhancer passes (``enhanced_logits``, ``enhanced_logits_from_prefix``
+        and the predictions and training built on them).  Block 0 and the frozen-only passes
+        (``pooled``, ``frozen_prefix``, ``pooled_and_prefix``) stay float32, so the selector's
+        features and the cached prefix are this backbone's bit for bit.  Costs the int8 weights
+        twice (forward and transposed for the backward): 2 bytes per block weight, 18 MB for
+        all-MiniLM-L6-v2."""
+        twin = FrozenBackbone(self.encoder)
+        twin.int8 = [None] + [block.int8_linears() for block in self.encoder.blocks[1:]]
+        return twin
 
     def train(self, mode: bool = True) -> "FrozenBackbone":
         return super().train(False)  # nothing here may ever switch to training behaviour
@@ -241,6 +272,54 @@ class FrozenBackbone(nn.Module):
         for block in self.encoder.blocks:
             h = block(h, bias)
         return mean_pool(h, attention_mask)
+
+
+# ------------------------------------------------------------------ int8 blocks
+
+
+def _qint8_rows(w: Tensor) -> Tensor:
+    """(out, in) float32 -> int8 per output row, symmetric (scale max|row| / 127, zero point 0)."""
+    scale = (w.abs().amax(1).clamp_min(1e-12) / 127).double()
+    with warnings.catch_warnings():  # torch marks its quantised-tensor constructors deprecated
+        warnings.filterwarnings("ignore", message=".*quantize_per_channel.*deprecated", category=UserWarning)
+        return torch.quantize_per_channel(w, scale, torch.zeros(len(w), dtype=torch.long), 0, torch.qint8)
+
+
+class Int8Linear:
+    """A frozen linear layer (``weight`` (out, in), ``bias``) as dynamically quantised int8
+    matmuls on torch's quantized engine (fbgemm / onednn on x86, qnnpack on ARM): the weight in
+    int8 per output row; each input quantised per call (uint8, one scale and zero point per
+    tensor, as onnxruntime's int8 graphs do; ``reduce_range`` as torch's own dynamic ``Linear``);
+    int32 accumulation.  Differentiable in its input only: the backward's ``grad @ W`` is the
+    same kind of int8 matmul on the transposed weight.  The weight never changes (frozen)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        w = weight.detach()
+        bias = None if bias is None else bias.detach()
+        self.out_features, self.in_features = w.shape
+        self.forward_weight = torch.ops.quantized.linear_prepack(_qint8_rows(w), bias)  # x @ W^T + b
+        self.backward_weight = torch.ops.quantized.linear_prepack(_qint8_rows(w.t().contiguous()), None)  # g @ W
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _Int8Matmul.apply(x, self)
+
+    @staticmethod
+    def matmul(x: Tensor, packed: Tensor) -> Tensor:
+        """(..., k) float32 -> (..., n) through a prepacked int8 weight."""
+        lead = x.shape[:-1]
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]).contiguous(), packed, True)
+        return y.view(*lead, y.shape[-1])
+
+
+class _Int8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, linear: Int8Linear) -> Tensor:  # type: ignore[override]
+        ctx.linear = linear
+        return Int8Linear.matmul(x, linear.forward_weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return Int8Linear.matmul(grad, ctx.linear.backward_weight), None
 
 
 # ------------------------------------------------------------------ enhancers
@@ -401,8 +480,8 @@ def enhanced_logits(
     backbone: FrozenBackbone, group: EnhancerGroup, input_ids: Tensor, attention_mask: Tensor
 ) -> Tensor:
     h, bias = backbone.encoder.embed(input_ids), attention_bias(attention_mask)  # (B, L, n)
-    for block, enhancer in zip(backbone.encoder.blocks, group.enhancers):
-        h = enhancer(block(h, bias))
+    for block, enhancer, int8 in zip(backbone.encoder.blocks, group.enhancers, backbone.int8):
+        h = enhancer(block(h, bias, int8))
     return group.head(mean_pool(h, attention_mask))  # (B, n) -> (B, C)
 
 
@@ -422,8 +501,8 @@ def enhanced_logits_from_prefix(
     rounding when the prefix was computed in a batch of another size)."""
     bias = attention_bias(attention_mask)
     h = group.enhancers[0](prefix)
-    for block, enhancer in zip(backbone.encoder.blocks[1:], group.enhancers[1:]):
-        h = enhancer(block(h, bias))
+    for block, enhancer, int8 in zip(backbone.encoder.blocks[1:], group.enhancers[1:], backbone.int8[1:]):
+        h = enhancer(block(h, bias, int8))
     return group.head(mean_pool(h, attention_mask))  # (B, n) -> (B, C)
 
 
@@ -625,6 +704,7 @@ __all__ = [
     "BertConfig",
     "BertEncoder",
     "FrozenBackbone",
+    "Int8Linear",
     "EnhancerConfig",
     "Enhancer",
     "EnhancerGroup",

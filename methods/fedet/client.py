@@ -69,6 +69,7 @@ class FedETConfig:
     seed: int = 0
     proto_init: float = 0.0  # > 0: new head rows start as a nearest-prototype classifier of this logit scale
     prefix_cache: bool = True  # keep the frozen prefix of U per task (CPU for |U| * 98 kB of RAM)
+    teacher_from_training: bool = False  # f_t's targets on L_j: its logits of the round's training pass
 
     def __post_init__(self) -> None:
         if self.num_groups < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -110,11 +111,14 @@ def train_epochs(
     generator: torch.Generator,
     loss_fn,
     prefix: torch.Tensor | None = None,
+    logits_out: torch.Tensor | None = None,
 ) -> float:
     """Shuffled mini-batches; ``loss_fn(logits, batch_rows)`` -> scalar.  Returns the mean loss.
 
     ``prefix``: ``prefix_states`` of ``docs``' rows; each batch then starts after the frozen
-    prefix instead of at the token ids (the same logits, without recomputing block 0)."""
+    prefix instead of at the token ids (the same logits, without recomputing block 0).
+    ``logits_out`` (len(docs), C): filled with each row's logits of the last epoch, as computed
+    for its training step (before that step's update)."""
     if prefix is not None and len(prefix) != len(docs):
         raise ValueError(f"prefix has {len(prefix)} rows for {len(docs)} docs")
     group.train()
@@ -127,6 +131,8 @@ def train_epochs(
                 logits = enhanced_logits(backbone, group, torch.from_numpy(docs.ids[idx]), mask)  # (b, C)
             else:
                 logits = enhanced_logits_from_prefix(backbone, group, prefix[rows], mask)
+            if logits_out is not None:
+                logits_out[rows] = logits.detach()
             loss = loss_fn(logits, rows)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -172,12 +178,14 @@ class FedETClient:
             s.prefix = prefix_states(self.backbone, u.ids, u.mask, self.cfg.batch_size)
         return s.prefix
 
-    def _teacher_logits(self, group: EnhancerGroup, s: _TaskGroup, prefix: torch.Tensor | None) -> np.ndarray:
-        """(|U|, C) logits of a frozen teacher on U."""
+    def _teacher_logits(
+        self, group: EnhancerGroup, s: _TaskGroup, prefix: torch.Tensor | None, start: int = 0
+    ) -> np.ndarray:
+        """(|U| - start, C) logits of a frozen teacher on U's rows from ``start`` on."""
         u = s.distill_set
         if prefix is None:
-            return predict_logits(self.backbone, group, u.ids, u.mask)
-        return predict_logits_from_prefix(self.backbone, group, prefix, u.mask)
+            return predict_logits(self.backbone, group, u.ids[start:], u.mask[start:])
+        return predict_logits_from_prefix(self.backbone, group, prefix[start:], u.mask[start:])
 
     @staticmethod
     def task_statistics(docs: EncodedDocs, pooled: np.ndarray) -> dict[int, tuple[np.ndarray, int]]:
@@ -236,6 +244,8 @@ class FedETClient:
         if not s.old.classes and not teaches:  # one new class and no old ones: nothing to distil,
             return self._upload(j, s)  # the group goes up as it is (no pass over U at all)
         prefix = self._prefix(s)
+        n_l, n_u = len(s.data), len(s.distill_set)
+        seen = torch.empty(n_l, len(s.temp.classes)) if teaches and self.cfg.teacher_from_training else None
         if teaches:
             train_epochs(
                 self.backbone,
@@ -246,15 +256,20 @@ class FedETClient:
                 s.temp_opt,
                 gen,
                 lambda logits, b: F.cross_entropy(logits, rows[b]),
-                None if prefix is None else prefix[: len(s.data)],
+                None if prefix is None else prefix[:n_l],
+                seen,
             )
         if s.old_logits is None:  # f_old is fixed for the task; a group without classes has no logits
-            n_u = len(s.distill_set)
             s.old_logits = self._teacher_logits(s.old, s, prefix) if s.old.classes else np.zeros((n_u, 0), np.float32)
-        # f_t is fixed once this round's training is done: one pass over U (a one-class f_t is no teacher)
-        temp_logits = (
-            self._teacher_logits(s.temp, s, prefix) if teaches else np.zeros((len(s.distill_set), 0), np.float32)
-        )
+        # f_t once this round's training is done: one pass over U (a one-class f_t is no teacher), or,
+        # teacher_from_training, its logits of the training pass on L_j and one pass over the rest of U
+        if not teaches:
+            temp_logits = np.zeros((n_u, 0), np.float32)
+        elif seen is None:
+            temp_logits = self._teacher_logits(s.temp, s, prefix)
+        else:  # (no pass at all when U is L_j alone)
+            rest = self._teacher_logits(s.temp, s, prefix, start=n_l) if n_u > n_l else np.zeros((0, seen.shape[1]))
+            temp_logits = np.concatenate([seen.numpy(), rest.astype(np.float32)])
         targets, have = self._targets(j, s, torch.from_numpy(s.old_logits), torch.from_numpy(temp_logits))
         student = self.groups[j]
         if have.any():

@@ -21,6 +21,14 @@ class FedETOptions:
     # device: keep the frozen prefix (embedding + block 0) of the task's training texts and of the
     # current task's test texts, 98 kB per 64-token text, instead of recomputing it in every pass
     prefix_cache: bool = True
+    # device: the encoder blocks above that prefix (1..5) run their matmuls in int8 in the Enhancer
+    # passes (training, teachers, evaluation): about half the CPU of a training round; the selector's
+    # features, the prefix and the aggregator stay float32 (``FrozenBackbone.with_int8_blocks``)
+    int8_blocks: bool = False
+    # device: the temporary group's distillation targets on its own texts (L_j) are its logits of
+    # the round's training pass (each text's, before that step's update) instead of a second pass
+    # after it; the memory's rows of U still get that pass
+    teacher_from_training: bool = False
 
     def __post_init__(self) -> None:
         if (

@@ -91,8 +91,12 @@ class FedETLearner(Learner):
             fed.seed,
             spec.proto_init,
             spec.prefix_cache,
+            spec.teacher_from_training,
         )
-        self.client = FedETClient(self.cfg, self.backbone, client_index)
+        # the Enhancer passes' backbone: the same weights, blocks 1.. in int8 when asked; self.backbone
+        # (float32) computes the selector's features and is what the served model exports
+        passes = self.backbone.with_int8_blocks() if spec.int8_blocks else self.backbone
+        self.client = FedETClient(self.cfg, passes, client_index)
         self.phase = "sums"
         self.group_of: dict[int, int] = {}
         self.prototypes: dict[int, np.ndarray] = {}
@@ -327,7 +331,7 @@ class GroupFedAvgLearner(FedETLearner):
         generator = torch.Generator().manual_seed(seeded(self.cfg.seed, self.client_index, rnd))
         optimizer = AdamW(trainable_parameters(group), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         train_epochs(
-            self.backbone,
+            self.client.backbone,
             group,
             docs,
             self.cfg.local_epochs,

@@ -1,0 +1,255 @@
+"""The torch-free half of a text-groups export (``export.onnx_text_groups``): the parity checks
+of the written file against the torch reference, the int8 copy and its agreement check, and
+the atomic publication of both.
+
+``export_text_classifier`` runs it right after building the file, in the same process; with a
+``stage_dir`` it stops after the torch half instead (:func:`write_stage`) and
+:func:`finish_stage` runs this half from that directory in another process, which imports
+onnx and onnxruntime but never torch.  ``export.child`` does so for the daemon, so that no
+process of the device holds torch, the backbone, onnx, onnxruntime and the int8 copy at once
+(``firmware_notes/memory.md``).
+
+A stage directory holds ``model.onnx`` (the sealed fp32 file), ``parity.npz`` (the parity
+rows ``ids``, ``mask`` and the torch reference ``label``, ``group``, ``logits``,
+``route_margin``, ``label_margin``) and ``stage.json`` (the target ``path``, the file's
+``metadata``, the parity rows' ``desc``, ``classes``, ``groups`` and the int8 settings).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from export.publish import ExportError, publish_export, quantize_int8, remove_temps, seal, temp_path, write_synced
+
+__all__ = [
+    "FORMAT",
+    "PARITY_TOL",
+    "ROUTE_TOL",
+    "INT8_MIN_AGREEMENT",
+    "verify_and_publish",
+    "write_stage",
+    "finish_stage",
+]
+
+FORMAT = "fcl-fedet/1"  # = export.text_runtime.FORMAT (not imported here: that module loads onnxruntime)
+PARITY_TOL = 1e-4  # |onnx - torch| <= PARITY_TOL * max(1, |torch|) for every finite logit
+ROUTE_TOL = 1e-4  # a cosine (selector) or logit (head) top-2 gap below this is a float32 tie
+INT8_MIN_AGREEMENT = 0.9  # default: int8 labels must equal the fp32 torch labels on >= 90% of parity rows
+_INT8_OPS = {"MatMulInteger", "QAttention", "DynamicQuantizeLinear", "DequantizeLinear"}
+_PARITY = ("ids", "mask", "label", "group", "logits", "route_margin", "label_margin")
+
+
+def verify_and_publish(tmp: Path, temps: list[Path], checks: dict[str, Any]) -> dict[str, Any]:
+    """Check the fp32 file ``tmp`` (next to ``checks["path"]``), make and check the int8 copy
+    if asked, and publish both; the report.  ``temps``: the caller's temporaries to remove."""
+    path, metadata, parity = Path(checks["path"]), checks["metadata"], checks["parity"]
+    ids, mask, desc = parity["ids"], parity["mask"], parity["desc"]
+    ref = {k: parity[k] for k in _PARITY[2:]}
+    rt = _load(tmp, "fp32")
+    wrong = [k for k, v in metadata.items() if rt.metadata.get(k) != v]
+    if wrong:
+        raise ExportError(f"exported metadata does not round-trip: {wrong}")
+    labels, routes, logits = rt.predict_ids(ids, mask)
+    report: dict[str, Any] = {
+        "path": str(path),
+        "bytes": tmp.stat().st_size,
+        "classes": checks["classes"],
+        "groups": checks["groups"],
+        "parity_rows": len(ids),
+        "parity_data": desc,
+        **_compare(ref, labels, routes, logits, "fp32", desc),
+        "sha256": rt.metadata["weights_sha256"],
+    }
+    del rt
+    int8_fn = (
+        (
+            lambda q_tmp, q_path: _export_int8(
+                tmp,
+                q_tmp,
+                q_path,
+                ref,
+                ids,
+                mask,
+                desc,
+                metadata,
+                checks["int8_min_agreement"],
+                checks["int8_per_channel"],
+                checks["int8_exclude_selector"],
+            )
+        )
+        if checks["int8"]
+        else None
+    )
+    return publish_export(tmp, path, temps, report, int8_fn)
+
+
+def write_stage(stage_dir: Path, model: bytes, checks: dict[str, Any]) -> None:
+    """Leave the sealed fp32 file and what :func:`verify_and_publish` needs in ``stage_dir``."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    write_synced(stage_dir / "model.onnx", model)
+    parity = checks["parity"]
+    np.savez(stage_dir / "parity.npz", **{k: np.asarray(parity[k]) for k in _PARITY})
+    doc = {k: v for k, v in checks.items() if k != "parity"}
+    (stage_dir / "stage.json").write_text(json.dumps({**doc, "desc": parity["desc"]}))
+
+
+def finish_stage(stage_dir: Path) -> dict[str, Any]:
+    """:func:`verify_and_publish` of what :func:`write_stage` left in ``stage_dir``.  Raises
+    :class:`ExportError`, or ValueError / OSError for a stage that is not complete."""
+    stage_dir = Path(stage_dir)
+    try:
+        doc = json.loads((stage_dir / "stage.json").read_text())
+        with np.load(stage_dir / "parity.npz", allow_pickle=False) as z:
+            parity = {k: z[k] for k in _PARITY}
+        checks = {**doc, "parity": {**parity, "desc": str(doc["desc"])}}
+        path = Path(checks["path"])
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{stage_dir}: not a complete export stage ({exc!r})") from None
+    try:  # the graph's checker pass, left out of the first process (``build_text_classifier_onnx``)
+        onnx.checker.check_model(str(stage_dir / "model.onnx"))
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"the staged model fails the ONNX checker: {exc}") from None
+    temps: list[Path] = []
+    try:
+        tmp = temp_path(path)  # next to the target, so that publishing it is a rename
+        temps.append(tmp)
+        shutil.copyfile(stage_dir / "model.onnx", tmp)
+        return verify_and_publish(tmp, temps, checks)
+    finally:
+        remove_temps(temps)
+
+
+# ------------------------------------------------------------------ parity
+
+
+def _compare(
+    ref: dict[str, np.ndarray], labels: np.ndarray, groups: np.ndarray, logits: np.ndarray, what: str, desc: str
+) -> dict[str, Any]:
+    """fp32 parity: labels and groups exactly (except float32 ties), logits within PARITY_TOL."""
+    route_tie = ref["route_margin"] <= ROUTE_TOL
+    same_route = groups == ref["group"]
+    scale = np.abs(ref["logits"]).max(axis=1, initial=0.0, where=np.isfinite(ref["logits"]))
+    label_tie = ref["label_margin"] <= ROUTE_TOL * np.maximum(1.0, scale)
+    bad_route = ~same_route & ~route_tie
+    bad_label = same_route & (labels != ref["label"]) & ~label_tie
+    if bad_route.any() or bad_label.any():
+        rows = np.flatnonzero(bad_route | bad_label)[:5].tolist()
+        raise ExportError(
+            f"{what} parity check failed on {int(bad_route.sum())} routes and {int(bad_label.sum())} "
+            f"labels of {len(labels)} rows ({desc}; first rows {rows}: onnx label/group "
+            f"{labels[rows].tolist()}/{groups[rows].tolist()}, torch {ref['label'][rows].tolist()}/"
+            f"{ref['group'][rows].tolist()})"
+        )
+    r, g = ref["logits"][same_route].astype(np.float64), logits[same_route].astype(np.float64)
+    finite = np.isfinite(r)
+    if not np.array_equal(finite, np.isfinite(g)) or np.isnan(g).any():
+        raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
+    diff = np.abs(g[finite] - r[finite])
+    err = float(diff.max()) if diff.size else 0.0
+    scaled = float((diff / np.maximum(1.0, np.abs(r[finite]))).max()) if diff.size else 0.0
+    if not scaled <= PARITY_TOL:
+        raise ExportError(
+            f"{what} parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
+            f"{PARITY_TOL:g} (max abs logit error {err:.3g}) on {len(labels)} rows ({desc})"
+        )
+    return {
+        "max_abs_err": err,
+        "max_scaled_err": scaled,
+        "label_agreement": float((labels == ref["label"]).mean()),
+        "float32_ties": int((~same_route | (labels != ref["label"])).sum()),
+    }
+
+
+# ------------------------------------------------------------------ int8
+
+
+def _selector_nodes(proto: onnx.ModelProto) -> list[str]:
+    """Names of the nodes reading the prototypes (the selector's MatMul): kept in fp32 by int8."""
+    names = {t.name for t in proto.graph.initializer if "prototypes_t" in t.name}
+    return [n.name for n in proto.graph.node if names & set(n.input)]
+
+
+def _stack_gathers(proto: onnx.ModelProto) -> list[str]:
+    """Names of the Gathers picking each row's group from the stacked ``stack_*`` tensors.
+
+    Left alone the int8 quantiser would quantise every float one (Gather is in its op list)
+    with one scale per tensor across all groups; excluded, the Enhancers and heads stay fp32
+    (the per-row MatMuls they feed are not quantised either: their weights are not constant
+    initializers, and dynamic quantisation only takes MatMuls with a constant B)."""
+    names = {t.name for t in proto.graph.initializer if t.name.startswith("stack_")}
+    return [n.name for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in names]
+
+
+def _quantize(src: Path, dst: Path, exclude: list[str], per_channel: bool) -> None:
+    quantize_int8(src, dst, exclude, per_channel)
+
+
+def _load(path: Path, what: str) -> Any:
+    """The torch-free runtime on ``path`` (``export.text_runtime.TextClassifierRuntime``)."""
+    from export.runtime import ModelFileError
+    from export.text_runtime import TextClassifierRuntime
+
+    try:
+        return TextClassifierRuntime(path, tokenizer=False)
+    except ModelFileError as exc:
+        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
+
+
+def _export_int8(
+    fp32_tmp: Path,
+    q_tmp: Path,
+    q_path: Path,
+    ref: dict[str, np.ndarray],
+    ids: np.ndarray,
+    mask: np.ndarray,
+    desc: str,
+    metadata: dict[str, Any],
+    min_agreement: float,
+    per_channel: bool,
+    exclude_selector: bool,
+) -> dict[str, Any]:
+    proto = onnx.load(fp32_tmp, load_external_data=False)
+    exclude = (_selector_nodes(proto) if exclude_selector else []) + _stack_gathers(proto)
+    _quantize(fp32_tmp, q_tmp, exclude, per_channel)
+    proto = onnx.load(q_tmp)
+    meta = dict(
+        metadata,
+        quantization="int8-dynamic",
+        int8_label_agreement=0.0,
+        int8_group_agreement=0.0,
+        int8_min_agreement=min_agreement,
+        int8_eval=desc,
+    )
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
+    labels, groups, _ = _load(q_tmp, "int8").predict_ids(ids, mask)
+    agree, g_agree = float((labels == ref["label"]).mean()), float((groups == ref["group"]).mean())
+    if not agree >= min_agreement:
+        raise ExportError(
+            f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows "
+            f"({desc}); nothing written"
+        )
+    meta.update(int8_label_agreement=agree, int8_group_agreement=g_agree)
+    write_synced(q_tmp, seal(proto, meta).SerializeToString())
+    rt = _load(q_tmp, "int8")
+    again, g_again, _ = rt.predict_ids(ids, mask)
+    if not (np.array_equal(again, labels) and np.array_equal(g_again, groups)):
+        raise ExportError("the sealed int8 model disagrees with the measured one")
+    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
+    return {
+        "int8_path": str(q_path),
+        "int8_bytes": size_q,
+        "int8_size_ratio": size_q / size_fp32,
+        "int8_label_agreement": agree,
+        "int8_group_agreement": g_agree,
+        "int8_min_agreement": min_agreement,
+        "int8_excluded_nodes": exclude,
+        "int8_quantized_ops": sorted({n.op_type for n in proto.graph.node if n.op_type in _INT8_OPS}),
+        "int8_per_channel": per_channel,
+        "int8_sha256": rt.metadata["weights_sha256"],
+    }
