@@ -35,6 +35,9 @@ class Learner:
     sees_all_tasks = False  # True: ``train_round`` gets every task's data from the start (offline)
     allow_embedding_upload = False  # True: this device opted in to uploading embeddings of its data
     fleet_data: tuple[Dataset, ...] | None = None  # every device's shard per task (MethodSpec.fleet_data only)
+    # a directory of the device's state directory for what the learner keeps on disk across tasks
+    # (set by the daemon right after building the learner; None: keep it in memory)
+    store_dir: str | None = None
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         self.fed = fed
@@ -52,6 +55,12 @@ class Learner:
         """Called once before the first round of each task (with this device's own downlink
         frame for that round, if the strategy sent one)."""
         self.task = task
+
+    def lacks(self, downlink: Frame) -> list[str]:
+        """What a task's own downlink frame refers to that neither it carries nor this device
+        holds (e.g. knowledge-base entries sent before and lost since): the daemon then fetches
+        the frame that carries everything instead.  ValueError if the frame is malformed."""
+        return []
 
     def receive_frame(self, frame: Frame, rnd: int) -> None:
         """A frame the strategy sent this device alone for round ``rnd`` of the task in hand
