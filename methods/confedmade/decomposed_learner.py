@@ -21,7 +21,6 @@ the federation's.  At the end of a task it sends A_t, thresholded, for the knowl
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -118,7 +117,7 @@ class DecomposedLearner(MadeLearner):
 
     def _kb(self) -> KnowledgeStore:
         """The knowledge-base entries this device holds (on disk in ``store_dir``)."""
-        if self.kb is None or self.kb.directory != (None if self.store_dir is None else Path(self.store_dir)):
+        if self.kb is None or self.kb.requested != self.store_dir:
             self.kb = KnowledgeStore(self.store_dir)
         return self.kb
 

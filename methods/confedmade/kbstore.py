@@ -10,8 +10,8 @@ frame that carries them all.  The first copy of an entry is the one kept: a fram
 carries an entry again is used as it is, and the store does not change (so a restarted
 device, which replays its frames in order, builds each task's stack exactly as before).
 
-Without a directory (a learner built outside a daemon: tests, tools) the entries are kept in
-memory.  A frame that names an entry neither carried nor held is never completed: ``missing``
+Without a directory (a learner built outside a daemon: tests, tools) they go to a temporary
+directory, removed with the store.  A frame that names an entry neither carried nor held is never completed: ``missing``
 names such entries (the daemon then fetches the frame that carries every entry), and
 ``complete`` raises ``MissingKnowledge``.
 """
@@ -19,6 +19,7 @@ names such entries (the daemon then fetches the frame that carries every entry),
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +41,12 @@ class MissingKnowledge(ValueError):
 
 
 class KnowledgeStore:
-    def __init__(self, directory: str | Path | None) -> None:
-        self.directory = None if directory is None else Path(directory)
-        self.memory: dict[str, dict[str, Tensor]] = {}  # entry id -> weight -> tensor (no directory)
+    def __init__(self, directory: str | None) -> None:
+        self.requested = directory
+        self.tmp = tempfile.TemporaryDirectory(prefix="fcl-kb-") if directory is None else None
+        self.directory = Path(self.tmp.name if self.tmp is not None else directory)
         self.held: set[str] = set()
-        if self.directory is not None and self.directory.is_dir():
+        if self.directory.is_dir():
             for path in sorted(self.directory.glob("*.npz")):
                 entry = _read_id(path)
                 if entry is not None and path.name == _file_name(entry):
@@ -87,15 +89,10 @@ class KnowledgeStore:
                 continue
             prefix = entry + "|"
             tensors = {k[len(prefix) :]: t for k, t in frame.tensors.items() if k.startswith(prefix)}
-            if self.directory is None:
-                self.memory[entry] = tensors
-            else:
-                _write(self.directory / _file_name(entry), entry, tensors)
+            _write(self.directory / _file_name(entry), entry, tensors)
             self.held.add(entry)
 
     def _read(self, entry: str) -> dict[str, Tensor]:
-        if self.directory is None:
-            return self.memory[entry]
         meta, arrays = checkpoint.load(self.directory / _file_name(entry))
         if meta.get("format") != _FORMAT or meta.get("id") != entry:
             raise ValueError(f"knowledge entry {entry}: the file holds {meta.get('id')!r}")
