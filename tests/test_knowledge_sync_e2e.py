@@ -14,7 +14,7 @@ from support.fleet import Fleet
 OVERRIDES = [
     "clients=3",
     "federation.rounds_per_task=3",
-    "federation.rounds.quorum=0.3",
+    "federation.rounds.quorum=1.0",  # every device in every round: the restarted ones report their resyncs
     "federation.rounds.deadline_s=60",
     "federation.rounds.resend_after_s=2",
 ]
