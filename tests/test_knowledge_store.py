@@ -21,7 +21,7 @@ from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
 from fclcore.strategy import Update
 from methods import learner_for, strategy_for
 from methods.confedmade.kbstore import KnowledgeStore, MissingKnowledge
-from methods.confedmade.wire import HELD, parse_knowledge_meta
+from methods.confedmade.wire import HELD, KB_PREFIX, parse_knowledge_meta
 
 D, CLIENTS, TASKS = 10, 3, 4
 
@@ -126,6 +126,10 @@ def test_stacks_from_stored_and_new_entries_are_bit_identical_to_the_full_frames
         else:
             assert (client, task) not in delta.fulls  # nothing left out, no full frame
     assert sum(s for _, s in delta.frames.values()) < 0.7 * sum(s for _, s in full.frames.values())
+    # the last task's A_t would reach nobody: it is not uploaded, and the knowledge base ends before it
+    last = TaskSchedule.uniform(TASKS, 1).place(TASKS - 1)
+    assert last.task_end and not any(k.startswith(KB_PREFIX) for k in delta.learners[0].upload(TASKS - 1, last))
+    assert {e.task for e in delta.strategy.knowledge} == set(range(TASKS - 1))
     # the entries were kept on disk: one file per entry received, nothing kept twice
     files = sorted(p.name for p in (tmp_path / "delta" / "c0").iterdir())
     assert len(files) == (CLIENTS - 1) * (TASKS - 1) and all(f.endswith(".npz") for f in files)

@@ -34,13 +34,13 @@ from fclcore.masked_upload import MIN_GATE, dense, pack, selection, top_units
 from fclcore.models.decomposed_made import DecomposedMADE
 from fclcore.orders import upload_order
 from fclcore.procmem import release_free_memory
-from fclcore.schedule import RoundPlace
+from fclcore.schedule import RoundPlace, TaskSchedule
 from fclcore.schema import FederationSpec
 from fclcore.served import ServedModel
 from methods.confedmade.kbstore import KnowledgeStore
 from methods.confedmade.penalty import PenaltyTerms, WeightPenalty
 from methods.confedmade.training import MadeLearner, mean_nll
-from methods.confedmade.wire import EXTRA, HELD, KB_PREFIX, knowledge_key, parse_knowledge_meta
+from methods.confedmade.wire import EXTRA, HELD, KB_PREFIX, knowledge_key, parse_knowledge_meta, shares_knowledge
 
 
 class DecomposedLearner(MadeLearner):
@@ -65,6 +65,7 @@ class DecomposedLearner(MadeLearner):
         self.entries: list[list[str]] = []  # knowledge-base entry ids per task
         self.values_sent = 0
         self.kb: KnowledgeStore | None = None
+        self.num_tasks = TaskSchedule.from_federation(fed).num_tasks
 
     # -- federation ----------------------------------------------------------------------
     @torch.no_grad()
@@ -195,7 +196,7 @@ class DecomposedLearner(MadeLearner):
             self.values_sent += int(self.sent[prefix].sum())
             if layer.bias is not None:
                 out[f"{prefix}.bias"] = layer.bias.numpy().copy()
-            if place.task_end:
+            if place.task_end and shares_knowledge(place.task, self.num_tasks):
                 adaptive = layer.adaptive[self.task].numpy().copy()
                 adaptive[np.abs(adaptive) < self.opts.kb_threshold] = 0.0
                 out[f"{KB_PREFIX}{prefix}.weight"] = SparseTensor.from_dense(adaptive)

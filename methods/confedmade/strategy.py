@@ -35,6 +35,7 @@ from methods.confedmade.wire import (
     knowledge_key,
     knowledge_meta,
     parse_held,
+    shares_knowledge,
 )
 
 MAX_FRAME_TENSORS = CodecLimits().max_tensors
@@ -92,8 +93,10 @@ class DecomposedStrategy(FedAvgStrategy):
         self.knowledge: list[KnowledgeEntry] = []
         self.held: dict[str, frozenset[str]] = {}  # client -> the entries it declared it holds (kb_held)
 
-    def is_task_end(self, rnd: int) -> bool:
-        return self.schedule.place(rnd).task_end
+    def carries_knowledge(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s updates carry their A_t (a task's last round, but the last task's)."""
+        place = self.schedule.place(rnd)
+        return place.task_end and shares_knowledge(place.task, self.schedule.num_tasks)
 
     def announce_meta(self, rnd: int) -> dict:
         return {"client_frames": self.schedule.place(rnd).task_start}
@@ -112,7 +115,7 @@ class DecomposedStrategy(FedAvgStrategy):
             expected |= {name, name + UNITS, name + EXTRA}
             if name + EXTRA in frame.tensors:
                 out[name] = _with_extra(out[name], frame.tensors[name + EXTRA], name + EXTRA)
-            if self.is_task_end(rnd):
+            if self.carries_knowledge(rnd):
                 out[KB_PREFIX + name] = _full_shape(frame.tensors, KB_PREFIX + name, shape)
                 expected.add(KB_PREFIX + name)
         extra = sorted(set(frame.tensors) - expected)
@@ -134,7 +137,7 @@ class DecomposedStrategy(FedAvgStrategy):
             held = parse_held(u.frame.meta)
             if held is not None:
                 self.held[u.client] = frozenset(held)
-        if self.is_task_end(rnd):
+        if self.carries_knowledge(rnd):
             task = self.schedule.task_of(rnd)
             for u in sorted(kept, key=lambda u: u.client):
                 kb = {k[len(KB_PREFIX) :]: v for k, v in u.tensors.items() if k.startswith(KB_PREFIX)}

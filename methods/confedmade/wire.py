@@ -4,7 +4,8 @@
   values, plus ``<name>#units`` when not every unit is kept) and every bias dense; on a catch-up
   round (``catchup_every``) also ``<name>#extra``, a sparse tensor of entries outside that
   selection whose value moved furthest from the global model's; the last
-  update of a task also carries ``kb:<weight>``, the client's thresholded A_t (full shape).
+  update of a task but the last also carries ``kb:<weight>``, the client's thresholded A_t
+  (full shape; the last task's would reach nobody: ``shares_knowledge``).
 * A knowledge frame (the per-client downlink at a task start) names the chosen entries,
   ``meta = {"for_task": t, "entries": [{"id", "client", "task"}, ...]}``, in the order the
   device stacks them, and carries one tensor per entry and weight, named ``<entry id>|<weight
@@ -35,6 +36,12 @@ HELD = "kb_held"  # update metadata: the knowledge-base entries the device holds
 
 def entry_id(client: str, task: int) -> str:
     return f"{client}/t{task}"
+
+
+def shares_knowledge(task: int, num_tasks: int) -> bool:
+    """Whether task ``task``'s last update carries its A_t: not the last task's, which no later
+    task start would hand to anyone."""
+    return task < num_tasks - 1
 
 
 def knowledge_key(entry: str, weight: str) -> str:
