@@ -39,6 +39,7 @@ from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership
+from fclcore.model_sync import SYNC_KNOWLEDGE_BYTES
 from fclcore.runid import new_run_id, started_us
 from fclcore.schema import AggregatorConfig
 from fclcore.sdnotify import Notifier, WatchdogThread
@@ -254,6 +255,7 @@ class AggregatorService:
         topics_ = [topics.round_topic(self.fed.name)]
         topics_ += [topics.model_topic(self.fed.name, which) for which in ("full", "catchup")]
         topics_ += [topics.knowledge_topic(self.fed.name, c) for c in self.cfg.expected_clients]
+        topics_ += [topics.knowledge_full_topic(self.fed.name, c) for c in self.cfg.expected_clients]
         for topic in topics_:
             self.link.publish(topic, b"", retain=True, tag="clear")
         self.runlog.write("run", run=self.run_id, cleared=len(topics_))
@@ -353,6 +355,14 @@ class AggregatorService:
             self.runlog.write(
                 "knowledge", task=task, client=client, bytes=sizes[client][0], **self.strategy.downlink_log(meta)
             )
+        # what a device that lacks something its frame refers to fetches instead (it reports the bytes)
+        for client, (meta, tensors) in self.strategy.full_downlinks(rnd, roster).items():
+            self.sequence += 1
+            header = Header(Kind.KNOWLEDGE, self.fed.name, rnd, task, topics.AGGREGATOR_ID, self.sequence)
+            payload = encode(Frame(header, {**meta, "run": self.run_id}, tensors), self.fed.value_coding, self.limits)
+            topic = topics.knowledge_full_topic(self.fed.name, client)
+            self.link.publish(topic, payload, retain=True, tag=f"knowledge-full:{task}")
+            self.retained[topic] = payload
         return sizes
 
     def _announce(
@@ -583,6 +593,8 @@ class AggregatorService:
             kb_bytes, kb_payload = knowledge.get(client, (0, 0))
             sync = self._new_syncs(client, meta.get("sync")) if update else {}  # fetched since its last report
             sync_bytes = sync.pop("bytes", 0)
+            kb_sync = sync.pop(SYNC_KNOWLEDGE_BYTES, 0)  # full knowledge frames it fetched
+            kb_bytes, kb_payload = kb_bytes + kb_sync, kb_payload + kb_sync
             self.runlog.round_client(
                 rnd,
                 task,

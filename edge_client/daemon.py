@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ import methods
 from edge_client.control import ControlServer
 from edge_client.replica import CATCHUP, FULL, ModelReplica
 from edge_client.serving import ServedModelWriter
-from edge_client.state import ClientState, ClientStateStore
+from edge_client.state import ClientState, ClientStateStore, learner_store_dir
 from edge_client.taskdir import TaskDirectory
 from fclcore import topics
 from fclcore.checkpoint import CheckpointError, FileBytes
@@ -49,6 +50,7 @@ from fclcore.errors import TrainingDiverged
 from fclcore.exitcodes import ExitCode
 from fclcore.learner import Learner
 from fclcore.membership import ACTIVE, NOT_ENROLLED, RETIRED, Membership
+from fclcore.model_sync import SYNC_KNOWLEDGE, SYNC_KNOWLEDGE_BYTES
 from fclcore.procmem import peak_rss_mb, release_free_memory, rss_mb
 from fclcore.runid import check_run_id, is_newer
 from fclcore.schedule import RoundPlace
@@ -140,6 +142,10 @@ class ClientDaemon:
         )
         # subscribed only while the device resyncs (``ModelReplica``): "full" or "catchup"
         self.sync_topics = {topics.model_topic(cfg.federation, w): w for w in (FULL, CATCHUP)}
+        # subscribed only while a task's knowledge frame names entries this device no longer holds
+        self.kb_full_topic = topics.knowledge_full_topic(cfg.federation, cfg.client_id)
+        self.kb_fetching: int | None = None  # the task whose full knowledge frame is being fetched
+        self.kb_syncs: Counter[str] = Counter()  # full knowledge frames fetched, and their bytes
         self.replica: ModelReplica | None = None  # the global model as announced, kept in step by deltas
         self.syncing: str | None = None  # the sync frame being fetched
         self.parked: tuple[str, bytes, int] | None = None  # the announcement that waits for it
@@ -180,6 +186,7 @@ class ClientDaemon:
             self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
             self.learner.fleet_data = self.data.fleet
             self._fit_pixels()
+            self.learner.store_dir = str(learner_store_dir(self.store.path.parent, state.run))
             for t in range(state.task + 1):  # decoded one at a time: a started task's frame is kept raw only
                 raw = state.knowledge.get(t)
                 self.learner.start_task(t, None if raw is None else decode(raw, self.limits))
@@ -279,7 +286,7 @@ class ClientDaemon:
             self._on_aggregator_status(payload)
             return False
         try:
-            if topic not in self.subscribed and topic not in self.sync_topics:
+            if topic not in self.subscribed and topic not in self.sync_topics and topic != self.kb_full_topic:
                 raise RejectedFrame(f"topic: {topic} is not a topic this device subscribed to")
             return self._act(topic, payload, size)
         except RejectedFrame as exc:
@@ -298,6 +305,8 @@ class ClientDaemon:
         kind = frame.header.kind
         run = _run_of(frame)
         if kind is Kind.KNOWLEDGE:
+            if topic == self.kb_full_topic and run != self.run_id:
+                return False  # fetched only for a task of this device's run
             if self.run_id is not None and run != self.run_id:
                 if not is_newer(run, self.run_id):
                     raise RejectedFrame(f"run: knowledge of run {run}, an earlier run than this device's {self.run_id}")
@@ -385,6 +394,7 @@ class ClientDaemon:
         self.knowledge_raw, self.knowledge_bytes, self.mid_frames = {}, {}, {}
         self.pending = self.waiting = self.unacked = None
         self.served_round, self.told_not_enrolled = -1, False
+        self._fetch_knowledge(None)
         self._adopt_run(run)
         return False
 
@@ -497,6 +507,8 @@ class ClientDaemon:
             self.sent_at = time.monotonic()
 
     def _on_knowledge(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
+        if topic == self.kb_full_topic:
+            return self._on_full_knowledge(frame, payload, size)
         if topic != topics.knowledge_topic(self.cfg.federation, self.cfg.client_id):
             raise RejectedFrame(f"topic: knowledge frame on {topic}")
         if frame.meta.get("for_task", frame.header.task) != frame.header.task:
@@ -571,6 +583,8 @@ class ClientDaemon:
             self.waiting = (frame, size)
             return False
         new_task = frame.header.task != self.task  # the task's knowledge frame counts for its first round
+        if new_task and self._lacks_knowledge(frame, size):
+            return False  # the round waits for the full knowledge frame
         own = self.mid_frames.get(frame.header.round, (None, 0))[1] if not new_task else 0
         self.round_bytes_down[frame.header.round] = (
             size + own + (self.knowledge_bytes.get(frame.header.task, 0) if new_task else 0)
@@ -580,6 +594,62 @@ class ClientDaemon:
 
     def _keeps_tensors(self, header: Header) -> bool:
         return header.kind is not Kind.KNOWLEDGE or header.task == self.task
+
+    # -- knowledge the device no longer holds -------------------------------------------------
+    def _lacks_knowledge(self, frame: Frame, size: int) -> bool:
+        """Whether the knowledge frame of the task ``frame`` starts names entries this device
+        neither holds nor finds in it (its store was lost, or the aggregator's idea of what it
+        holds is wrong): then the round waits while the full frame is fetched (counted)."""
+        task = frame.header.task
+        raw = self.knowledge_raw.get(task)
+        try:  # decoded whole here (it is kept without its tensors) and dropped before the task starts
+            lacking = self.learner.lacks(decode(raw.read(), self.limits)) if raw is not None else []
+        except ValueError as exc:
+            raise RejectedFrame(f"knowledge: {exc}") from None
+        if not lacking:
+            return False
+        if self.kb_fetching != task:
+            log.warning(
+                "task %d's knowledge frame names %d entries this device does not hold: fetching the full frame",
+                task,
+                len(lacking),
+            )
+            self.kb_syncs[SYNC_KNOWLEDGE] += 1
+            self._fetch_knowledge(task)
+        self.pending = (frame, size)
+        return True
+
+    def _fetch_knowledge(self, task: int | None) -> None:
+        """Subscribe to this device's full knowledge frame while task ``task``'s is wanted (None: stop)."""
+        if task is not None and self.kb_fetching is None:
+            self.link.subscribe(self.kb_full_topic)
+        elif task is None and self.kb_fetching is not None:
+            self.link.unsubscribe(self.kb_full_topic)
+        self.kb_fetching = task
+
+    def _on_full_knowledge(self, frame: Frame, payload: bytes, size: int) -> bool:
+        """The full knowledge frame: it replaces the task's own frame (also in the checkpoint)."""
+        task = frame.header.task
+        if self.kb_fetching is None or task != self.kb_fetching:
+            return False  # a retained copy delivered after the fetch ended, or another task's
+        if frame.meta.get("for_task", task) != task:
+            raise RejectedFrame("knowledge: meta.for_task differs from the header's task")
+        try:  # ``frame`` came without its tensors (a task not yet started): decoded whole here
+            lacking = self.learner.lacks(decode(payload, self.limits))
+        except ValueError as exc:
+            raise RejectedFrame(f"knowledge: {exc}") from None
+        if lacking:
+            raise RejectedFrame(f"knowledge: the full frame lacks {len(lacking)} of its entries")
+        self.kb_syncs[SYNC_KNOWLEDGE_BYTES] += size
+        self.knowledge_raw[task] = self.store.spill(task, payload)
+        self.knowledge_bytes[task] = self.knowledge_bytes.get(task, 0) + size  # it received both
+        self._fetch_knowledge(None)
+        pending, self.pending = self.pending, None
+        return self._handle_round(*pending) if pending is not None else False
+
+    def _sync_report(self) -> dict[str, int]:
+        """The cumulative resync counts every update reports: the model's and the knowledge's."""
+        return {**(self.replica.report() if self.replica else {}), **self.kb_syncs}
 
     def _check(self, payload: bytes) -> tuple[Frame, FederationSpec]:
         """Validate a downlink frame without touching any state."""
@@ -673,6 +743,7 @@ class ClientDaemon:
             self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
             self.learner.fleet_data = self.data.fleet
             self._fit_pixels()
+            self.learner.store_dir = str(learner_store_dir(self.store.path.parent, self.run_id or "", fresh=True))
             self.fed = fed
         try:
             self.learner.load_global(frame.tensors, frame.header.round, frame.meta)
@@ -716,7 +787,7 @@ class ClientDaemon:
             "train_nll": None if train_nll is None else round(train_nll, 4),
             **({"eval": report} if report is not None else {}),
             "rejected": dict(self.rejected),
-            **({"sync": sync} if (sync := self.replica.report() if self.replica else {}) else {}),
+            **({"sync": sync} if (sync := self._sync_report()) else {}),
             **self.learner.report(place),
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
@@ -846,6 +917,7 @@ class ClientDaemon:
                     "rejected": self.rejected,
                     "round_bytes_down": self.round_bytes_down,
                     "model_syncs": dict(self.replica.totals) if self.replica else {},
+                    "knowledge_syncs": dict(self.kb_syncs),
                     "round_cpu_s": self.round_cpu_s,
                     "round_cpu_phases": self.round_cpu_phases,
                     "round_rss_mb": self.round_rss_mb,

@@ -6,12 +6,15 @@ knowledge-base frames it received (raw bytes, re-validated by the codec on load)
 learner's state, and the update it sent but has not seen acknowledged (a round
 announcement for a later round is the acknowledgement).  A daemon killed at any point
 restarts from the last update: it re-sends that update if its round is still open, and
-otherwise trains the next round from exactly the state it would have had.
+otherwise trains the next round from exactly the state it would have had.  What a learner
+keeps on disk across tasks (ConFedMADE: the knowledge-base entries it received) is in
+``state_dir/learner/<run>``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +104,18 @@ class ClientStateStore:
             raise CheckpointError(f"{self.path}: malformed state ({exc})") from None
 
 
+def learner_store_dir(state_dir: str | os.PathLike, run: str, fresh: bool = False) -> Path:
+    """The directory a learner of run ``run`` keeps its files in (``Learner.store_dir``), under
+    ``state_dir/learner``; ``fresh``: a new learner, so the directories of other runs go."""
+    root = Path(state_dir) / "learner"
+    name = run or "no-run"
+    if fresh and root.is_dir():
+        for other in root.iterdir():
+            if other.name != name:
+                shutil.rmtree(other, ignore_errors=True)
+    return root / name
+
+
 def learner_from_state(state_dir: str | os.PathLike) -> tuple[object, ClientState]:
     """The learner of the device whose checkpoint is in ``state_dir``, rebuilt through the
     method registry as a restarted daemon rebuilds it; ValueError if there is none."""
@@ -115,6 +130,7 @@ def learner_from_state(state_dir: str | os.PathLike) -> tuple[object, ClientStat
             raise ValueError(f"{state_dir}: no client.npz checkpoint in this directory")
         fed = from_dict(FederationSpec, state.federation, "checkpoint", "federation")
         learner = methods.learner_for(fed, state.input_dim, 0, "checkpoint")
+        learner.store_dir = str(learner_store_dir(state_dir, state.run))
         for task in range(state.task + 1):
             raw = state.knowledge.get(task)
             learner.start_task(task, decode(raw) if raw is not None else None)

@@ -39,6 +39,9 @@ class Learner:
     # set, ``fclcore.data.float_pixels``) and convert per batch; the daemon then keeps its shard
     # in a quarter of float32's memory.  False: the daemon hands the learner float32 pixels.
     compact_pixels = False
+    # a directory of the device's state directory for what the learner keeps on disk across tasks
+    # (set by the daemon right after building the learner; None: keep it in memory)
+    store_dir: str | None = None
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         self.fed = fed
@@ -56,6 +59,12 @@ class Learner:
         """Called once before the first round of each task (with this device's own downlink
         frame for that round, if the strategy sent one)."""
         self.task = task
+
+    def lacks(self, downlink: Frame) -> list[str]:
+        """What a task's own downlink frame refers to that neither it carries nor this device
+        holds (e.g. knowledge-base entries sent before and lost since): the daemon then fetches
+        the frame that carries everything instead.  ValueError if the frame is malformed."""
+        return []
 
     def receive_frame(self, frame: Frame, rnd: int) -> None:
         """A frame the strategy sent this device alone for round ``rnd`` of the task in hand

@@ -38,6 +38,10 @@ MAX_NAMES = 4096
 VALUE_BYTES = {"float32": 4, "float16": 2, "int8": 1}  # bytes per value on the wire, by ``wire.value_dtype``
 OUTSIDE = "@outside"  # suffix of a derived tensor's changes outside its derived positions
 _HASH_CHARS = 32
+# a device's sync report (update ``meta.sync``, cumulative): besides the model's sync frames
+# ("full", "catchup", their "bytes", ...), the full knowledge frames it fetched because its own
+# named entries it no longer held, and their bytes
+SYNC_KNOWLEDGE, SYNC_KNOWLEDGE_BYTES = "knowledge", "knowledge_bytes"
 
 
 def model_hash(params: Mapping[str, np.ndarray]) -> str:

@@ -3,7 +3,8 @@
 The service runs the rounds; a ``Strategy`` says what a round carries and what it does:
 
 * ``announce_meta`` and ``client_downlinks``: configure a round (the announcement's metadata,
-  and frames for single clients, published before the announcement);
+  and frames for single clients, published before the announcement; ``full_downlinks``, what
+  a client fetches instead when its frame refers to something it no longer holds);
 * ``normalize``: validate one update once (names, shapes, the method's metadata) and return
   its full-shape tensors, or a ``Checked`` that also keeps the method's parsed view;
 * ``aggregate``: accepted updates -> the next global model;
@@ -93,6 +94,12 @@ class Strategy:
     def client_downlinks(self, rnd: int, clients: Sequence[str]) -> Downlinks:
         """Per-client frames to publish (retained, on each client's own topic) before round
         ``rnd`` is announced; a device waits for its frame when the round says so."""
+        return {}
+
+    def full_downlinks(self, rnd: int, clients: Sequence[str]) -> Downlinks:
+        """For the clients whose frame of ``client_downlinks`` leaves out what it expects them to
+        hold: the frame that carries everything, published retained on the client's ``full``
+        topic; a device that lacks something its frame refers to fetches it (``Learner.lacks``)."""
         return {}
 
     def downlink_log(self, meta: dict) -> dict:

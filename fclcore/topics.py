@@ -4,11 +4,13 @@
     fcl/<fed>/update/<client>    client -> aggregator: UPDATE and EVAL frames
     fcl/<fed>/status/<who>       retained JSON status, last-will "dead" ("aggregator" or a client id)
     fcl/<fed>/kb/<client>        aggregator -> one client, retained: its knowledge-base entries
+    fcl/<fed>/kb/<client>/full   aggregator -> one client, retained: the same, every entry carried
+                                 (subscribed only while the device lacks an entry it should hold)
     fcl/<fed>/model/<which>      aggregator -> devices that must resync, retained: the global
                                  model, ``full`` or ``catchup`` (subscribed only while needed)
 
 A device's ACL can then grant it write access to its own ``update`` and ``status`` topics
-and read access to ``round``, ``model/+`` and its own ``kb`` topic only.
+and read access to ``round``, ``model/+`` and its own ``kb`` topics only.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def status_topic(fed: str, who: str) -> str:
 
 def knowledge_topic(fed: str, client: str) -> str:
     return f"{ROOT}/{fed}/kb/{client}"
+
+
+def knowledge_full_topic(fed: str, client: str) -> str:
+    return f"{ROOT}/{fed}/kb/{client}/full"
 
 
 def model_topic(fed: str, which: str) -> str:

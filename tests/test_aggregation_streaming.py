@@ -224,7 +224,7 @@ def _decomposed_round(seed: int, rnd: int):
                 tensors[name] = values
                 continue
             tensors[name] = SparseTensor.from_dense(values, rng.random(shape) < rng.uniform(0.05, 0.9))
-            if strategy.is_task_end(rnd):
+            if strategy.carries_knowledge(rnd):
                 tensors[KB_PREFIX + name] = SparseTensor.from_dense(values, rng.random(shape) < 0.2)
         frame = Frame(Header(Kind.UPDATE, "t", rnd, 0, f"c{i}", 1), {"n_samples": int(rng.integers(1, 500))}, {})
         updates.append(Update(f"c{i}", frame, frame.meta["n_samples"], 0, 0, tensors))
@@ -241,10 +241,10 @@ def test_a_strategy_folding_in_arrival_order_equals_the_batch_formula(rnd):
     kept = {u.client: strategy.fold(running, u) for u in reversed(updates)}  # arrival order: reversed
     for u in kept.values():  # the round holds metadata and knowledge-base uploads, never the base
         assert not u.frame.tensors and all(k.startswith(KB_PREFIX) for k in u.tensors)
-        assert bool(u.tensors) is strategy.is_task_end(rnd)
+        assert bool(u.tensors) is strategy.carries_knowledge(rnd)
     out = strategy.close(running, [kept[c] for c in sorted(kept)], current)
     base = [({k: v for k, v in u.tensors.items() if not k.startswith(KB_PREFIX)}, u.n_samples) for u in updates]
     assert_float32_equal(out, weighted_average(base, current))
     entries = [(e.client, e.task, sorted(e.tensors)) for e in strategy.knowledge]
-    expected = sorted(strategy.weights) if strategy.is_task_end(rnd) else None
+    expected = sorted(strategy.weights) if strategy.carries_knowledge(rnd) else None
     assert entries == ([(f"c{i}", 0, expected) for i in range(4)] if expected else [])

@@ -38,6 +38,7 @@ PASSWORDS = {"c0": "pw-c0", "c1": "pw-c1", "aggregator": "pw-aggregator"}
 
 ROUND = topics.round_topic(FED)
 KB0, KB1 = topics.knowledge_topic(FED, "c0"), topics.knowledge_topic(FED, "c1")
+KBF0, KBF1 = topics.knowledge_full_topic(FED, "c0"), topics.knowledge_full_topic(FED, "c1")
 UP0, UP1 = topics.update_topic(FED, "c0"), topics.update_topic(FED, "c1")
 ST0, ST1 = topics.status_topic(FED, "c0"), topics.status_topic(FED, "c1")
 ST_AGG = topics.status_topic(FED, topics.AGGREGATOR_ID)
@@ -306,11 +307,13 @@ def test_device_reads_only_the_round_and_its_own_kb(shipped, pki, links):
     c1 = links.open(shipped.tls_url, "c1", **_tls(pki))
     agg.publish(KB1, b"kb-of-c1", retain=True).wait_for_publish(5)  # retained before c0 subscribes
     agg.publish(KB0, b"kb-of-c0", retain=True).wait_for_publish(5)
+    agg.publish(KBF1, b"kb-full-of-c1", retain=True).wait_for_publish(5)
+    agg.publish(KBF0, b"kb-full-of-c0", retain=True).wait_for_publish(5)
     c0_in = Inbox()
     links.open(
         shipped.tls_url,
         "c0",
-        subs=(KB1, f"fcl/{FED}/update/#", topics.status_filter(FED), "#", KB0),
+        subs=(KB1, KBF1, f"fcl/{FED}/update/#", topics.status_filter(FED), "#", KB0, KBF0),
         inbox=c0_in,
         **_tls(pki),
     )  # Mosquitto grants every SUBSCRIBE and filters on delivery
@@ -321,7 +324,8 @@ def test_device_reads_only_the_round_and_its_own_kb(shipped, pki, links):
 
     assert c0_in.wait_payload(ROUND, b"round-marker")
     assert c0_in.wait_payload(KB0, b"kb-of-c0")
-    assert c0_in.topics() == {ROUND, KB0}, f"c0 read more than it may: {c0_in.topics()}"
+    assert c0_in.wait_payload(KBF0, b"kb-full-of-c0")
+    assert c0_in.topics() == {ROUND, KB0, KBF0}, f"c0 read more than it may: {c0_in.topics()}"
 
 
 # ------------------------------------------------------------------ authentication

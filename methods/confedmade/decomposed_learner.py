@@ -34,12 +34,13 @@ from fclcore.masked_upload import MIN_GATE, dense, pack, selection, top_units
 from fclcore.models.decomposed_made import DecomposedMADE
 from fclcore.orders import upload_order
 from fclcore.procmem import release_free_memory
-from fclcore.schedule import RoundPlace
+from fclcore.schedule import RoundPlace, TaskSchedule
 from fclcore.schema import FederationSpec
 from fclcore.served import ServedModel
+from methods.confedmade.kbstore import KnowledgeStore
 from methods.confedmade.penalty import PenaltyTerms, WeightPenalty, Workspace
 from methods.confedmade.training import MadeLearner, mean_nll
-from methods.confedmade.wire import EXTRA, KB_PREFIX, knowledge_key, parse_knowledge_meta
+from methods.confedmade.wire import EXTRA, HELD, KB_PREFIX, knowledge_key, parse_knowledge_meta, shares_knowledge
 
 
 class DecomposedLearner(MadeLearner):
@@ -66,6 +67,8 @@ class DecomposedLearner(MadeLearner):
         self.entries: list[list[str]] = []  # knowledge-base entry ids per task
         self.values_sent = 0
         self.work = Workspace()  # the penalty's scratch buffers
+        self.kb: KnowledgeStore | None = None
+        self.num_tasks = TaskSchedule.from_federation(fed).num_tasks
 
     # -- federation ----------------------------------------------------------------------
     @torch.no_grad()
@@ -93,7 +96,9 @@ class DecomposedLearner(MadeLearner):
             layer.weight.copy_(torch.where(sent, g / gate, layer.weight))
 
     def start_task(self, task: int, downlink: Frame | None) -> None:
+        downlink, carried = self._kb().complete(downlink)  # + the named entries it holds (kbstore)
         ids = self._knowledge_ids(downlink)  # validate before any state changes
+        self._kb().keep(downlink, carried)
         super().start_task(task, downlink)
         # The last task's optimiser moments and anchors are replaced below: freed first, so the
         # new task's knowledge stack is never built beside them.
@@ -111,6 +116,15 @@ class DecomposedLearner(MadeLearner):
         self.entries.append(ids)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optim.Adam(trainable, lr=self.fed.train.lr, fused=True)
+
+    def lacks(self, downlink: Frame) -> list[str]:
+        return self._kb().missing(downlink)
+
+    def _kb(self) -> KnowledgeStore:
+        """The knowledge-base entries this device holds (on disk in ``store_dir``)."""
+        if self.kb is None or self.kb.requested != self.store_dir:
+            self.kb = KnowledgeStore(self.store_dir)
+        return self.kb
 
     def _knowledge_ids(self, frame: Frame | None) -> list[str]:
         """The frame's entry ids, once every entry has every layer's weight in its shape."""
@@ -189,7 +203,7 @@ class DecomposedLearner(MadeLearner):
             self.values_sent += int(self.sent[prefix].sum())
             if layer.bias is not None:
                 out[f"{prefix}.bias"] = layer.bias.numpy().copy()
-            if place.task_end:
+            if place.task_end and shares_knowledge(place.task, self.num_tasks):
                 adaptive = layer.adaptive[self.task].numpy().copy()
                 adaptive[np.abs(adaptive) < self.opts.kb_threshold] = 0.0
                 out[f"{KB_PREFIX}{prefix}.weight"] = SparseTensor.from_dense(adaptive)
@@ -214,6 +228,8 @@ class DecomposedLearner(MadeLearner):
         knowledge-base entries (mean over layers)."""
         out = {"base_values": self.values_sent}
         ids = self.entries[self.task] if self.task >= 0 else []
+        if place.task_end:
+            out[HELD] = self._kb().ids()  # the aggregator sends only the entries this device lacks
         if place.task_end and ids:
             alpha = torch.stack([layer.attention[self.task].detach() for layer in self.model.layers.values()])
             out["attention"] = {"entries": ids, "alpha": [round(float(a), 5) for a in alpha.mean(0)]}

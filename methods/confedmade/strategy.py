@@ -6,7 +6,9 @@ Uploads of the base arrive packed (``fclcore.masked_upload``): for ``confedmade`
 positions are the round's MADE mask (derived here from the seed, never sent) intersected
 with the units the client kept; each element is averaged over the clients that sent it.
 The last update of a task also carries ``kb:<weight>`` tensors, the client's thresholded
-A_t, which become knowledge-base entries handed to other clients at the next task start.
+A_t, which become knowledge-base entries handed to other clients at the next task start, and
+``kb_held``, the entries the client holds: its next knowledge frame names every entry chosen
+for it but carries only the others (the full frame goes beside it, for a device that lost some).
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from fclcore.model_sync import VALUE_BYTES
 from fclcore.orders import upload_order
 from fclcore.schema import FederationSpec
 from fclcore.strategy import Downlinks, Strategy, Update, without_tensors
-from methods.confedmade.wire import EXTRA, KB_PREFIX, entry_id, knowledge_key, knowledge_meta
+from methods.confedmade.wire import (
+    EXTRA,
+    HELD,
+    KB_PREFIX,
+    entry_id,
+    knowledge_key,
+    knowledge_meta,
+    parse_held,
+    shares_knowledge,
+)
 
 MAX_FRAME_TENSORS = CodecLimits().max_tensors
 
@@ -80,9 +91,12 @@ class DecomposedStrategy(FedAvgStrategy):
         self.mask_restricted = self.restrict_to_made_mask and options.upload_made_mask
         self.weights = [n for n in self.shapes if n.endswith(".weight")]
         self.knowledge: list[KnowledgeEntry] = []
+        self.held: dict[str, frozenset[str]] = {}  # client -> the entries it declared it holds (kb_held)
 
-    def is_task_end(self, rnd: int) -> bool:
-        return self.schedule.place(rnd).task_end
+    def carries_knowledge(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s updates carry their A_t (a task's last round, but the last task's)."""
+        place = self.schedule.place(rnd)
+        return place.task_end and shares_knowledge(place.task, self.schedule.num_tasks)
 
     def announce_meta(self, rnd: int) -> dict:
         return {"client_frames": self.schedule.place(rnd).task_start}
@@ -101,12 +115,13 @@ class DecomposedStrategy(FedAvgStrategy):
             expected |= {name, name + UNITS, name + EXTRA}
             if name + EXTRA in frame.tensors:
                 out[name] = _with_extra(out[name], frame.tensors[name + EXTRA], name + EXTRA)
-            if self.is_task_end(rnd):
+            if self.carries_knowledge(rnd):
                 out[KB_PREFIX + name] = _full_shape(frame.tensors, KB_PREFIX + name, shape)
                 expected.add(KB_PREFIX + name)
         extra = sorted(set(frame.tensors) - expected)
         if extra:
             raise ValueError(f"tensors: unexpected {extra}")
+        parse_held(frame.meta)
         return out
 
     def fold(self, running: RunningSum, update: Update) -> Update:
@@ -118,7 +133,11 @@ class DecomposedStrategy(FedAvgStrategy):
     def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
         merged = running.result(current)
         rnd = kept[0].frame.header.round
-        if self.is_task_end(rnd):
+        for u in kept:
+            held = parse_held(u.frame.meta)
+            if held is not None:
+                self.held[u.client] = frozenset(held)
+        if self.carries_knowledge(rnd):
             task = self.schedule.task_of(rnd)
             for u in sorted(kept, key=lambda u: u.client):
                 kb = {k[len(KB_PREFIX) :]: v for k, v in u.tensors.items() if k.startswith(KB_PREFIX)}
@@ -126,14 +145,26 @@ class DecomposedStrategy(FedAvgStrategy):
         return merged
 
     def client_downlinks(self, rnd: int, clients: Sequence[str]) -> Downlinks:
-        """At a task start: each client's knowledge frame (other clients' earlier entries)."""
+        """At a task start: each client's knowledge frame (other clients' earlier entries), with
+        the tensors of the entries it does not declare it holds."""
+        return self._knowledge_frames(rnd, clients, full=False)
+
+    def full_downlinks(self, rnd: int, clients: Sequence[str]) -> Downlinks:
+        """The full knowledge frame of each client whose frame leaves out entries it holds."""
+        return self._knowledge_frames(rnd, clients, full=True)
+
+    def _knowledge_frames(self, rnd: int, clients: Sequence[str], full: bool) -> Downlinks:
         place = self.schedule.place(rnd)
         if not place.task_start:
             return {}
         out = {}
         for index, client in enumerate(clients):
             chosen = self._select(client, index, place.task)
-            tensors = {knowledge_key(e.entry_id, name): t for e in chosen for name, t in e.tensors.items()}
+            held = self.held.get(client, frozenset())
+            if full and not any(e.entry_id in held for e in chosen):
+                continue  # its own frame carries every entry
+            sent = [e for e in chosen if full or e.entry_id not in held]
+            tensors = {knowledge_key(e.entry_id, name): t for e in sent for name, t in e.tensors.items()}
             out[client] = (knowledge_meta(place.task, [(e.entry_id, e.client, e.task) for e in chosen]), tensors)
         return out
 
@@ -151,7 +182,7 @@ class DecomposedStrategy(FedAvgStrategy):
                 arrays[f"kb/{i}/{name}/values"] = sparse.values.astype(np.float32)
                 shapes[name] = list(sparse.shape)
             entries.append({"client": entry.client, "task": entry.task, "shapes": shapes})
-        return {"knowledge": entries}, arrays
+        return {"knowledge": entries, "held": {c: sorted(h) for c, h in sorted(self.held.items())}}, arrays
 
     def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         knowledge = []
@@ -167,6 +198,10 @@ class DecomposedStrategy(FedAvgStrategy):
                 )
             knowledge.append(KnowledgeEntry(str(entry["client"]), int(entry["task"]), tensors))
         self.knowledge = knowledge
+        held = meta.get("held", {})
+        if not isinstance(held, dict):
+            raise ValueError("held: expected an object of client -> entry ids")
+        self.held = {str(c): frozenset(parse_held({HELD: ids}) or ()) for c, ids in held.items()}
 
     def _select(self, client: str, index: int, task: int) -> list[KnowledgeEntry]:
         """Entries of other clients' earlier tasks, by the configured policy."""
