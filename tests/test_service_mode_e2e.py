@@ -68,7 +68,9 @@ def test_notify_metrics_and_sigterm(mosquitto, tmp_path, repo_root, quickstart_r
     fleet = Fleet(repo_root / SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES, aggregator={"metrics_port": port})
     scrapes = []
     try:
-        fleet.start("aggregator", env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "2000000"})
+        # a short watchdog (a ping every 0.3 s): this aggregator may live under a second before
+        # the SIGTERM below, and a 2 s watchdog's first ping (after 1 s) could come too late
+        fleet.start("aggregator", env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "600000"})
         for name in ("client-0", "client-1", "client-2"):
             fleet.start(name)
         fleet.wait_for_round(1)
