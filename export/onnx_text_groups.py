@@ -43,6 +43,7 @@ Enhancers and heads stay fp32 (see :func:`_stack_gathers`).
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -72,6 +73,7 @@ from fclcore.models.enhancer import (
     predict_logits,
 )
 from fclcore.models.prototypes import PrototypeSelector, normalize_rows
+from fclcore.procmem import release_free_memory
 
 __all__ = [
     "export_text_groups",
@@ -529,9 +531,10 @@ def export_text_classifier(
 
     ``graph``: ``"two-pass"`` (default, what is served) or ``"all-groups"`` (the 1 + J pass
     graph from before, for the benchmark's comparison); recorded as ``fcl.backbone_passes``.
-    ``stage_dir``: only build the file and the torch reference, and leave them there with what
-    the checks need (``export.text_groups_verify.write_stage``); the checks, the int8 copy and
-    the publication are then ``export.text_groups_verify.finish_stage``'s, in a process without
+    ``stage_dir``: only compute the torch reference and build the graph, and leave them there
+    with what the checks need (``export.text_groups_verify.write_stage``: the graph unsealed,
+    its weights as external data); the sealing, the checks, the int8 copy and the publication
+    are then ``export.text_groups_verify.finish_stage``'s, in a process without
     torch (``export.child``).  Returns ``{"staged": stage_dir, "path": path}``.
     ``tokenizer_json``: the tokenizer the model expects; its sha256 is recorded and, with
     ``embed_tokenizer``, the file itself is embedded (the runtime then needs nothing else).
@@ -550,8 +553,19 @@ def export_text_classifier(
     if max_length is None:
         max_length = min(128, backbone.cfg.max_positions)
     selector = _selector(prototypes, group_of)
-    proto, group_ids, classes = build_text_classifier_onnx(
-        backbone, groups, selector, max_length=max_length, graph=graph, check=stage_dir is None
+    group_ids, classes = _plan(backbone, groups, selector, max_length)
+    # the torch reference first, its activations freed before the graph and its copies of the weights exist
+    ids, mask, desc = parity_token_rows(backbone.cfg.vocab_size, max_length, parity_ids, parity_mask)
+    ref = text_classifier_reference(backbone, groups, selector, classes, ids, mask)
+    gc.collect()
+    release_free_memory()
+    proto, _, _ = build_text_classifier_onnx(
+        backbone,
+        groups,
+        selector,
+        max_length=max_length,
+        graph=graph,
+        check=stage_dir is None,
     )
     if class_names is not None:
         if all(isinstance(n, str) for n in class_names) and len(class_names) > max(classes):
@@ -581,8 +595,6 @@ def export_text_classifier(
         metadata["class_names"] = list(class_names)
     if tokenizer_json is not None:
         metadata.update(tokenizer_metadata(tokenizer_json, backbone.cfg.vocab_size, embed_tokenizer)[0])
-    ids, mask, desc = parity_token_rows(backbone.cfg.vocab_size, max_length, parity_ids, parity_mask)
-    ref = text_classifier_reference(backbone, groups, selector, classes, ids, mask)
     checks = {
         "path": str(path),
         "metadata": metadata,
@@ -595,7 +607,7 @@ def export_text_classifier(
         "int8_exclude_selector": bool(int8_exclude_selector),
     }
     if stage_dir is not None:  # the checks and the publication are another process's
-        write_stage(Path(stage_dir), seal(proto, metadata).SerializeToString(), checks)
+        write_stage(Path(stage_dir), proto, checks)  # unsealed, its weights as external data
         return {"staged": str(stage_dir), "path": str(path)}
     temps: list[Path] = []
     try:
