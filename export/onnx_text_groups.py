@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import gc
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -440,6 +441,38 @@ def _type_fused_outputs(proto: onnx.ModelProto) -> None:
                     )
 
 
+WORD_TABLE = "backbone.encoder.word.weight"  # the token embeddings' initializer in both graphs
+
+
+@contextmanager
+def _light_word_table(backbone: FrozenBackbone) -> Iterator[Callable[[onnx.ModelProto], None]]:
+    """Trace with a one-row token embedding table; yields ``put_back(proto)``, which gives the
+    proto's :data:`WORD_TABLE` initializer the real table's dims and bytes.
+
+    The table is a third of MiniLM's weights (30522 x 384 float32, 45 MiB), and the tracer
+    holds the weights three times at its peak (its ModelProto, that serialised, and the bytes
+    handed to Python).  The table only feeds the Gather of the input ids (nothing is folded
+    from it and no shape in the graph depends on its row count; the traced inputs are all
+    id 0), so the proto differs from the one traced with the full table only in that
+    initializer's dims and ``raw_data``; ``put_back`` restores those, checked by the sha256
+    of the published files in ``benchmarks/profile_export_child.py``."""
+    word = backbone.encoder.word
+    full = word.weight
+    word.weight = nn.Parameter(full.detach()[:1].clone(), requires_grad=False)
+
+    def put_back(proto: onnx.ModelProto) -> None:
+        found = [t for t in proto.graph.initializer if t.name == WORD_TABLE]
+        if len(found) != 1 or list(found[0].dims) != [1, full.shape[1]] or not found[0].HasField("raw_data"):
+            raise ExportError(f"the traced graph has no one-row {WORD_TABLE} initializer to fill in")
+        found[0].dims[:] = list(full.shape)
+        found[0].raw_data = full.detach().numpy().astype("<f4", copy=False).tobytes()
+
+    try:
+        yield put_back
+    finally:
+        word.weight = full
+
+
 def build_text_classifier_onnx(
     backbone: FrozenBackbone,
     groups: Sequence[EnhancerGroup],
@@ -448,13 +481,19 @@ def build_text_classifier_onnx(
     max_length: int = 128,
     graph: str = "two-pass",
     check: bool = True,
+    own_backbone: bool = False,
 ) -> tuple[onnx.ModelProto, list[int], list[int]]:
     """Trace the graph (unsealed); returns (proto, exported group indices, classes).
 
     ``graph``: ``"two-pass"`` (:class:`TextGroupsGraph`, what is served) or ``"all-groups"``
     (:class:`AllGroupsGraph`, the 1 + J pass baseline the benchmark compares against).
     ``check``: run ``onnx.checker`` on the proto (which serialises and parses a whole copy of
-    it); a staged export checks the written file in its second process instead."""
+    it); a staged export checks the written file in its second process instead.
+    ``own_backbone``: this process owns ``backbone`` (the export child): the token embedding
+    table is traced as a one-row stand-in and put into the proto afterwards
+    (:func:`_light_word_table`), which keeps three copies of it out of the tracer's peak; the
+    bytes are the same.  It swaps the backbone's parameter during the trace, so never with a
+    backbone another thread may run."""
     if graph not in GRAPHS:
         raise ExportError(f"graph must be one of {sorted(GRAPHS)}, got {graph!r}")
     group_ids, classes = _plan(backbone, groups, selector, max_length)
@@ -463,7 +502,12 @@ def build_text_classifier_onnx(
     for g in groups:
         g.eval()
     try:
-        proto = trace_token_model(module, max_length, ["label", "group", "logits"])
+        if own_backbone:
+            with _light_word_table(backbone) as put_back:
+                proto = trace_token_model(module, max_length, ["label", "group", "logits"])
+            put_back(proto)
+        else:
+            proto = trace_token_model(module, max_length, ["label", "group", "logits"])
     finally:
         for g, w in zip(groups, was):
             g.train(w)
@@ -566,6 +610,7 @@ def export_text_classifier(
         max_length=max_length,
         graph=graph,
         check=stage_dir is None,
+        own_backbone=stage_dir is not None,  # staged: the export child's own backbone
     )
     if class_names is not None:
         if all(isinstance(n, str) for n in class_names) and len(class_names) > max(classes):
