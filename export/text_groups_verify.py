@@ -268,6 +268,9 @@ def _export_int8(
 ) -> dict[str, Any]:
     proto = onnx.load(fp32_tmp, load_external_data=False)
     exclude = (_selector_nodes(proto) if exclude_selector else []) + _stack_gathers(proto)
+    del proto  # the quantiser loads its own copy: not two fp32 models at its peak
+    gc.collect()
+    release_free_memory()
     _quantize(fp32_tmp, q_tmp, exclude, per_channel)
     proto = onnx.load(q_tmp)
     meta = dict(
