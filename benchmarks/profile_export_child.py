@@ -7,13 +7,16 @@ all-MiniLM-L6-v2 with two Enhancer groups of seeded random weights, int8 on, as 
     python benchmarks/profile_export_child.py --rows 48 --classes 5
 
 Prints one JSON document: each half's ``peak_rss_mb`` (its own ``ru_maxrss``), the frameworks
-it imported and its wall seconds, and the load average before and after.  Nothing is written
+it imported and its wall seconds, the sha256 of the published fp32 and int8 files (the
+inputs are seeded: the same code must publish the same bytes), and the load average before
+and after.  Nothing is written
 under ``benchmarks/results``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -26,6 +29,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def write_job(job_dir: Path, target: Path, rows: int, classes: int, max_length: int) -> None:
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         first = run_half(job_dir)
         second = run_half(job_dir, "--finish")
         published = target.is_file() and target.with_name("model.int8.onnx").is_file()
+        sha256 = {f.name: file_sha256(f) for f in (target, target.with_name("model.int8.onnx")) if f.is_file()}
     print(
         json.dumps(
             {
@@ -105,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch_half": first,
                 "onnxruntime_half": second,
                 "published": published,
+                "sha256": sha256,
                 "load_before": round(load_before, 2),
                 "load_after": round(os.getloadavg()[0], 2),
             },

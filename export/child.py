@@ -8,11 +8,11 @@ onnxruntime or the export's buffers (``edge_client.serving`` starts it; see
 A text-groups model (FedET's) is a job of ``export.text_groups_job`` (``"format": "text-groups"``
 in ``job.json``) in two processes, so that none holds torch and the backbone together with
 onnxruntime and the int8 copy: the first imports torch, loads the frozen backbone itself,
-builds the file and the torch reference and leaves them in ``JOB_DIR/stage``
-(``export.text_groups_verify.write_stage``), reporting ``"next": "finish"``; the caller then
-runs ``--finish``, which checks, quantises and publishes without torch
-(``export.text_groups_verify.finish_stage``).  A MADE's ``JOB_DIR`` holds what the daemon
-wrote with :func:`write_job`:
+computes the torch reference, builds the graph and leaves them in ``JOB_DIR/stage`` (the
+graph unsealed, its weights as ONNX external data: ``export.text_groups_verify.write_stage``),
+reporting ``"next": "finish"``; the caller then runs ``--finish``, which seals, checks,
+quantises and publishes without torch (``export.text_groups_verify.finish_stage``).
+A MADE's ``JOB_DIR`` holds what the daemon wrote with :func:`write_job`:
 
 * ``parity.npy`` and ``reference.npy``: the parity rows and the torch MADE's logits on them,
   computed by the daemon, so this process needs no torch;

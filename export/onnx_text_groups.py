@@ -43,9 +43,11 @@ Enhancers and heads stay fp32 (see :func:`_stack_gathers`).
 
 from __future__ import annotations
 
+import gc
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -72,6 +74,7 @@ from fclcore.models.enhancer import (
     predict_logits,
 )
 from fclcore.models.prototypes import PrototypeSelector, normalize_rows
+from fclcore.procmem import release_free_memory
 
 __all__ = [
     "export_text_groups",
@@ -438,6 +441,38 @@ def _type_fused_outputs(proto: onnx.ModelProto) -> None:
                     )
 
 
+WORD_TABLE = "backbone.encoder.word.weight"  # the token embeddings' initializer in both graphs
+
+
+@contextmanager
+def _light_word_table(backbone: FrozenBackbone) -> Iterator[Callable[[onnx.ModelProto], None]]:
+    """Trace with a one-row token embedding table; yields ``put_back(proto)``, which gives the
+    proto's :data:`WORD_TABLE` initializer the real table's dims and bytes.
+
+    The table is a third of MiniLM's weights (30522 x 384 float32, 45 MiB), and the tracer
+    holds the weights three times at its peak (its ModelProto, that serialised, and the bytes
+    handed to Python).  The table only feeds the Gather of the input ids (nothing is folded
+    from it and no shape in the graph depends on its row count; the traced inputs are all
+    id 0), so the proto differs from the one traced with the full table only in that
+    initializer's dims and ``raw_data``; ``put_back`` restores those, checked by the sha256
+    of the published files in ``benchmarks/profile_export_child.py``."""
+    word = backbone.encoder.word
+    full = word.weight
+    word.weight = nn.Parameter(full.detach()[:1].clone(), requires_grad=False)
+
+    def put_back(proto: onnx.ModelProto) -> None:
+        found = [t for t in proto.graph.initializer if t.name == WORD_TABLE]
+        if len(found) != 1 or list(found[0].dims) != [1, full.shape[1]] or not found[0].HasField("raw_data"):
+            raise ExportError(f"the traced graph has no one-row {WORD_TABLE} initializer to fill in")
+        found[0].dims[:] = list(full.shape)
+        found[0].raw_data = full.detach().numpy().astype("<f4", copy=False).tobytes()
+
+    try:
+        yield put_back
+    finally:
+        word.weight = full
+
+
 def build_text_classifier_onnx(
     backbone: FrozenBackbone,
     groups: Sequence[EnhancerGroup],
@@ -446,13 +481,19 @@ def build_text_classifier_onnx(
     max_length: int = 128,
     graph: str = "two-pass",
     check: bool = True,
+    own_backbone: bool = False,
 ) -> tuple[onnx.ModelProto, list[int], list[int]]:
     """Trace the graph (unsealed); returns (proto, exported group indices, classes).
 
     ``graph``: ``"two-pass"`` (:class:`TextGroupsGraph`, what is served) or ``"all-groups"``
     (:class:`AllGroupsGraph`, the 1 + J pass baseline the benchmark compares against).
     ``check``: run ``onnx.checker`` on the proto (which serialises and parses a whole copy of
-    it); a staged export checks the written file in its second process instead."""
+    it); a staged export checks the written file in its second process instead.
+    ``own_backbone``: this process owns ``backbone`` (the export child): the token embedding
+    table is traced as a one-row stand-in and put into the proto afterwards
+    (:func:`_light_word_table`), which keeps three copies of it out of the tracer's peak; the
+    bytes are the same.  It swaps the backbone's parameter during the trace, so never with a
+    backbone another thread may run."""
     if graph not in GRAPHS:
         raise ExportError(f"graph must be one of {sorted(GRAPHS)}, got {graph!r}")
     group_ids, classes = _plan(backbone, groups, selector, max_length)
@@ -461,7 +502,12 @@ def build_text_classifier_onnx(
     for g in groups:
         g.eval()
     try:
-        proto = trace_token_model(module, max_length, ["label", "group", "logits"])
+        if own_backbone:
+            with _light_word_table(backbone) as put_back:
+                proto = trace_token_model(module, max_length, ["label", "group", "logits"])
+            put_back(proto)
+        else:
+            proto = trace_token_model(module, max_length, ["label", "group", "logits"])
     finally:
         for g, w in zip(groups, was):
             g.train(w)
@@ -529,9 +575,10 @@ def export_text_classifier(
 
     ``graph``: ``"two-pass"`` (default, what is served) or ``"all-groups"`` (the 1 + J pass
     graph from before, for the benchmark's comparison); recorded as ``fcl.backbone_passes``.
-    ``stage_dir``: only build the file and the torch reference, and leave them there with what
-    the checks need (``export.text_groups_verify.write_stage``); the checks, the int8 copy and
-    the publication are then ``export.text_groups_verify.finish_stage``'s, in a process without
+    ``stage_dir``: only compute the torch reference and build the graph, and leave them there
+    with what the checks need (``export.text_groups_verify.write_stage``: the graph unsealed,
+    its weights as external data); the sealing, the checks, the int8 copy and the publication
+    are then ``export.text_groups_verify.finish_stage``'s, in a process without
     torch (``export.child``).  Returns ``{"staged": stage_dir, "path": path}``.
     ``tokenizer_json``: the tokenizer the model expects; its sha256 is recorded and, with
     ``embed_tokenizer``, the file itself is embedded (the runtime then needs nothing else).
@@ -550,8 +597,20 @@ def export_text_classifier(
     if max_length is None:
         max_length = min(128, backbone.cfg.max_positions)
     selector = _selector(prototypes, group_of)
-    proto, group_ids, classes = build_text_classifier_onnx(
-        backbone, groups, selector, max_length=max_length, graph=graph, check=stage_dir is None
+    group_ids, classes = _plan(backbone, groups, selector, max_length)
+    # the torch reference first, its activations freed before the graph and its copies of the weights exist
+    ids, mask, desc = parity_token_rows(backbone.cfg.vocab_size, max_length, parity_ids, parity_mask)
+    ref = text_classifier_reference(backbone, groups, selector, classes, ids, mask)
+    gc.collect()
+    release_free_memory()
+    proto, _, _ = build_text_classifier_onnx(
+        backbone,
+        groups,
+        selector,
+        max_length=max_length,
+        graph=graph,
+        check=stage_dir is None,
+        own_backbone=stage_dir is not None,  # staged: the export child's own backbone
     )
     if class_names is not None:
         if all(isinstance(n, str) for n in class_names) and len(class_names) > max(classes):
@@ -581,8 +640,6 @@ def export_text_classifier(
         metadata["class_names"] = list(class_names)
     if tokenizer_json is not None:
         metadata.update(tokenizer_metadata(tokenizer_json, backbone.cfg.vocab_size, embed_tokenizer)[0])
-    ids, mask, desc = parity_token_rows(backbone.cfg.vocab_size, max_length, parity_ids, parity_mask)
-    ref = text_classifier_reference(backbone, groups, selector, classes, ids, mask)
     checks = {
         "path": str(path),
         "metadata": metadata,
@@ -595,7 +652,7 @@ def export_text_classifier(
         "int8_exclude_selector": bool(int8_exclude_selector),
     }
     if stage_dir is not None:  # the checks and the publication are another process's
-        write_stage(Path(stage_dir), seal(proto, metadata).SerializeToString(), checks)
+        write_stage(Path(stage_dir), proto, checks)  # unsealed, its weights as external data
         return {"staged": str(stage_dir), "path": str(path)}
     temps: list[Path] = []
     try:

@@ -9,7 +9,10 @@ onnx and onnxruntime but never torch.  ``export.child`` does so for the daemon, 
 process of the device holds torch, the backbone, onnx, onnxruntime and the int8 copy at once
 (``firmware_notes/memory.md``).
 
-A stage directory holds ``model.onnx`` (the sealed fp32 file), ``parity.npz`` (the parity
+A stage directory holds ``model.onnx`` (the unsealed fp32 graph, its initializers in
+``model.onnx.data`` as ONNX external data: the first process writes them one tensor at a time
+and never serialises the whole model; the second reads them back, seals and writes the
+one-file model), ``parity.npz`` (the parity
 rows ``ids``, ``mask`` and the torch reference ``label``, ``group``, ``logits``,
 ``route_margin``, ``label_margin``) and ``stage.json`` (the target ``path``, the file's
 ``metadata``, the parity rows' ``desc``, ``classes``, ``groups`` and the int8 settings).
@@ -17,8 +20,9 @@ rows ``ids``, ``mask`` and the torch reference ``label``, ``group``, ``logits``,
 
 from __future__ import annotations
 
+import gc
 import json
-import shutil
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ import numpy as np
 import onnx
 
 from export.publish import ExportError, publish_export, quantize_int8, remove_temps, seal, temp_path, write_synced
+from fclcore.procmem import release_free_memory
 
 __all__ = [
     "FORMAT",
@@ -35,6 +40,8 @@ __all__ = [
     "verify_and_publish",
     "write_stage",
     "finish_stage",
+    "load_staged_model",
+    "STAGE_WEIGHTS",
 ]
 
 FORMAT = "fcl-fedet/1"  # = export.text_runtime.FORMAT (not imported here: that module loads onnxruntime)
@@ -42,6 +49,7 @@ PARITY_TOL = 1e-4  # |onnx - torch| <= PARITY_TOL * max(1, |torch|) for every fi
 ROUTE_TOL = 1e-4  # a cosine (selector) or logit (head) top-2 gap below this is a float32 tie
 INT8_MIN_AGREEMENT = 0.9  # default: int8 labels must equal the fp32 torch labels on >= 90% of parity rows
 _INT8_OPS = {"MatMulInteger", "QAttention", "DynamicQuantizeLinear", "DequantizeLinear"}
+STAGE_WEIGHTS = "model.onnx.data"  # the staged graph's initializers (external data of model.onnx)
 _PARITY = ("ids", "mask", "label", "group", "logits", "route_margin", "label_margin")
 
 
@@ -89,10 +97,22 @@ def verify_and_publish(tmp: Path, temps: list[Path], checks: dict[str, Any]) -> 
     return publish_export(tmp, path, temps, report, int8_fn)
 
 
-def write_stage(stage_dir: Path, model: bytes, checks: dict[str, Any]) -> None:
-    """Leave the sealed fp32 file and what :func:`verify_and_publish` needs in ``stage_dir``."""
+def write_stage(stage_dir: Path, proto: onnx.ModelProto, checks: dict[str, Any]) -> None:
+    """Leave the unsealed fp32 graph and what :func:`verify_and_publish` needs in ``stage_dir``.
+
+    The graph goes out with its initializers as external data (``model.onnx`` +
+    :data:`STAGE_WEIGHTS`), written one tensor at a time, so this process never holds a whole
+    serialised copy of the weights; ``proto`` is emptied of them (the caller drops it).
+    :func:`finish_stage` seals it with ``checks["metadata"]`` into the one-file model."""
     stage_dir.mkdir(parents=True, exist_ok=True)
-    write_synced(stage_dir / "model.onnx", model)
+    weights = stage_dir / STAGE_WEIGHTS
+    weights.unlink(missing_ok=True)  # onnx appends to an existing file
+    onnx.save_model(
+        proto, stage_dir / "model.onnx", save_as_external_data=True, all_tensors_to_one_file=True, location=weights.name
+    )
+    for f in (weights, stage_dir / "model.onnx"):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
     parity = checks["parity"]
     np.savez(stage_dir / "parity.npz", **{k: np.asarray(parity[k]) for k in _PARITY})
     doc = {k: v for k, v in checks.items() if k != "parity"}
@@ -100,29 +120,61 @@ def write_stage(stage_dir: Path, model: bytes, checks: dict[str, Any]) -> None:
 
 
 def finish_stage(stage_dir: Path) -> dict[str, Any]:
-    """:func:`verify_and_publish` of what :func:`write_stage` left in ``stage_dir``.  Raises
-    :class:`ExportError`, or ValueError / OSError for a stage that is not complete."""
+    """:func:`verify_and_publish` of what :func:`write_stage` left in ``stage_dir``, after sealing
+    the staged graph into the one-file model.  Raises :class:`ExportError`, or ValueError /
+    OSError for a stage that is not complete."""
     stage_dir = Path(stage_dir)
     try:
         doc = json.loads((stage_dir / "stage.json").read_text())
         with np.load(stage_dir / "parity.npz", allow_pickle=False) as z:
             parity = {k: z[k] for k in _PARITY}
         checks = {**doc, "parity": {**parity, "desc": str(doc["desc"])}}
-        path = Path(checks["path"])
+        path, metadata = Path(checks["path"]), checks["metadata"]
+        if not isinstance(metadata, dict):
+            raise TypeError("metadata is not a dict")
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{stage_dir}: not a complete export stage ({exc!r})") from None
-    try:  # the graph's checker pass, left out of the first process (``build_text_classifier_onnx``)
-        onnx.checker.check_model(str(stage_dir / "model.onnx"))
-    except onnx.checker.ValidationError as exc:
-        raise ExportError(f"the staged model fails the ONNX checker: {exc}") from None
     temps: list[Path] = []
     try:
         tmp = temp_path(path)  # next to the target, so that publishing it is a rename
         temps.append(tmp)
-        shutil.copyfile(stage_dir / "model.onnx", tmp)
+        proto = load_staged_model(stage_dir / "model.onnx")
+        write_synced(tmp, seal(proto, metadata).SerializeToString())
+        del proto
+        gc.collect()
+        release_free_memory()
+        try:  # the graph's checker pass, left out of the first process (``build_text_classifier_onnx``)
+            onnx.checker.check_model(str(tmp))
+        except onnx.checker.ValidationError as exc:
+            raise ExportError(f"the staged model fails the ONNX checker: {exc}") from None
         return verify_and_publish(tmp, temps, checks)
     finally:
         remove_temps(temps)
+
+
+def load_staged_model(path: Path) -> onnx.ModelProto:
+    """The graph :func:`write_stage` left at ``path``, its initializers read back from
+    :data:`STAGE_WEIGHTS` into ``raw_data`` exactly as the exporter had them (no
+    ``data_location`` field, which ``onnx.load`` would add): sealing it gives the bytes sealing
+    the exporter's proto gave.  ValueError for a malformed stage."""
+    path = Path(path)
+    proto = onnx.load(path, load_external_data=False)
+    with open(path.with_name(STAGE_WEIGHTS), "rb") as fh:
+        for t in proto.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            if info.get("location") != STAGE_WEIGHTS or "offset" not in info or "length" not in info:
+                raise ValueError(f"{path}: initializer {t.name!r} is not in {STAGE_WEIGHTS} ({info})")
+            fh.seek(int(info["offset"]))
+            raw = fh.read(int(info["length"]))
+            if len(raw) != int(info["length"]):
+                raise ValueError(f"{path}: {STAGE_WEIGHTS} is truncated at {t.name!r}")
+            t.raw_data = raw
+            del raw
+            del t.external_data[:]
+            t.ClearField("data_location")
+    return proto
 
 
 # ------------------------------------------------------------------ parity
@@ -216,6 +268,9 @@ def _export_int8(
 ) -> dict[str, Any]:
     proto = onnx.load(fp32_tmp, load_external_data=False)
     exclude = (_selector_nodes(proto) if exclude_selector else []) + _stack_gathers(proto)
+    del proto  # the quantiser loads its own copy: not two fp32 models at its peak
+    gc.collect()
+    release_free_memory()
     _quantize(fp32_tmp, q_tmp, exclude, per_channel)
     proto = onnx.load(q_tmp)
     meta = dict(

@@ -206,8 +206,8 @@ def test_child_exports_the_text_groups_model_the_daemon_would(text_job, tmp_path
 
 def test_the_text_export_runs_in_two_processes_torch_then_onnxruntime(text_job, tmp_path):
     """The first child holds torch and the backbone but no onnxruntime, and publishes nothing;
-    the second (``--finish``) checks, quantises and publishes without torch.  A stage that
-    fails its checks in the second leaves the old model in place."""
+    the second (``--finish``) seals, checks, quantises and publishes without torch.  A stage
+    that fails its checks in the second, or is incomplete, leaves the old model in place."""
     from export.text_groups_job import write_text_groups_job
 
     served, ids = text_job
@@ -222,12 +222,17 @@ def test_the_text_export_runs_in_two_processes_torch_then_onnxruntime(text_job, 
     assert done.returncode == 0 and first["ok"] and first["next"] == "finish", done.stderr[-2000:]
     assert "torch" in first["imported"] and "onnxruntime" not in first["imported"]
     assert target.read_bytes() == b"the model in service"
-    good = (job_dir / "stage" / "model.onnx").read_bytes()
-    (job_dir / "stage" / "model.onnx").write_bytes(good.replace(b"fcl-edge", b"fcl-EDGE", 1))  # not what was sealed
+    weights = job_dir / "stage" / "model.onnx.data"  # the staged graph's initializers, as external data
+    good = weights.read_bytes()
+    weights.write_bytes(bytes(len(good)))  # other weights than the torch reference's
     done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and "failed validation" in json.loads((job_dir / "report.json").read_text())["error"]
+    assert done.returncode == 1 and "parity check failed" in json.loads((job_dir / "report.json").read_text())["error"]
     assert target.read_bytes() == b"the model in service"
-    (job_dir / "stage" / "model.onnx").write_bytes(good)
+    weights.write_bytes(good[:-8])  # truncated
+    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "truncated" in json.loads((job_dir / "report.json").read_text())["error"]
+    assert target.read_bytes() == b"the model in service"
+    weights.write_bytes(good)
     done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=300)
     second = json.loads((job_dir / "report.json").read_text())
     assert done.returncode == 0 and second["ok"] and "next" not in second, done.stderr[-2000:]

@@ -25,6 +25,7 @@ from onnx import numpy_helper
 from export.onnx_text_groups import (
     PARITY_TOL,
     ExportError,
+    build_text_classifier_onnx,
     export_client_text_classifier,
     export_text_classifier,
     int8_path_for,
@@ -727,3 +728,33 @@ def _selector_of(protos, group_of):
 
 def test_format_constant():
     assert FORMAT == "fcl-fedet/1"
+
+
+@pytest.mark.parametrize("graph", ["two-pass", "all-groups"])
+def test_tracing_with_a_light_word_table_gives_the_same_graph(client, backbone, graph):
+    """``own_backbone`` (the export child) traces a one-row token table and fills the real one
+    in: the same proto bytes, and the backbone gets its own table back."""
+    table = backbone.encoder.word.weight
+    light, _, _ = build_text_classifier_onnx(
+        backbone, client.groups, client.selector, max_length=24, graph=graph, own_backbone=True
+    )
+    assert backbone.encoder.word.weight is table
+    full, _, _ = build_text_classifier_onnx(backbone, client.groups, client.selector, max_length=24, graph=graph)
+    assert light.SerializeToString() == full.SerializeToString()
+
+
+def test_a_staged_export_publishes_the_same_bytes(exported, client, held_out, tmp_path):
+    """Staged (the graph unsealed, its weights as external data), then sealed and checked by
+    ``finish_stage``: byte for byte the file the one-process export wrote."""
+    from export.text_groups_verify import STAGE_WEIGHTS, finish_stage
+
+    tok = write_tokenizer(tmp_path / "tokenizer.json")
+    kwargs = dict(method=METHOD, parity_ids=held_out.ids, parity_mask=held_out.mask, max_length=24)
+    report = export_client_text_classifier(
+        client, tmp_path / "model.onnx", tokenizer_json=tok, class_names=NAMES, stage_dir=tmp_path / "stage", **kwargs
+    )
+    assert report == {"staged": str(tmp_path / "stage"), "path": str(tmp_path / "model.onnx")}
+    assert (tmp_path / "stage" / STAGE_WEIGHTS).stat().st_size > (tmp_path / "stage" / "model.onnx").stat().st_size
+    assert not (tmp_path / "model.onnx").exists()
+    finish_stage(tmp_path / "stage")
+    assert (tmp_path / "model.onnx").read_bytes() == exported[0].read_bytes()
