@@ -1,5 +1,5 @@
 # make lint: ruff (lint + format check) and the import layers of docs/architecture.md; make test: the README's test
-# command; make format: apply ruff's formatting and fixes.
+# command, then the slow tests it leaves out; make format: apply ruff's formatting and fixes.
 PY ?= python3
 
 .PHONY: lint test check format
@@ -10,6 +10,7 @@ lint:
 
 test:
 	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m slow
 
 check: lint test
 

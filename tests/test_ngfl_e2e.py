@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import yaml
 from conftest import run_fcl
 from support.listener import Listener
@@ -159,7 +158,6 @@ def _first_round_with(listener: Listener, client: str, label: str) -> int | None
     return min(rounds) if rounds else None
 
 
-@pytest.mark.slow
 def test_ngfl_devices_on_their_own_clocks_through_mosquitto(mosquitto, tmp_path) -> None:
     train, _ = load_dataset("digits", None, 0)
     data = tmp_path / "data"

@@ -243,7 +243,6 @@ def test_devices_the_aggregator_expects_without_a_status_show_as_absent(expected
     assert absent == ({"dev-2"} if "dev-2" in expected else set())
 
 
-@pytest.mark.slow
 def test_fcl_status_during_and_after_a_live_run(mosquitto, tmp_path, repo_root):
     """A real aggregator and three clients (fcl simulate) on the broker while fcl status looks."""
     import subprocess
