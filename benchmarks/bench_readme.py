@@ -134,6 +134,11 @@ def readme_line(result: dict) -> str:
     )
 
 
+def _earlier(path: str) -> dict:
+    """The result file as it is (each mode rewrites only its own keys)."""
+    return json.loads(Path(path).read_text()) if Path(path).exists() else {}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Time the README's steps (quickstart, fcl report; or, with --fresh, the set-up command) here.",
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.fresh:
         with tempfile.TemporaryDirectory() as work:
             fresh = fresh_setup(Path(work))
-        result = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+        result = _earlier(args.out)
         result["fresh_setup"] = {"machine": machine_info(), **fresh}
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"set-up command: {fresh['total_wall_s']} s in all, clean: {fresh['ok']} -> {args.out}")
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             passes.append(one_pass(Path(work) / f"pass{i}"))
             print(f"pass {i}: " + ", ".join(f"{k} {v['wall_s']} s" for k, v in passes[-1].items()), flush=True)
     result = {
+        **_earlier(args.out),  # keeps the last --fresh run's fresh_setup
         "commands": {
             "quickstart": f"fcl simulate {SCENARIO} --out DIR",
             "report": "fcl report DIR",
