@@ -228,6 +228,20 @@ def test_int8_linear_backward_is_the_transposed_int8_matmul():
     assert lin.weight.grad is None
 
 
+def _two_tasks_started(clients, backbone):
+    """Start tasks 0 and 1 (classes 0, 1 then 2, 3; one group) on every client, yielding each
+    task once all have started it."""
+    group_of, protos = {}, {}
+    for t, classes in enumerate([(0, 1), (2, 3)]):
+        docs = synthetic_docs(classes, 4, seed=20 + t)
+        pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
+        group_of.update({c: 0 for c in classes})
+        protos.update({c: pooled[docs.labels == c].mean(0) for c in classes})
+        for client in clients:
+            client.start_task(t, docs, pooled, dict(group_of), dict(protos))
+        yield t
+
+
 def test_prefix_cache_changes_no_round_and_unused_teachers_do_not_run(backbone, monkeypatch):
     """Two tasks with replay, with and without the frozen-prefix cache: the same uploads.  f_old
     runs once per task and only when the group had classes; f_t once per round."""
@@ -243,14 +257,7 @@ def test_prefix_cache_changes_no_round_and_unused_teachers_do_not_run(backbone, 
         FedETClient(FedETConfig(ECFG, 1, gamma=0.5, batch_size=4, seed=0, proto_init=10.0, prefix_cache=c), backbone, 0)
         for c in (True, False)
     ]
-    group_of, protos = {}, {}
-    for t, classes in enumerate([(0, 1), (2, 3)]):
-        docs = synthetic_docs(classes, 4, seed=20 + t)
-        pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
-        group_of.update({c: 0 for c in classes})
-        protos.update({c: pooled[docs.labels == c].mean(0) for c in classes})
-        for client in clients:
-            client.start_task(t, docs, pooled, dict(group_of), dict(protos))
+    for t in _two_tasks_started(clients, backbone):
         for rnd in (2 * t, 2 * t + 1):
             cached, plain = (client.train_round(rnd)[0] for client in clients)
             assert cached.meta() == plain.meta()
@@ -317,14 +324,7 @@ def test_teacher_from_training_passes_f_t_over_the_memory_rows_only(backbone, mo
         )
         for t in (True, False)
     ]
-    group_of, protos = {}, {}
-    for t, classes in enumerate([(0, 1), (2, 3)]):
-        docs = synthetic_docs(classes, 4, seed=20 + t)
-        pooled = pooled_embeddings(backbone, docs.ids, docs.mask)
-        group_of.update({c: 0 for c in classes})
-        protos.update({c: pooled[docs.labels == c].mean(0) for c in classes})
-        for client in clients:
-            client.start_task(t, docs, pooled, dict(group_of), dict(protos))
+    for t in _two_tasks_started(clients, backbone):
         ups = [client.train_round(t)[0] for client in clients]
         assert ups[0].meta() == ups[1].meta()
         assert any(not np.array_equal(ups[0].tensors[k].to_dense(), v.to_dense()) for k, v in ups[1].tensors.items())
