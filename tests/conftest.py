@@ -52,3 +52,23 @@ def run_fcl(*args: str, timeout: float = 300, cwd: Path | None = None) -> subpro
     return subprocess.run(
         [sys.executable, "-m", "fcl_edge.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
+
+
+def autograd_penalty(learner):
+    """ConFedMADE's eq. 6 weight terms written plainly with autograd (a DecomposedLearner's):
+    the reference its hand-written ``WeightPenalty`` gradients are checked against."""
+    import torch
+
+    total, t = torch.zeros(()), learner.task
+    for prefix, layer in learner.model.layers.items():
+        mask = layer.mask if learner.masked else 1.0
+        total = total + learner.opts.lambda1 * sum((a * mask).abs().sum() for a in layer.adaptive)
+        base0, adaptive0, bias0, offsets0 = learner.anchor[prefix]
+        d_base = layer.weight - base0  # (out, in)
+        for i in range(t):
+            drift = d_base * torch.sigmoid(layer.unit_logits[i])[:, None] + (layer.adaptive[i] - adaptive0[i])
+            total = total + learner.opts.lambda2 * (drift**2).sum()
+            if layer.bias is not None:
+                bias_drift = (layer.bias - bias0) + (layer.bias_offsets[i] - offsets0[i])
+                total = total + learner.opts.lambda2 * (bias_drift**2).sum()
+    return total

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import autograd_penalty
 
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.config import to_dict
@@ -71,7 +72,7 @@ class PlainTraining:
 
         def loss(batch):
             nll = _plain_nll(self.model, batch, self.task).mean()
-            return nll, nll + _plain_penalty(self)
+            return nll, nll + autograd_penalty(self)
 
         return len(x), self.local_epochs(self.model, x, rnd, loss)
 
@@ -90,22 +91,6 @@ def _plain_nll(model, x: torch.Tensor, task: int) -> torch.Tensor:
         h = F.relu(linear(layer, h))
     logits = linear(model.output, h) + linear(model.direct, x)
     return F.binary_cross_entropy_with_logits(logits, x, reduction="none").sum(dim=1)
-
-
-def _plain_penalty(learner: DecomposedLearner) -> torch.Tensor:
-    total, t = torch.zeros(()), learner.task
-    for prefix, layer in learner.model.layers.items():
-        mask = layer.mask if learner.masked else 1.0
-        total = total + learner.opts.lambda1 * sum((a * mask).abs().sum() for a in layer.adaptive)
-        base0, adaptive0, bias0, offsets0 = learner.anchor[prefix]
-        d_base = layer.weight - base0
-        for i in range(t):
-            drift = d_base * torch.sigmoid(layer.unit_logits[i])[:, None] + (layer.adaptive[i] - adaptive0[i])
-            total = total + learner.opts.lambda2 * (drift**2).sum()
-            if layer.bias is not None:
-                bias_drift = (layer.bias - bias0) + (layer.bias_offsets[i] - offsets0[i])
-                total = total + learner.opts.lambda2 * (bias_drift**2).sum()
-    return total
 
 
 def _params(learner) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from conftest import autograd_penalty
 
 from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
@@ -291,23 +292,6 @@ def test_catch_up_rounds_add_the_furthest_moved_entries_outside_the_selection():
         _update("c0", 1, {**tensors, name: SparseTensor(extras[name].shape, inside, [1.0])}, strategy)
 
 
-def _autograd_penalty(learner: DecomposedLearner) -> torch.Tensor:
-    """Eq. 6's weight terms written plainly with autograd: the reference for WeightPenalty."""
-    total, t = torch.zeros(()), learner.task
-    for prefix, layer in learner.model.layers.items():
-        mask = layer.mask if learner.masked else 1.0
-        total = total + learner.opts.lambda1 * sum((a * mask).abs().sum() for a in layer.adaptive)
-        base0, adaptive0, bias0, offsets0 = learner.anchor[prefix]
-        d_base = layer.weight - base0  # (out, in)
-        for i in range(t):
-            drift = d_base * torch.sigmoid(layer.unit_logits[i])[:, None] + (layer.adaptive[i] - adaptive0[i])
-            total = total + learner.opts.lambda2 * (drift**2).sum()
-            if layer.bias is not None:
-                bias_drift = (layer.bias - bias0) + (layer.bias_offsets[i] - offsets0[i])
-                total = total + learner.opts.lambda2 * (bias_drift**2).sum()
-    return total
-
-
 @pytest.mark.parametrize("method", ["confedmade", "fedweit-made-star"])
 def test_hand_written_penalty_gradients_equal_autograd_bit_for_bit(method):
     """The regulariser without a kept graph gives the gradients (and, closely, the value) of the
@@ -320,13 +304,13 @@ def test_hand_written_penalty_gradients_equal_autograd_bit_for_bit(method):
         learner.train_round([_data(task)], 2 * task, _place(0))
         learner.model.set_order(task)
         grads = []
-        for penalty in (_autograd_penalty, DecomposedLearner._regularizer):
+        for penalty in (autograd_penalty, DecomposedLearner._regularizer):
             learner.optimizer.zero_grad(set_to_none=True)
             reg = penalty(learner)
             (learner.model.nll(batch, task).mean() + reg).backward()
             grads.append([None if p.grad is None else p.grad.clone() for p in learner.model.parameters()])
             value = float(reg.detach())
-        assert float(_autograd_penalty(learner).detach()) == pytest.approx(value, rel=1e-5)
+        assert float(autograd_penalty(learner).detach()) == pytest.approx(value, rel=1e-5)
         assert sum(g is not None for g in grads[0]) > 3 + task  # B, every A_i, ... have gradients
         for reference, ours in zip(*grads):
             assert (reference is None) == (ours is None)
