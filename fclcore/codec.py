@@ -22,7 +22,7 @@ All integers are little-endian.  Frame layout::
     4 + n    meta         u32 length n + UTF-8 JSON object (finite numbers only)
     2        tensor count u16
     ...      tensor records, `count` times (below)
-    4        CRC32        zlib.crc32 of every preceding byte
+    4        CRC32        zlib.crc32 of every preceding byte (fclcore.crc)
 
 Tensor record::
 
@@ -76,13 +76,13 @@ import json
 import math
 import operator
 import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
 
 import numpy as np
 
 from fclcore import blockquant
+from fclcore.crc import crc32
 from fclcore.errors import BadInput
 
 MAGIC = b"FCLW"
@@ -354,7 +354,7 @@ def encode(frame: Frame, value_dtype: str | ValueCoding = "float32", limits: Cod
     parts = [head, meta, *tensors]
     crc, size = 0, 4
     for part in parts:
-        crc, size = zlib.crc32(part, crc), size + len(part)
+        crc, size = crc32(part, crc), size + len(part)
     if size > limits.max_frame_bytes:
         _fail("frame size", f"{size} bytes", f"<= {limits.max_frame_bytes} (max_frame_bytes)")
     parts.append(_U32.pack(crc))
@@ -602,7 +602,7 @@ def decode(
         _fail("frame size", f"{len(view)} bytes", f"<= {limits.max_frame_bytes} (max_frame_bytes)")
     if len(view) < 4:
         _fail("frame size", f"{len(view)} bytes", ">= 4 bytes (CRC32 trailer)")
-    stored, actual = _U32.unpack_from(view, len(view) - 4)[0], zlib.crc32(view[:-4])
+    stored, actual = _U32.unpack_from(view, len(view) - 4)[0], crc32(view[:-4])
     if stored != actual:
         _fail("checksum", f"0x{stored:08x}", f"0x{actual:08x} (CRC32 of the preceding bytes)")
     reader = _Reader(view[:-4])

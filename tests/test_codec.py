@@ -514,3 +514,25 @@ def test_encode_limits():
         encode(frame, limits=CodecLimits(max_name_bytes=2))
     with pytest.raises(CodecError, match="value_dtype"):
         encode(frame, "float64")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=4096), start=st.integers(0, 2**32 - 1), cut=st.integers(0, 4096))
+def test_the_codec_crc_is_zlibs(data, start, cut):
+    """ISA-L's CRC32 (the ``fast`` extra) and zlib's agree, continued from any value and in pieces,
+    so a frame sealed by either side checks on the other."""
+    import zlib
+
+    from fclcore import crc
+
+    cut = min(cut, len(data))
+    assert crc.crc32(data, start) == zlib.crc32(data, start)
+    assert crc.crc32(memoryview(data)[cut:], crc.crc32(data[:cut])) == zlib.crc32(data)
+
+
+def test_the_fast_crc_is_in_use_when_installed():
+    """With ``isal`` importable the codec checks frames with it (CI installs it)."""
+    pytest.importorskip("isal")
+    from fclcore import crc
+
+    assert crc.implementation() == "isal"
