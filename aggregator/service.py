@@ -243,6 +243,7 @@ class AggregatorService:
             if not finished_before:  # the summary of a finished run stays as it was written
                 self._write_summary(time.monotonic() - started)
             self.runlog.close()
+            self.store.close()  # a round left open (SIGTERM): its journal synced for the restart
             self.store.wait_swept(timeout=10)  # the last round's journal files (a restart deletes what is left)
             self.watchdog.stop()
             self.metrics.close()
@@ -495,9 +496,13 @@ class AggregatorService:
     def _drain(self, open_round: int, received: dict[str, Update], timeout: float, kind: Kind = Kind.UPDATE) -> None:
         self.watchdog.beat()
         try:
-            item = self.queue.get(timeout=timeout)
+            item = self.queue.get_nowait()
         except queue.Empty:
-            return
+            self.store.sync()  # the queue ran dry: one fdatasync for what was journaled since the last
+            try:
+                item = self.queue.get(timeout=timeout)
+            except queue.Empty:
+                return
         who = topics.parse_status_topic(self.fed.name, item.topic)
         if who is not None:
             self._on_status(who, item.payload, open_round)

@@ -138,16 +138,21 @@ class SiteAggregator:
         try:
             while not self.stop.is_set():
                 try:
-                    topic, payload = self.queue.get(timeout=POLL_S)
-                    done = self._dispatch(topic, payload)
+                    topic, payload = self.queue.get_nowait()
                 except queue.Empty:
-                    done = None
+                    self.store.sync()  # the queue ran dry: one fdatasync for what was journaled since the last
+                    try:
+                        topic, payload = self.queue.get(timeout=POLL_S)
+                    except queue.Empty:
+                        topic = None
+                done = self._dispatch(topic, payload) if topic is not None else None
                 done = done if done is not None else self._tick()
                 if done is not None:
                     code = done
                     break
         finally:
             self.link.close("stopped")
+            self.store.close()  # a round left open: its journal synced for the restart
             self.runlog.close()
         return code
 

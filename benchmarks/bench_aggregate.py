@@ -23,7 +23,8 @@ ours from bytes to sums (decode + fold + close) over Flower's; the fold-only rat
 process CPU time of the same timed work (what wall time would be on an idle core), given
 beside the wall times because the machine is shared; ``ratio_*_cpu`` use it.
 The frame checks are timed apart as well, per update on the same frames: ``crc_seconds``
-(the CRC32 the decoder checks, part of ``decode_seconds``) and ``hmac_seconds`` (verifying a
+(the CRC32 the decoder checks, part of ``decode_seconds``; ISA-L's with the ``fast`` extra,
+``machine.crc`` says which) and ``hmac_seconds`` (verifying a
 device signature, what an aggregator with ``keys_dir`` adds before decoding; not in the
 ratio, as the updates here are unsigned).
 Each (impl, N) runs in a child process of its own, so ``peak_rss_mb`` (VmHWM) is that impl's.
@@ -41,7 +42,6 @@ import shlex
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:  # allow `python benchmarks/bench_aggregate.py` wi
 
 from bench_codec import machine_info  # noqa: E402  (a sibling script: benchmarks/ is sys.path[0])
 
-from fclcore import fastfold  # noqa: E402
+from fclcore import crc, fastfold  # noqa: E402
 from fclcore.aggregation import RunningSum, weighted_average  # noqa: E402
 from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, decode, encode  # noqa: E402
 from fclcore.procmem import peak_rss_mb, rss_mb  # noqa: E402
@@ -141,7 +141,7 @@ def _time_ours(args, shapes, previous, impl: str, n: int) -> dict:
         if running is not None:
             signed = sign(payload, key)  # untimed: the device's side
             t0 = time.perf_counter()
-            zlib.crc32(memoryview(payload)[:-4])
+            crc.crc32(memoryview(payload)[:-4])
             t1 = time.perf_counter()
             verify(signed, key)
             crc_s, hmac_s = crc_s + t1 - t0, hmac_s + time.perf_counter() - t1
@@ -287,6 +287,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], load_before: tuple) ->
             **machine_info(),
             "flwr": flwr_version(),
             "numba": fastfold.version(),
+            "crc": crc.implementation(),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         },

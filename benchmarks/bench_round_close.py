@@ -9,8 +9,9 @@ devices send them) through the service's own accept path, and times:
 * per update: the inbox's checks (the codec's decode with its CRC, header, sequence, meta,
   names and shapes), then the service's accept (``accept``), of which the fold into the
   round's ``RunningSum`` (``fold``, with the final flush of what is staged) and the journal
-  write (``journal``: one file, written and fsynced, plus the directory's fsync), as wall and
-  CPU milliseconds;
+  append (``journal``: one record written to the round's journal file; made durable by one
+  fdatasync per group, here every ``aggregator.state.SYNC_EVERY`` records since no queue runs
+  dry, and the share of those syncs is in the figure), as wall and CPU milliseconds;
 * at the close, each step the service runs between the last update and the FINISH going
   out: the model from the sums, the round's run-log rows, the commit (checkpoint, fsynced;
   the journal cleared), and the FINISH announcement (encoding the model and its sync frames).

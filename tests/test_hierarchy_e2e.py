@@ -232,7 +232,7 @@ def test_a_site_killed_mid_round_re_collects_and_the_root_counts_each_device_onc
         broker.start()
     cfg = _root_config(repo_root, tmp_path / "root", root_broker.url, list(SITES), list(SITES))
     site_cfgs = {s: _site_config(cfg, s, b.url, tmp_path) for s, b in site_brokers.items()}
-    journal = StateStore(Path(site_cfgs["site-a"].out_dir) / "state").open_dir
+    journal = StateStore(Path(site_cfgs["site-a"].out_dir) / "state")
     root_store = StateStore(Path(cfg.out_dir) / "state")
     procs = {s: _start_site(c, tmp_path, repo_root) for s, c in site_cfgs.items()}
     per_site = {s: SiteDevices(site_brokers[s].port, SITES[s]) for s in SITES}
@@ -243,7 +243,7 @@ def test_a_site_killed_mid_round_re_collects_and_the_root_counts_each_device_onc
         a, b = per_site["site-a"], per_site["site-b"]
         a.wait_for_round(0)
         sent_d0 = a.send("d0", 0, *updates["d0"])
-        _wait(lambda: len(list(journal.glob("0__*.frame"))) == 1, "d0 journaled at site-a")
+        _wait(lambda: len(journal.journaled_clients(0)) == 1, "d0 journaled at site-a")
         procs["site-a"].send_signal(signal.SIGKILL)
         procs["site-a"].wait(10)
         a.send("d1", 0, *updates["d1"])  # nobody at site-a takes it: lost with the site

@@ -123,7 +123,7 @@ def test_a_restart_mid_round_folds_each_journaled_update_once(mosquitto, tmp_pat
         round1 = {c: (_update(shapes, rng, sparse=c != c1), int(rng.integers(5, 200))) for c in clients}
         sent_c0 = devices.send(c0, 1, *round1[c0])
         devices.send(c1, 1, *round1[c1])
-        _wait(lambda: len(list(store.open_dir.glob("1__*.frame"))) == 2, "two updates of round 1 journaled")
+        _wait(lambda: len(store.journaled_clients(1)) == 2, "two updates of round 1 journaled")
         assert first.stop() is ExitCode.INTERRUPTED  # round 1 stays open; its journal carries over
 
         second = Threaded(AggregatorService(cfg))
