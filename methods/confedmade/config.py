@@ -33,6 +33,11 @@ class ConFedMADEOptions:
     # ``catchup_share`` of each weight with the largest change
     catchup_every: int = 0
     catchup_share: float = 0.05
+    # decomposed methods: Adam leaves the entries of B and the A_i outside the step's MADE mask
+    # (with order_per: round, the round's upload mask) as they are, value and moments, so they
+    # resume their momentum when a later mask holds them again; off: a plain Adam step moves
+    # them with their stale moments (the NLL gives them no gradient) and decays the moments
+    masked_moments: bool = False
 
     def __post_init__(self) -> None:
         for name in ("lambda1", "lambda2", "kb_threshold", "prox_mu", "ewc_lambda"):
