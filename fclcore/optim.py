@@ -184,20 +184,24 @@ class Adam(Optimizer):
         )
         super().__init__(params, defaults)
         self.held: dict[Tensor, Tensor] = {}  # parameter -> its entry mask (``hold_outside``)
+        self.held_slots = ("exp_avg", "exp_avg_sq")  # the state a step leaves as it was there
 
-    def hold_outside(self, masks: Mapping[Tensor, Tensor]) -> None:
+    def hold_outside(self, masks: Mapping[Tensor, Tensor], moments: bool = True) -> None:
         """From now on a step leaves each entry of ``masks``' parameters where the mask is 0 as
-        it was: its value and both its moments (the parameter's ``step`` still counts every
-        step, as ``torch.optim.SparseAdam`` and lazy Adam do: one bias correction per tensor).
-        The entries inside the mask get exactly the update of a plain step.  A mask (of the
-        parameter's shape, 0/1 of any dtype) is read at each step, so a buffer changed in place
-        between steps holds different entries each time.  An empty mapping holds nothing."""
+        it was: its value and (``moments``) both its moments (the parameter's ``step`` still
+        counts every step, as ``torch.optim.SparseAdam`` and lazy Adam do: one bias correction
+        per tensor); ``moments=False``: the moments there are updated as by a plain step, only
+        the value is held.  The entries inside the mask get exactly the update of a plain step.
+        A mask (of the parameter's shape, 0/1 of any dtype) is read at each step, so a buffer
+        changed in place between steps holds different entries each time.  An empty mapping
+        holds nothing."""
         for p, mask in masks.items():
             if not any(p is q for group in self.param_groups for q in group["params"]):
                 raise ValueError("hold_outside: a parameter this optimizer does not hold")
             if tuple(mask.shape) != tuple(p.shape):
                 raise ValueError(f"hold_outside: mask of shape {tuple(mask.shape)} for a parameter {tuple(p.shape)}")
         self.held = dict(masks)
+        self.held_slots = ("exp_avg", "exp_avg_sq") if moments else ()
 
     def _state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         """``p``'s state, created as torch's first step creates it (step 0, zero moments)."""
@@ -269,7 +273,7 @@ class Adam(Optimizer):
             mask = self.held.get(p)
             if mask is not None:
                 state = self.state[p]
-                tensors = (p, state["exp_avg"], state["exp_avg_sq"])
+                tensors = (p, *(state[k] for k in self.held_slots))
                 outside = mask == 0
                 out.append((tensors, outside, [t.masked_select(outside) for t in tensors]))
         return out

@@ -20,6 +20,7 @@ from fclcore.schedule import TaskSchedule
 from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
 from fclcore.strategy import Update
 from methods import learner_for, strategy_for
+from methods.confedmade.config import ConFedMADEOptions
 from methods.confedmade.decomposed_learner import DecomposedLearner
 from methods.confedmade.strategy import DecomposedStrategy, KnowledgeEntry
 
@@ -317,14 +318,21 @@ def test_hand_written_penalty_gradients_equal_autograd_bit_for_bit(method):
             assert reference is None or torch.equal(reference, ours), task
 
 
-def test_masked_moments_hold_the_entries_outside_the_rounds_made_mask():
+def test_masked_moments_decay_needs_masked_moments():
+    with pytest.raises(ValueError, match="masked_moments_decay"):
+        ConFedMADEOptions(masked_moments_decay=True)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_masked_moments_hold_the_entries_outside_the_rounds_made_mask(decay):
     """``masked_moments``: in a round whose MADE mask differs from the last one's, the entries
     of B and A_t outside it keep their value and Adam moments (off: stale momentum moves
-    them); everything else trains as without the option.  At the first task nothing outside
-    the mask reaches the loss, so the two learners agree everywhere else bit for bit."""
+    them; ``masked_moments_decay``: their moments are a plain step's); everything else trains
+    as without the option.  At the first task nothing outside the mask reaches the loss, so
+    the two learners agree everywhere else bit for bit."""
     learners = {}
     for on in (False, True):
-        fed = _fed(masked_moments=on)
+        fed = _fed(masked_moments=on, masked_moments_decay=on and decay)
         learners[on] = learner = _learner(0, fed, strategy_for(fed, D))
         learner.start_task(0, None)
         learner.train_round([_data(0)], 0, _place(0))
@@ -350,8 +358,11 @@ def test_masked_moments_hold_the_entries_outside_the_rounds_made_mask():
     moved = 0
     for (prefix, name), old in before.items():
         outside = torch.from_numpy(mask_for_param(masks, f"{prefix}.weight") == 0)
-        for t_plain, t_held, t_old in zip(after_plain[prefix, name], after_held[prefix, name], old):
-            assert torch.equal(t_held[outside], t_old[outside])  # held: value and moments
+        for i, (t_plain, t_held, t_old) in enumerate(zip(after_plain[prefix, name], after_held[prefix, name], old)):
+            if i > 0 and decay:
+                assert torch.equal(t_held, t_plain)  # the moments of a plain step everywhere
+                continue
+            assert torch.equal(t_held[outside], t_old[outside])  # held: value (and moments)
             assert torch.equal(t_held[~outside], t_plain[~outside])  # inside: as without the option
             moved += int((t_plain[outside] != t_old[outside]).sum())
     assert moved > 0  # without the option the round did move entries outside its mask

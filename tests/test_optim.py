@@ -153,12 +153,14 @@ def test_adam_state_made_before_the_first_step_changes_nothing(fused):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("moments", [True, False])
 @pytest.mark.parametrize("in_backward", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_adam_holds_the_entries_outside_a_mask_and_steps_the_rest_as_before(fused, in_backward):
-    """``hold_outside``: where the mask is 0 a step changes neither the value nor the moments
-    (they resume when the mask holds them again); inside, the values and moments of a plain
-    step; a mask changed in place between steps is read anew."""
+def test_adam_holds_the_entries_outside_a_mask_and_steps_the_rest_as_before(fused, in_backward, moments):
+    """``hold_outside``: where the mask is 0 a step changes neither the value nor (``moments``)
+    the moments, which resume when the mask holds them again (``moments=False``: there they
+    are a plain step's); inside, the values and moments of a plain step; a mask changed in
+    place between steps is read anew."""
     ref, ours = _model(7), _model(7)
     ref_opt = optim.Adam(ref.parameters(), lr=1e-2, fused=fused)
     our_opt = optim.Adam(ours.parameters(), lr=1e-2, fused=fused)
@@ -166,7 +168,7 @@ def test_adam_holds_the_entries_outside_a_mask_and_steps_the_rest_as_before(fuse
     _train(ours, our_opt, 3, 8)
     weight = ours[0].weight
     mask = (torch.arange(weight.numel()).reshape(weight.shape) % 3 != 0).float()
-    our_opt.hold_outside({weight: mask})
+    our_opt.hold_outside({weight: mask}, moments=moments)
     g = torch.Generator().manual_seed(9)
     for step in range(3):
         if step == 2:
@@ -181,14 +183,19 @@ def test_adam_holds_the_entries_outside_a_mask_and_steps_the_rest_as_before(fuse
                 model(x).pow(2).mean().backward()
             opt.step()
         state, ref_state = our_opt.state[weight], ref_opt.state[ref[0].weight]
-        for t, old, plain in zip(
-            (weight, state["exp_avg"], state["exp_avg_sq"]),
-            before,
-            (ref[0].weight, ref_state["exp_avg"], ref_state["exp_avg_sq"]),
+        for i, (t, old, plain) in enumerate(
+            zip(
+                (weight, state["exp_avg"], state["exp_avg_sq"]),
+                before,
+                (ref[0].weight, ref_state["exp_avg"], ref_state["exp_avg_sq"]),
+            )
         ):
-            assert torch.equal(t[outside], old[outside])  # held
-            assert torch.equal(t[~outside], plain[~outside])  # a plain step
-            assert not torch.equal(plain[outside], old[outside])  # which would have moved the held ones
+            assert not torch.equal(plain[outside], old[outside])  # a plain step moves the entries outside
+            if i == 0 or moments:
+                assert torch.equal(t[outside], old[outside])  # held
+                assert torch.equal(t[~outside], plain[~outside])  # a plain step
+            else:
+                assert torch.equal(t, plain)  # the moments of a plain step everywhere
         for p, q in zip(ref.parameters(), ours.parameters()):
             if p is not ref[0].weight:  # the plain step of the parameters not held
                 assert torch.equal(p, q)
