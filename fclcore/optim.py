@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -183,6 +183,25 @@ class Adam(Optimizer):
             decoupled_weight_decay=decoupled_weight_decay,
         )
         super().__init__(params, defaults)
+        self.held: dict[Tensor, Tensor] = {}  # parameter -> its entry mask (``hold_outside``)
+        self.held_slots = ("exp_avg", "exp_avg_sq")  # the state a step leaves as it was there
+
+    def hold_outside(self, masks: Mapping[Tensor, Tensor], moments: bool = True) -> None:
+        """From now on a step leaves each entry of ``masks``' parameters where the mask is 0 as
+        it was: its value and (``moments``) both its moments (the parameter's ``step`` still
+        counts every step, as ``torch.optim.SparseAdam`` and lazy Adam do: one bias correction
+        per tensor); ``moments=False``: the moments there are updated as by a plain step, only
+        the value is held.  The entries inside the mask get exactly the update of a plain step.
+        A mask (of the parameter's shape, 0/1 of any dtype) is read at each step, so a buffer
+        changed in place between steps holds different entries each time.  An empty mapping
+        holds nothing."""
+        for p, mask in masks.items():
+            if not any(p is q for group in self.param_groups for q in group["params"]):
+                raise ValueError("hold_outside: a parameter this optimizer does not hold")
+            if tuple(mask.shape) != tuple(p.shape):
+                raise ValueError(f"hold_outside: mask of shape {tuple(mask.shape)} for a parameter {tuple(p.shape)}")
+        self.held = dict(masks)
+        self.held_slots = ("exp_avg", "exp_avg_sq") if moments else ()
 
     def _state(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
         """``p``'s state, created as torch's first step creates it (step 0, zero moments)."""
@@ -218,6 +237,7 @@ class Adam(Optimizer):
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
+        held = self._save_held(params) if self.held else []
         _adam(
             params,
             grads,
@@ -241,6 +261,22 @@ class Adam(Optimizer):
             found_inf=None,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
+        for tensors, outside, values in held:  # the held entries as they were before the step
+            for t, v in zip(tensors, values):
+                t.masked_scatter_(outside, v)
+
+    def _save_held(self, params: list[Tensor]) -> list[tuple[tuple[Tensor, ...], Tensor, list[Tensor]]]:
+        """For each of ``params`` held by ``hold_outside``: (parameter and moments, where its mask
+        is 0, their values there), taken before a step so the step's changes there can be undone."""
+        out = []
+        for p in params:
+            mask = self.held.get(p)
+            if mask is not None:
+                state = self.state[p]
+                tensors = (p, *(state[k] for k in self.held_slots))
+                outside = mask == 0
+                out.append((tensors, outside, [t.masked_select(outside) for t in tensors]))
+        return out
 
 
 class AdamW(Adam):

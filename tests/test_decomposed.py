@@ -20,6 +20,7 @@ from fclcore.schedule import TaskSchedule
 from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
 from fclcore.strategy import Update
 from methods import learner_for, strategy_for
+from methods.confedmade.config import ConFedMADEOptions
 from methods.confedmade.decomposed_learner import DecomposedLearner
 from methods.confedmade.strategy import DecomposedStrategy, KnowledgeEntry
 
@@ -315,3 +316,57 @@ def test_hand_written_penalty_gradients_equal_autograd_bit_for_bit(method):
         for reference, ours in zip(*grads):
             assert (reference is None) == (ours is None)
             assert reference is None or torch.equal(reference, ours), task
+
+
+def test_masked_moments_decay_needs_masked_moments():
+    with pytest.raises(ValueError, match="masked_moments_decay"):
+        ConFedMADEOptions(masked_moments_decay=True)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_masked_moments_hold_the_entries_outside_the_rounds_made_mask(decay):
+    """``masked_moments``: in a round whose MADE mask differs from the last one's, the entries
+    of B and A_t outside it keep their value and Adam moments (off: stale momentum moves
+    them; ``masked_moments_decay``: their moments are a plain step's); everything else trains
+    as without the option.  At the first task nothing outside the mask reaches the loss, so
+    the two learners agree everywhere else bit for bit."""
+    learners = {}
+    for on in (False, True):
+        fed = _fed(masked_moments=on, masked_moments_decay=on and decay)
+        learners[on] = learner = _learner(0, fed, strategy_for(fed, D))
+        learner.start_task(0, None)
+        learner.train_round([_data(0)], 0, _place(0))
+    plain, held = learners[False], learners[True]
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), held.model.parameters()))
+
+    def tracked(learner):
+        """(parameter, its moments) of B and A_0 per layer."""
+        out = {}
+        for prefix, layer in learner.model.layers.items():
+            for name, p in (("weight", layer.weight), ("adaptive", layer.adaptive[0])):
+                state = learner.optimizer.state[p]
+                out[prefix, name] = [t.detach().clone() for t in (p, state["exp_avg"], state["exp_avg_sq"])]
+        return out
+
+    before = tracked(held)
+    orders = [upload_order(_made(plain.fed), plain.opts, r) for r in (0, 1)]
+    assert orders[0] != orders[1]
+    for learner in (plain, held):
+        learner.train_round([_data(1)], 1, _place(1))
+    masks = made_masks(_made(plain.fed), orders[1])
+    after_plain, after_held = tracked(plain), tracked(held)
+    moved = 0
+    for (prefix, name), old in before.items():
+        outside = torch.from_numpy(mask_for_param(masks, f"{prefix}.weight") == 0)
+        for i, (t_plain, t_held, t_old) in enumerate(zip(after_plain[prefix, name], after_held[prefix, name], old)):
+            if i > 0 and decay:
+                assert torch.equal(t_held, t_plain)  # the moments of a plain step everywhere
+                continue
+            assert torch.equal(t_held[outside], t_old[outside])  # held: value (and moments)
+            assert torch.equal(t_held[~outside], t_plain[~outside])  # inside: as without the option
+            moved += int((t_plain[outside] != t_old[outside]).sum())
+    assert moved > 0  # without the option the round did move entries outside its mask
+    tracked_ids = {id(t) for layer in held.model.layers.values() for t in (layer.weight, layer.adaptive[0])}
+    for a, b in zip(plain.model.parameters(), held.model.parameters()):
+        if id(b) not in tracked_ids:  # biases, unit logits, attention: the same training
+            assert torch.equal(a, b)

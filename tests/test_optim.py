@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -150,3 +151,65 @@ def test_adam_state_made_before_the_first_step_changes_nothing(fused):
     _train(ours, our_opt, 6, 6)
     for a, b in zip(ref.parameters(), ours.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("moments", [True, False])
+@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_adam_holds_the_entries_outside_a_mask_and_steps_the_rest_as_before(fused, in_backward, moments):
+    """``hold_outside``: where the mask is 0 a step changes neither the value nor (``moments``)
+    the moments, which resume when the mask holds them again (``moments=False``: there they
+    are a plain step's); inside, the values and moments of a plain step; a mask changed in
+    place between steps is read anew."""
+    ref, ours = _model(7), _model(7)
+    ref_opt = optim.Adam(ref.parameters(), lr=1e-2, fused=fused)
+    our_opt = optim.Adam(ours.parameters(), lr=1e-2, fused=fused)
+    _train(ref, ref_opt, 3, 8)  # moments everywhere, so a step outside the mask would move them
+    _train(ours, our_opt, 3, 8)
+    weight = ours[0].weight
+    mask = (torch.arange(weight.numel()).reshape(weight.shape) % 3 != 0).float()
+    our_opt.hold_outside({weight: mask}, moments=moments)
+    g = torch.Generator().manual_seed(9)
+    for step in range(3):
+        if step == 2:
+            mask.copy_(1 - mask)  # the other entries: held ones resume, stepped ones are held
+        outside = mask == 0
+        slots = our_opt.state[weight]
+        before = [t.detach().clone() for t in (weight, slots["exp_avg"], slots["exp_avg_sq"])]
+        x = torch.randn(16, 7, generator=g)
+        for model, opt, backward_hooks in ((ref, ref_opt, False), (ours, our_opt, in_backward)):
+            opt.zero_grad(set_to_none=True)
+            with opt.stepping_in_backward() if backward_hooks else contextlib.nullcontext():
+                model(x).pow(2).mean().backward()
+            opt.step()
+        state, ref_state = our_opt.state[weight], ref_opt.state[ref[0].weight]
+        for i, (t, old, plain) in enumerate(
+            zip(
+                (weight, state["exp_avg"], state["exp_avg_sq"]),
+                before,
+                (ref[0].weight, ref_state["exp_avg"], ref_state["exp_avg_sq"]),
+            )
+        ):
+            assert not torch.equal(plain[outside], old[outside])  # a plain step moves the entries outside
+            if i == 0 or moments:
+                assert torch.equal(t[outside], old[outside])  # held
+                assert torch.equal(t[~outside], plain[~outside])  # a plain step
+            else:
+                assert torch.equal(t, plain)  # the moments of a plain step everywhere
+        for p, q in zip(ref.parameters(), ours.parameters()):
+            if p is not ref[0].weight:  # the plain step of the parameters not held
+                assert torch.equal(p, q)
+        assert torch.equal(ref_state["step"], state["step"])  # one count per tensor
+        with torch.no_grad():  # the reference steps on from the same values and moments
+            ref[0].weight.copy_(weight)
+            for k in ("exp_avg", "exp_avg_sq"):
+                ref_state[k].copy_(state[k])
+
+
+def test_adam_refuses_a_mask_it_cannot_apply():
+    model = _model(0)
+    opt = optim.Adam(model[0].parameters())
+    with pytest.raises(ValueError, match="does not hold"):
+        opt.hold_outside({model[2].weight: torch.ones_like(model[2].weight)})
+    with pytest.raises(ValueError, match="shape"):
+        opt.hold_outside({model[0].weight: torch.ones(3)})

@@ -116,6 +116,11 @@ class DecomposedLearner(MadeLearner):
         self.entries.append(ids)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optim.Adam(trainable, lr=self.fed.train.lr, fused=True)
+        if self.opts.masked_moments:  # each step reads the mask buffer set_order fills in place
+            self.optimizer.hold_outside(
+                {p: layer.mask for layer in self.model.layers.values() for p in (layer.weight, *layer.adaptive)},
+                moments=not self.opts.masked_moments_decay,
+            )
 
     def lacks(self, downlink: Frame) -> list[str]:
         return self._kb().missing(downlink)
