@@ -53,6 +53,12 @@ VARIANTS = {  # a benchmark entry that is a method's scenario with overrides: (m
     "confedmade-kb2": ("confedmade", ["federation.options.kb_budget_mb=2"]),
     "confedmade-kb6": ("confedmade", ["federation.options.kb_budget_mb=6"]),
     "confedmade-int8-kb6": ("confedmade", ["federation.wire.value_dtype=int8", "federation.options.kb_budget_mb=6"]),
+    # Adam holds the entries outside the round's MADE mask, value and moments (opt-in: it costs CPU)
+    "confedmade-masked-moments": ("confedmade", ["federation.options.masked_moments=true"]),
+    "confedmade-int8-masked-moments": (
+        "confedmade",
+        ["federation.wire.value_dtype=int8", "federation.options.masked_moments=true"],
+    ),
 }
 ABLATION = [  # (step, overrides on seqmnist_confedmade.yaml)
     (

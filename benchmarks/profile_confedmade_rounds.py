@@ -12,6 +12,7 @@ after both rounds: equal between two runs means the same bits were trained (to f
     python benchmarks/profile_confedmade_rounds.py
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/profile_confedmade_rounds.py
     python benchmarks/profile_confedmade_rounds.py --code /tmp/fcl-main
+    python benchmarks/profile_confedmade_rounds.py --set federation.options.masked_moments=true
 
 Linux only.  Prints one JSON line.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--code", default=str(Path(__file__).resolve().parent.parent), help="source tree to import")
 ap.add_argument("--rows", type=int, default=6000)
+ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a scenario override (repeatable)")
 args = ap.parse_args()
 sys.path[:0] = [args.code, str(Path(__file__).resolve().parent)]
 
@@ -47,7 +49,7 @@ def main() -> None:
     from profile_confedmade_step import SCENARIO, D, hwm_mb, knowledge_frame, reset_peak
 
     torch.set_num_threads(1)
-    sc = load_config(Scenario, SCENARIO, ["federation.num_tasks=5"])
+    sc = load_config(Scenario, SCENARIO, ["federation.num_tasks=5", *args.set])
     _, _, fed = resolve(sc.federation, str(SCENARIO))
     rng = np.random.default_rng(0)
     x = (rng.random((args.rows, D)) > 0.8).astype(np.float32)

