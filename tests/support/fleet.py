@@ -105,7 +105,9 @@ class Fleet:
     def events(self, kind: str | None = None) -> list[dict]:
         if not self.metrics.exists():
             return []
-        lines = [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+        text = self.metrics.read_text()
+        whole = text[: text.rfind("\n") + 1]  # the service may be mid-write: its last line can be partial
+        lines = [json.loads(line) for line in whole.splitlines() if line.strip()]
         return [e for e in lines if kind is None or e.get("event") == kind]
 
     def wait_for_round(self, rnd: int, timeout: float = 120) -> None:
