@@ -16,7 +16,7 @@ here is unpickled: payloads are re-checked by the inbox like any message.
 Group commit.  A record is written to the file at once (unbuffered: a killed process loses
 nothing that was appended), but made durable with one ``fdatasync`` for a group of records
 (``sync``: the service calls it when its queue runs dry and every ``SYNC_EVERY`` records),
-not one per record: two fsyncs per update had capped one aggregator at about 130 updates a
+not one per record: two fsyncs per update had capped one aggregator at about 120 updates a
 second over MQTT (``benchmarks/bench_round_close.py``).  A power cut can lose the records
 since the last sync, or leave a torn last record; a torn or corrupt tail is cut off when
 the journal is read (each record carries its CRC32), and the devices whose updates went are
@@ -141,9 +141,10 @@ class StateStore:
         name = client.encode("utf-8")
         if len(name) > 255:
             raise ValueError(f"journal: client id longer than 255 bytes: {client[:40]!r}...")
-        record = b"".join((_MAGIC, bytes([len(name)]), name, _U32.pack(packet_bytes), _U32.pack(len(payload)), payload))
+        head = b"".join((_MAGIC, bytes([len(name)]), name, _U32.pack(packet_bytes), _U32.pack(len(payload))))
         handle = self._journal_file(rnd)
-        handle.write(record + _U32.pack(crc32(record)))
+        for part in (head, payload, _U32.pack(crc32(payload, crc32(head)))):  # the payload is not copied
+            handle.write(part)  # a kill between two writes leaves a torn record: cut off on reading
         self._unsynced += 1
         if self._unsynced >= SYNC_EVERY:
             self.sync()
