@@ -270,7 +270,8 @@ class Adam(Optimizer):
         """For each of ``params`` held by ``hold_outside``: (parameter and moments, its mask, copies
         of them), taken before a step so the step's changes outside the mask can be undone.  Whole
         copies and one ``where`` pass each: compacting the held entries (``masked_select``, then
-        ``masked_scatter_``) cost 2.7x the CPU of a training round."""
+        ``masked_scatter_``) made a training round 3.1x as long in CPU, these copies 1.9x
+        (``benchmarks/profile_confedmade_rounds.py``)."""
         out = []
         for p in params:
             mask = self.held.get(p)

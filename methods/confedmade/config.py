@@ -38,7 +38,7 @@ class ConFedMADEOptions:
     # resume their momentum when a later mask holds them again; off: a plain Adam step moves
     # them with their stale moments (the NLL gives them no gradient) and decays the moments.
     # Sequential MNIST at 10 rounds per task: avg NLL 102.13 on, 103.34 off, the same bytes;
-    # but a training round costs about 1.8x the device CPU (benchmarks/profile_confedmade_rounds.py),
+    # but a training round costs about 1.9x the device CPU (benchmarks/profile_confedmade_rounds.py),
     # so it is off unless a scenario turns it on
     masked_moments: bool = False
     # with masked_moments: the moments of the held entries are updated as by a plain step (they
