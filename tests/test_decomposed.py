@@ -20,7 +20,6 @@ from fclcore.schedule import TaskSchedule
 from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
 from fclcore.strategy import Update
 from methods import learner_for, strategy_for
-from methods.confedmade.config import ConFedMADEOptions
 from methods.confedmade.decomposed_learner import DecomposedLearner
 from methods.confedmade.strategy import DecomposedStrategy, KnowledgeEntry
 
@@ -47,9 +46,9 @@ def _place(rnd: int):
     return TaskSchedule.uniform(3, 2).place(rnd)
 
 
-def _data(seed: int, n: int = 40) -> Dataset:
+def _data(seed: int, n: int = 40, dim: int = D) -> Dataset:
     rng = np.random.default_rng(seed)
-    return Dataset((rng.random((n, D)) > 0.5).astype(np.float32), np.zeros(n, np.int64))
+    return Dataset((rng.random((n, dim)) > 0.5).astype(np.float32), np.zeros(n, np.int64))
 
 
 def _random_knowledge(model: DecomposedMADE, n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -318,24 +317,30 @@ def test_hand_written_penalty_gradients_equal_autograd_bit_for_bit(method):
             assert reference is None or torch.equal(reference, ours), task
 
 
-def test_masked_moments_decay_needs_masked_moments():
-    with pytest.raises(ValueError, match="masked_moments_decay"):
-        ConFedMADEOptions(masked_moments_decay=True)
+def test_masked_moments_is_confedmades_default_and_not_the_fedweit_baselines():
+    for method, on in (("confedmade", True), ("fedweit-made-star", False), ("fedweit-made", False)):
+        fed = _fed(method)
+        assert _learner(0, fed, strategy_for(fed, D)).hold is on, method
+        fed = _fed(method, masked_moments=not on)  # a scenario's setting wins
+        assert _learner(0, fed, strategy_for(fed, D)).hold is not on, method
 
 
-@pytest.mark.parametrize("decay", [False, True])
-def test_masked_moments_hold_the_entries_outside_the_rounds_made_mask(decay):
+def test_masked_moments_hold_the_entries_outside_the_rounds_made_mask():
     """``masked_moments``: in a round whose MADE mask differs from the last one's, the entries
     of B and A_t outside it keep their value and Adam moments (off: stale momentum moves
-    them; ``masked_moments_decay``: their moments are a plain step's); everything else trains
-    as without the option.  At the first task nothing outside the mask reaches the loss, so
-    the two learners agree everywhere else bit for bit."""
+    them); everything else trains as without the option.  At the first task nothing outside
+    the mask reaches the loss, so the two learners agree everywhere else bit for bit.  (The
+    hold spans the round, ``Adam.holding_outside``: ``order_per: round``; 16 inputs and 32
+    hidden units, so each weight's size is a multiple of the fused kernel's vector width.)"""
     learners = {}
+    dim = 16
     for on in (False, True):
-        fed = _fed(masked_moments=on, masked_moments_decay=on and decay)
-        learners[on] = learner = _learner(0, fed, strategy_for(fed, D))
+        model = ModelSpec(hidden_sizes=[32], num_orders=3, mask_seed=3)
+        fed = dataclasses.replace(_fed(masked_moments=on), model=model)
+        learners[on] = learner = learner_for(fed, dim, 0)
+        learner.load_global(strategy_for(fed, dim).initial_model(), 0)
         learner.start_task(0, None)
-        learner.train_round([_data(0)], 0, _place(0))
+        learner.train_round([_data(0, dim=dim)], 0, _place(0))
     plain, held = learners[False], learners[True]
     assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), held.model.parameters()))
 
@@ -349,20 +354,18 @@ def test_masked_moments_hold_the_entries_outside_the_rounds_made_mask(decay):
         return out
 
     before = tracked(held)
-    orders = [upload_order(_made(plain.fed), plain.opts, r) for r in (0, 1)]
+    made = plain.fed.model.made_config(dim)
+    orders = [upload_order(made, plain.opts, r) for r in (0, 1)]
     assert orders[0] != orders[1]
     for learner in (plain, held):
-        learner.train_round([_data(1)], 1, _place(1))
-    masks = made_masks(_made(plain.fed), orders[1])
+        learner.train_round([_data(1, dim=dim)], 1, _place(1))
+    masks = made_masks(made, orders[1])
     after_plain, after_held = tracked(plain), tracked(held)
     moved = 0
     for (prefix, name), old in before.items():
         outside = torch.from_numpy(mask_for_param(masks, f"{prefix}.weight") == 0)
-        for i, (t_plain, t_held, t_old) in enumerate(zip(after_plain[prefix, name], after_held[prefix, name], old)):
-            if i > 0 and decay:
-                assert torch.equal(t_held, t_plain)  # the moments of a plain step everywhere
-                continue
-            assert torch.equal(t_held[outside], t_old[outside])  # held: value (and moments)
+        for t_plain, t_held, t_old in zip(after_plain[prefix, name], after_held[prefix, name], old):
+            assert torch.equal(t_held[outside], t_old[outside])  # held: value and moments
             assert torch.equal(t_held[~outside], t_plain[~outside])  # inside: as without the option
             moved += int((t_plain[outside] != t_old[outside]).sum())
     assert moved > 0  # without the option the round did move entries outside its mask

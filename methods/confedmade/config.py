@@ -36,14 +36,13 @@ class ConFedMADEOptions:
     # decomposed methods: Adam leaves the entries of B and the A_i outside the step's MADE mask
     # (with order_per: round, the round's upload mask) as they are, value and moments, so they
     # resume their momentum when a later mask holds them again; off: a plain Adam step moves
-    # them with their stale moments (the NLL gives them no gradient) and decays the moments.
-    # Sequential MNIST at 10 rounds per task: avg NLL 102.13 on, 103.34 off, the same bytes;
-    # but a training round costs about 1.9x the device CPU (benchmarks/profile_confedmade_rounds.py),
-    # so it is off unless a scenario turns it on
-    masked_moments: bool = False
-    # with masked_moments: the moments of the held entries are updated as by a plain step (they
-    # decay), only the value is held
-    masked_moments_decay: bool = False
+    # them with their stale moments (the NLL gives them no gradient) and decays the moments,
+    # and since load_global overwrites only the entries a device sent, those moves stay in its
+    # model.  None: on for confedmade, off for the FedWeIT-MADE baselines (FedWeIT's plain Adam).
+    # Sequential MNIST at 10 rounds per task: confedmade avg NLL 102.13 on, 103.34 off, the same
+    # bytes; a training round at the fifth task costs 1.2x the device CPU and +8 MB peak with
+    # order_per: round (benchmarks/profile_confedmade_rounds.py), 1.9x with order_per: batch
+    masked_moments: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("lambda1", "lambda2", "kb_threshold", "prox_mu", "ewc_lambda"):
@@ -53,7 +52,5 @@ class ConFedMADEOptions:
             raise ValueError("expected lambda3 > 0, keep_units in (0, 1], kb_k >= 1")
         if self.catchup_every < 0 or not 0 < self.catchup_share <= 1:
             raise ValueError("expected catchup_every >= 0 and catchup_share in (0, 1]")
-        if self.masked_moments_decay and not self.masked_moments:
-            raise ValueError("masked_moments_decay: only with masked_moments")
         if self.kb_budget_mb is not None and not self.kb_budget_mb > 0:
             raise ValueError(f"kb_budget_mb: expected a positive size in MB or null, got {self.kb_budget_mb}")

@@ -20,6 +20,7 @@ the federation's.  At the end of a task it sends A_t, thresholded, for the knowl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Sequence
 
@@ -32,7 +33,7 @@ from fclcore.data import Dataset
 from fclcore.made_spec import made_masks, mask_for_param
 from fclcore.masked_upload import MIN_GATE, dense, pack, selection, top_units
 from fclcore.models.decomposed_made import DecomposedMADE
-from fclcore.orders import upload_order
+from fclcore.orders import step_order, upload_order
 from fclcore.procmem import release_free_memory
 from fclcore.schedule import RoundPlace, TaskSchedule
 from fclcore.schema import FederationSpec
@@ -51,6 +52,7 @@ class DecomposedLearner(MadeLearner):
     own_masks = False  # every client draws its own MADE masks
     compact_pixels = True  # uint8 0/1 shards are converted per batch (local_epochs, mean_nll)
     step_in_backward = True  # B and the A_i: up to 6 weight-sized gradients per layer never held together
+    masked_moments = False  # options.masked_moments when the scenario leaves it unset
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         super().__init__(fed, options, input_dim, client_index)
@@ -59,6 +61,7 @@ class DecomposedLearner(MadeLearner):
         self.opts = options
         self.masked = self.masked_l1
         self.restrict_upload = self.restrict_to_made_mask and options.upload_made_mask
+        self.hold = self.masked_moments if options.masked_moments is None else options.masked_moments
         torch.manual_seed(fed.seed)
         self.model = DecomposedMADE(self.made)
         self.sent: dict[str, np.ndarray] = {}  # layer prefix -> entries uploaded last round
@@ -116,11 +119,9 @@ class DecomposedLearner(MadeLearner):
         self.entries.append(ids)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optim.Adam(trainable, lr=self.fed.train.lr, fused=True)
-        if self.opts.masked_moments:  # each step reads the mask buffer set_order fills in place
-            self.optimizer.hold_outside(
-                {p: layer.mask for layer in self.model.layers.values() for p in (layer.weight, *layer.adaptive)},
-                moments=not self.opts.masked_moments_decay,
-            )
+        if self.hold and self.opts.order_per == "batch":
+            # the mask changes each step: every step reads the buffers set_order fills in place
+            self.optimizer.hold_outside(self._held())
 
     def lacks(self, downlink: Frame) -> list[str]:
         return self._kb().missing(downlink)
@@ -162,7 +163,19 @@ class DecomposedLearner(MadeLearner):
             nll = self.model.nll(batch, self.task).mean()
             return nll, nll + self._regularizer()
 
-        return len(x), self.local_epochs(self.model, x, rnd, loss)
+        hold = contextlib.nullcontext()
+        if self.hold and self.opts.order_per == "round":
+            # one MADE mask all round: the hold over the round ends where a per-step hold would
+            # (the forward is masked, eq. 6's terms elementwise; tests/test_decomposed.py)
+            self.model.set_order(step_order(self.made, self.opts, rnd, 0))
+            hold = self.optimizer.holding_outside(self._held())
+        with hold:
+            nll = self.local_epochs(self.model, x, rnd, loss)
+        return len(x), nll
+
+    def _held(self) -> dict[torch.Tensor, torch.Tensor]:
+        """B and the A_i of each layer -> the layer's MADE mask buffer (masked_moments)."""
+        return {p: layer.mask for layer in self.model.layers.values() for p in (layer.weight, *layer.adaptive)}
 
     def _regularizer(self) -> torch.Tensor:
         """Eq. 6's L1 and drift terms: the weight-sized part through ``WeightPenalty`` (no
@@ -315,10 +328,11 @@ class FedWeITMadeLearner(DecomposedLearner):
 
 
 class ConFedMADELearner(DecomposedLearner):
-    """ConFedMADE: M in the L1 term, uploads inside the round's MADE mask."""
+    """ConFedMADE: M in the L1 term, uploads inside the round's MADE mask, Adam held outside it."""
 
     masked_l1 = True
     restrict_to_made_mask = True
+    masked_moments = True
 
 
 def _snapshot(layer) -> tuple:
