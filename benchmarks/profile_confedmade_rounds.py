@@ -12,7 +12,7 @@ after both rounds: equal between two runs means the same bits were trained (to f
     python benchmarks/profile_confedmade_rounds.py
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/profile_confedmade_rounds.py
     python benchmarks/profile_confedmade_rounds.py --code /tmp/fcl-main
-    python benchmarks/profile_confedmade_rounds.py --set federation.options.masked_moments=true
+    python benchmarks/profile_confedmade_rounds.py --set federation.options.masked_moments=false
 
 Linux only.  Prints one JSON line.
 """

@@ -4,8 +4,9 @@ The device learner trains on uint8 pixels, updates each parameter inside the bac
 keeps the penalty's temporaries in a workspace, composes a task's weight in place, makes the
 Adam moments before a task's first step, and a daemon keeps its knowledge frames in files of
 its state directory.  Here a plain reference (float32 pixels, out-of-place composition,
-the penalty through autograd, ``backward()`` then ``step()`` with lazily made moments) trains
-the same tasks, and a learner rebuilt from a checkpoint continues, bit for bit."""
+the penalty through autograd, ``backward()`` then ``step()`` with lazily made moments, Adam
+held outside the MADE mask at every step rather than over the round) trains the same tasks,
+and a learner rebuilt from a checkpoint continues, bit for bit."""
 
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ class PlainTraining:
 
     def train_round(self, train, rnd, place):
         x = torch.from_numpy(train[-1].x)  # float32: no per-batch conversion, no early moments
+        if self.hold:  # Adam held outside the MADE mask at every step, not split for the round
+            self.optimizer.hold_outside(self._held())
 
         def loss(batch):
             nll = _plain_nll(self.model, batch, self.task).mean()
