@@ -4,12 +4,13 @@
 ``RunningSum``'s compiled kernels (``fclcore/_fastfold_kernels.py``) decode an update's
 positions from its wire layout and, at each, add ``float64(value) * weight`` to the value sum
 and ``weight`` to the weight sum, tile by tile over ``MAX_PENDING`` staged updates.  This
-script times only that inner loop, on positions already expanded to an int32 index list
-(no bitmap to walk, no checks, no staging), in the kernels' tile order, for three layouts of
-the sums:
+script times that inner loop on positions already expanded to an int32 index list (no
+bitmap to walk, no checks, no staging), in the kernels' tile order, for three layouts of the
+sums:
 
 * ``separate``: float64 value sums and float64 weight sums in two arrays (what the
-  aggregator keeps: exact to float32 rounding, 16 bytes per element);
+  aggregator keeps: exact to float32 rounding, 16 bytes per element), folded by the
+  service's own index-list kernel (``fold_indices``);
 * ``interleaved``: the same sums, value and weight side by side in one (n, 2) array;
 * ``float32``: float32 value and weight sums (8 bytes per element; not exact: shown as
   the price of exactness, not as an option).
@@ -30,30 +31,22 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 
 def kernels():
     import numba
 
-    @numba.njit(nogil=True)
-    def separate(sums, weight_sums, index, offsets, values, weights, count, tile):
-        n = sums.size
-        cursor = offsets[:count].copy()
-        for first in range(0, n, tile):
-            last = min(n, first + tile)
-            for u in range(count):
-                w, k, end = weights[u], cursor[u], offsets[u + 1]
-                while k < end and index[k] < last:
-                    i = index[k]
-                    sums[i] += np.float64(values[k]) * w
-                    weight_sums[i] += w
-                    k += 1
-                cursor[u] = k
+    from fclcore._fastfold_kernels import fold_indices  # the service's own index-list kernel
 
     @numba.njit(nogil=True)
-    def interleaved(both, index, offsets, values, weights, count, tile):
+    def interleaved(both, index, values, offsets, weights, count, tile):
         n = both.shape[0]
         cursor = offsets[:count].copy()
         for first in range(0, n, tile):
@@ -68,7 +61,7 @@ def kernels():
                 cursor[u] = k
 
     @numba.njit(nogil=True)
-    def single(sums, weight_sums, index, offsets, values, weights, count, tile):
+    def single(sums, weight_sums, index, values, offsets, weights, count, tile):
         n = sums.size
         cursor = offsets[:count].copy()
         for first in range(0, n, tile):
@@ -82,7 +75,7 @@ def kernels():
                     k += 1
                 cursor[u] = k
 
-    return separate, interleaved, single
+    return fold_indices, interleaved, single
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     out = {"numel": args.numel, "density": args.density, "staged": args.staged, "tile": args.tile}
     for name, (kernel, make) in layouts.items():
         sums = make()
-        kernel(*sums, index, offsets, values, weights, args.staged, args.tile)  # compiled, pages in
+        kernel(*sums, index, values, offsets, weights, args.staged, args.tile)  # compiled, pages in
         best = float("inf")
         for _ in range(args.repeat):
             c0 = time.process_time()
-            kernel(*sums, index, offsets, values, weights, args.staged, args.tile)
+            kernel(*sums, index, values, offsets, weights, args.staged, args.tile)
             best = min(best, time.process_time() - c0)
         out[f"{name}_ns_per_value"] = round(best * 1e9 / index.size, 3)
     per_update = out["separate_ns_per_value"] * args.numel * args.density * 4 / 1e6  # 4 tensors: 1M parameters
