@@ -250,7 +250,6 @@ class Adam(Optimizer):
                 release_free_memory()  # the whole moments' memory back now: the next split reuses it
             size = max((len(m) for _, _, ((m, _), _) in self.split.values()), default=0)
             self.scratch = (torch.zeros(size), torch.zeros(size))  # a step's value and gradient
-        release_free_memory()  # the whole moments' memory goes back before the steps allocate
         try:
             yield
         finally:
@@ -263,9 +262,8 @@ class Adam(Optimizer):
                         whole.masked_scatter_(outside, outer)
                         self.state[p][key] = whole.reshape(p.shape)
                     del split, inner, outer
-                    release_free_memory()
+                    release_free_memory()  # as on entry: the parts' memory back before the next merge
                 self.scratch = ()
-            release_free_memory()
 
     def _check_hold(self, p: Tensor, mask: Tensor) -> dict[str, Any]:
         """The parameter group holding ``p``, once ``mask`` fits it."""

@@ -40,7 +40,7 @@ class ConFedMADEOptions:
     # and since load_global overwrites only the entries a device sent, those moves stay in its
     # model.  None: on for confedmade, off for the FedWeIT-MADE baselines (FedWeIT's plain Adam).
     # Sequential MNIST at 10 rounds per task: confedmade avg NLL 102.13 on, 103.34 off, the same
-    # bytes; a training round at the fifth task costs 1.2x the device CPU and +8 MB peak with
+    # bytes; a training round at the fifth task costs 1.2x the device CPU and +8 to +19 MB peak with
     # order_per: round (benchmarks/profile_confedmade_rounds.py), 1.9x with order_per: batch
     masked_moments: Optional[bool] = None
 
