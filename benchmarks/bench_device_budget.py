@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -52,6 +53,17 @@ def fits(peak_mb: float) -> list[str]:
     return [name for name, mb in BOARDS_MB.items() if peak_mb <= mb - RESERVED_MB]
 
 
+def run_dir(out: Path, scenario: Path) -> Path:
+    """Where ``fcl simulate`` wrote the run: ``out`` itself, or ``out/<method>/`` of the first
+    method of a scenario that compares several (``compare:``, e.g. the quickstart)."""
+    if (out / "metrics.jsonl").is_file():
+        return out
+    compare = yaml.safe_load(scenario.read_text()).get("compare") or []
+    if compare and (out / compare[0] / "metrics.jsonl").is_file():
+        return out / compare[0]
+    raise SystemExit(f"{scenario.name}: no metrics.jsonl under {out} (nor under {out}/<first compared method>/)")
+
+
 def measure(name: str, rounds_per_task: int, work: Path, broker_url: str) -> dict:
     scenario, shorten = SCENARIOS[name]
     out = work / name
@@ -74,6 +86,7 @@ def measure(name: str, rounds_per_task: int, work: Path, broker_url: str) -> dic
         raise SystemExit(
             f"{name}: fcl simulate exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         )
+    out = run_dir(out, ROOT / "configs/scenarios" / f"{scenario}.yaml")
     wires = [json.loads(p.read_text()) for p in sorted((out / "clients").glob("*/wire.json"))]
     cpu = [s for w in wires for s in w["round_cpu_s"].values()]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
