@@ -128,6 +128,21 @@ def from_dict(cls: type[T], raw: Any, source: str, prefix: str = "") -> T:
         raise ConfigError(f"{source}: {prefix or '<top>'}: {exc}") from None
 
 
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with a default and its one-line help (``options_help``): how method
+    options say what they do, so that ``fcl simulate --help-method NAME`` can print it."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def options_help(cls: type) -> list[tuple[str, str, str]]:
+    """(name, default, help) of every field of an options dataclass, in declaration order."""
+    hints, out = get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        out.append((f.name, f"{_type_name(hints[f.name])} = {default!r}", f.metadata.get("help", "")))
+    return out
+
+
 def to_dict(obj: Any) -> Any:
     """Plain-data form of a config dataclass (for YAML/JSON and for round messages)."""
     if dataclasses.is_dataclass(obj):
