@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         "broker are checked before any process starts.",
         lazy_epilog=lambda: f"methods (federation.method): {', '.join(_method_names())}",
     )
+    p.add_argument(
+        "--help-method",
+        action=_HelpMethod,
+        metavar="NAME",
+        help="show a method's summary and its federation.options (type, default, what each does) and exit",
+    )
     p.add_argument("scenario", help="scenario YAML (see configs/scenarios/)")
     p.add_argument("--out", required=True, help="run directory for metrics.jsonl, summary.json, logs (new or empty)")
     p.add_argument(
@@ -196,6 +202,23 @@ class _Parser(argparse.ArgumentParser):
         if self.lazy_epilog is not None:
             self.epilog = self.lazy_epilog()
         return super().format_help()
+
+
+class _HelpMethod(argparse.Action):
+    """``--help-method NAME``: like ``--help``, answered before the required arguments are checked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=1, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import methods
+
+        try:
+            text = methods.describe(values[0])
+        except ConfigError as exc:
+            parser.error(str(exc))
+        sys.stdout.write(text)
+        parser.exit()
 
 
 def _version() -> str:
