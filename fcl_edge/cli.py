@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+import textwrap
 import threading
 from typing import Callable, Sequence
 
@@ -65,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         "embedded broker unless --broker is given. The scenario, the run directory and the "
         "broker are checked before any process starts.",
         lazy_epilog=lambda: f"methods (federation.method): {', '.join(_method_names())}",
+        formatter_class=_NamesFormatter,
     )
     p.add_argument(
         "--help-method",
@@ -202,6 +204,14 @@ class _Parser(argparse.ArgumentParser):
         if self.lazy_epilog is not None:
             self.epilog = self.lazy_epilog()
         return super().format_help()
+
+
+class _NamesFormatter(argparse.HelpFormatter):
+    """Wraps the epilog between names, never inside one at its hyphen (``fedcl-cumulative-replay``)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        words = " ".join(text.split())
+        return textwrap.fill(words, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
 
 
 class _HelpMethod(argparse.Action):
