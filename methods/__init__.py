@@ -2,9 +2,9 @@
 ``fclcore.method.REGISTRY`` when imported.  Runtimes import this package (never a method
 package directly) and look methods up by the scenario's name.
 
-Adding a method: a package here with its ``config``, ``wire``, ``strategy`` and ``learner``
-modules and a ``register(MethodSpec(...))`` in its ``__init__``, one line below, a scenario
-file and its tests (docs/adding-a-method.md).
+Adding a method: a package here (its options, server ``strategy`` and device ``learner``, or
+subclasses of the shared bases in ``fclbases``, and a ``register(MethodSpec(...))`` in its
+``__init__``), one import line below, and its tests (docs/adding-a-method.md).
 """
 
 from __future__ import annotations
