@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fclbases.minilm.int8 import Int8Linear
-from fclbases.minilm.safetensors import _hf_name, iter_safetensors
+from fclbases.minilm.safetensors import hf_name, iter_safetensors
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def load_minilm(model_dir: str | Path | None = None) -> BertEncoder:
     """all-MiniLM-L6-v2 as a ``BertEncoder`` from ``config.json`` + ``model.safetensors``."""
     d = Path(model_dir) if model_dir is not None else default_minilm_dir()
     encoder = BertEncoder(BertConfig.from_hf_json(d / "config.json"))
-    params = {_hf_name(name): param.detach().numpy() for name, param in encoder.state_dict().items()}
+    params = {hf_name(name): param.detach().numpy() for name, param in encoder.state_dict().items()}
     for _ in iter_safetensors(d / "model.safetensors", list(params), into=params):  # each read into its parameter
         pass
     return encoder

@@ -67,7 +67,7 @@ def iter_safetensors(
             yield name, array
 
 
-def _hf_name(ours: str) -> str:
+def hf_name(ours: str) -> str:
     """Our parameter name -> the Hugging Face BertModel name in model.safetensors."""
     fixed = {
         "word.weight": "embeddings.word_embeddings.weight",
