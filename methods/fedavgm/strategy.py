@@ -17,6 +17,8 @@ from fclbases.fedavg.strategy import FedAvgStrategy
 from fclcore.aggregation import RunningSum
 from fclcore.strategy import Update
 
+_V = "velocity/"  # the checkpoint's array names: velocity/<tensor>
+
 
 class FedAvgMStrategy(FedAvgStrategy):
     velocity: dict[str, np.ndarray] = {}  # v per tensor, float32; empty until the first round closes
@@ -28,10 +30,10 @@ class FedAvgMStrategy(FedAvgStrategy):
         return {k: current[k] - lr * self.velocity[k] for k in average}
 
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
-        return {}, {f"velocity/{k}": v for k, v in self.velocity.items()}
+        return {}, {_V + k: v for k, v in self.velocity.items()}
 
     def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
-        velocity = {k[len("velocity/") :]: np.asarray(v, np.float32) for k, v in arrays.items()}
+        velocity = {k[len(_V) :]: np.asarray(v, np.float32) for k, v in arrays.items() if k.startswith(_V)}
         for name, v in velocity.items():
             if tuple(v.shape) != tuple(self.shapes.get(name, ())):
                 raise ValueError(f"velocity/{name}: shape {v.shape} does not fit the model {self.shapes.get(name)}")
