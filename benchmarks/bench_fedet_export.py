@@ -58,13 +58,8 @@ import torch  # noqa: E402
 from edge_client.state import learner_from_state  # noqa: E402
 from export.onnx_text_groups import backbone_passes, export_client_text_classifier, int8_path_for  # noqa: E402
 from export.text_runtime import TextClassifierRuntime  # noqa: E402
-from fclcore.models.enhancer import (  # noqa: E402
-    FrozenBackbone,
-    default_minilm_dir,
-    enhanced_logits,
-    load_minilm,
-    pooled_embeddings,
-)
+from fclbases.minilm.backbone import FrozenBackbone, default_minilm_dir, load_minilm, pooled_embeddings  # noqa: E402
+from fclbases.minilm.enhancer import enhanced_logits  # noqa: E402
 from fclcore.text import EncodedDocs, TextTokenizer, bbc_split, default_tokenizer_json  # noqa: E402
 from methods.fedet.client import FedETClient  # noqa: E402
 

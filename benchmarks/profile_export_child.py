@@ -40,7 +40,8 @@ def write_job(job_dir: Path, target: Path, rows: int, classes: int, max_length: 
     import torch
 
     from export.text_groups_job import write_text_groups_job
-    from fclcore.models.enhancer import EnhancerConfig, EnhancerGroup, FrozenBackbone, default_minilm_dir, load_minilm
+    from fclbases.minilm.backbone import FrozenBackbone, default_minilm_dir, load_minilm
+    from fclbases.minilm.enhancer import EnhancerConfig, EnhancerGroup
     from fclcore.served import TextGroupsServed
 
     source = default_minilm_dir()

@@ -65,15 +65,9 @@ from export.text_groups_verify import (
     verify_and_publish,
     write_stage,
 )
-from fclcore.models.enhancer import (
-    EnhancerGroup,
-    FrozenBackbone,
-    attention_bias,
-    mean_pool,
-    pooled_embeddings,
-    predict_logits,
-)
-from fclcore.models.prototypes import PrototypeSelector, normalize_rows
+from fclbases.minilm.backbone import FrozenBackbone, attention_bias, mean_pool, pooled_embeddings
+from fclbases.minilm.enhancer import EnhancerGroup, predict_logits
+from fclbases.minilm.prototypes import PrototypeSelector, normalize_rows
 from fclcore.procmem import release_free_memory
 
 __all__ = [
@@ -667,7 +661,7 @@ def export_text_classifier(
 
 def export_client_text_classifier(client: Any, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
     """:func:`export_text_classifier` of anything with ``backbone``, ``groups``, ``selector`` (a
-    :class:`fclcore.models.prototypes.PrototypeSelector`) and optionally ``task`` (e.g. a
+    :class:`fclbases.minilm.prototypes.PrototypeSelector`) and optionally ``task`` (e.g. a
     ``FedETClient``): the state ``client.predict`` serves.  ``method`` (keyword, required unless
     the client has a non-empty ``method`` attribute) is recorded as ``fcl.method``."""
     try:

@@ -5,7 +5,7 @@ peak on BBC News instead of about 0.5 GB while training, ``firmware_notes/memory
 The daemon writes (``write_text_groups_job``; numpy and the torch it has loaded):
 
 * ``groups.npz``: each non-empty Enhancer group's tensors as ``g<j>/<wire name>``
-  (``fclcore.models.enhancer.group_to_tensors``), the class prototypes ``prototypes``
+  (``fclbases.minilm.enhancer.group_to_tensors``), the class prototypes ``prototypes``
   (classes, hidden) and their class ids ``prototype_classes``;
 * ``parity.npy``: the token rows of the parity check;
 * ``job.json``: ``{"format": "text-groups", "path", "int8", "toolkit_version", "served": {...}}``
@@ -25,15 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from fclcore.models.enhancer import (
-    EnhancerConfig,
-    EnhancerGroup,
-    FrozenBackbone,
-    group_prefix,
-    group_to_tensors,
-    load_minilm,
-    tensors_to_group,
-)
+from fclbases.minilm.backbone import FrozenBackbone, load_minilm
+from fclbases.minilm.enhancer import EnhancerConfig, EnhancerGroup, group_prefix, group_to_tensors, tensors_to_group
 from fclcore.served import TextGroupsServed
 
 __all__ = ["write_text_groups_job", "read_text_groups_job"]

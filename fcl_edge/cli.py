@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+import textwrap
 import threading
 from typing import Callable, Sequence
 
@@ -65,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         "embedded broker unless --broker is given. The scenario, the run directory and the "
         "broker are checked before any process starts.",
         lazy_epilog=lambda: f"methods (federation.method): {', '.join(_method_names())}",
+        formatter_class=_NamesFormatter,
+    )
+    p.add_argument(
+        "--help-method",
+        action=_HelpMethod,
+        metavar="NAME",
+        help="show a method's summary and its federation.options (type, default, what each does) and exit",
     )
     p.add_argument("scenario", help="scenario YAML (see configs/scenarios/)")
     p.add_argument("--out", required=True, help="run directory for metrics.jsonl, summary.json, logs (new or empty)")
@@ -196,6 +204,31 @@ class _Parser(argparse.ArgumentParser):
         if self.lazy_epilog is not None:
             self.epilog = self.lazy_epilog()
         return super().format_help()
+
+
+class _NamesFormatter(argparse.HelpFormatter):
+    """Wraps the epilog between names, never inside one at its hyphen (``fedcl-cumulative-replay``)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        words = " ".join(text.split())
+        return textwrap.fill(words, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+
+
+class _HelpMethod(argparse.Action):
+    """``--help-method NAME``: like ``--help``, answered before the required arguments are checked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=1, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import methods
+
+        try:
+            text = methods.describe(values[0])
+        except ConfigError as exc:
+            parser.error(str(exc))
+        sys.stdout.write(text)
+        parser.exit()
 
 
 def _version() -> str:

@@ -128,6 +128,34 @@ def from_dict(cls: type[T], raw: Any, source: str, prefix: str = "") -> T:
         raise ConfigError(f"{source}: {prefix or '<top>'}: {exc}") from None
 
 
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with a default and its one-line help (``options_help``): how method
+    options say what they do, so that ``fcl simulate --help-method NAME`` can print it.  A list
+    default is copied for each instance."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def options_help(cls: type) -> list[tuple[str, str, str]]:
+    """(name, default, help) of every field of an options dataclass, in declaration order."""
+    hints, out = get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        out.append((f.name, f"{_type_name(hints[f.name])} = {default!r}", _help(cls, f.name)))
+    return out
+
+
+def _help(cls: type, name: str) -> str:
+    """A field's help text, from the nearest class that gave one (a preset subclass that only
+    changes a default keeps its base's text)."""
+    for klass in cls.__mro__:
+        field = getattr(klass, "__dataclass_fields__", {}).get(name)
+        if field is not None and field.metadata.get("help"):
+            return field.metadata["help"]
+    return ""
+
+
 def to_dict(obj: Any) -> Any:
     """Plain-data form of a config dataclass (for YAML/JSON and for round messages)."""
     if dataclasses.is_dataclass(obj):

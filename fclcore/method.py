@@ -40,7 +40,7 @@ class MethodSpec:
     own_clock: bool = False  # devices keep their own task clock: tasks arrive per device (``tasks.arrivals``,
     # a new task folder), are never waited for, and the learner gets every task that has arrived
     fleet_data: bool = False  # the learner replays every device's data (a simulation-only upper reference)
-    summary: str = ""  # one line for ``--help`` and the docs
+    summary: str = ""  # the first line of ``fcl simulate --help-method NAME``
     example_scenario: str = ""  # a shipped scenario file that runs this method
     smoke_overrides: tuple[str, ...] = ()  # ``--set`` items that shrink it to seconds (contract tests)
     # "module:function" (fed, options, input_dim, rnd) -> {tensor: bool mask} or None: the entries

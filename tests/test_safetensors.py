@@ -1,4 +1,4 @@
-"""The validating safetensors reader (``fclcore.models.enhancer``): tensors come back as written,
+"""The validating safetensors reader (``fclbases.minilm.safetensors``): tensors come back as written,
 read one at a time (into given arrays when asked), and a malformed file is a clear ValueError."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from fclcore.models.enhancer import iter_safetensors, read_safetensors
+from fclbases.minilm.safetensors import iter_safetensors, read_safetensors
 
 
 def write(path, tensors: dict[str, np.ndarray], header_patch: dict | None = None, cut: int = 0) -> None:

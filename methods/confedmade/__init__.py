@@ -7,21 +7,25 @@ One package, one options dataclass (``ConFedMADEOptions``), nine scenario names:
 | confedmade | masked FedAvg inside the round's MADE mask + knowledge base | ``ConFedMADELearner`` |
 | fedweit-made-star | masked FedAvg + knowledge base | ``DecomposedLearner`` (synchronised masks) |
 | fedweit-made | masked FedAvg + knowledge base | ``FedWeITMadeLearner`` (own masks per client) |
-| fedavg, fedcl-finetune | FedAvg | ``FedAvgLearner`` |
+| fedavg, fedcl-finetune | FedAvg (``fclbases.fedavg``) | ``FedAvgLearner`` (``fclbases.fedavg``) |
 | fedprox | FedAvg | ``FedProxLearner`` |
 | fedcurv | FedAvg | ``FedCurvLearner`` |
 | fedcl-cumulative-replay | FedAvg | ``ReplayLearner`` |
 | offline | FedAvg | ``OfflineLearner`` (all tasks from the first round) |
 
 Modules: ``config`` (options), ``wire`` (the contract both halves use), ``strategy`` (server,
-NumPy only), ``training`` / ``fedavg_learner`` / ``decomposed_learner`` (device, torch).
+NumPy only), ``fedavg_learner`` / ``decomposed_learner`` (device, torch).  The MADE learner
+loop, the dense FedAvg learner and strategy and the decomposed layers are shared bases
+(``fclbases.made``, ``fclbases.fedavg``).
 """
 
 from fclcore.method import MethodSpec, register
 from methods.confedmade.config import ConFedMADEOptions
 
 _STRATEGY = "methods.confedmade.strategy:"
+_FEDAVG_STRATEGY = "fclbases.fedavg.strategy:FedAvgStrategy"
 _FEDAVG = "methods.confedmade.fedavg_learner:"
+_DENSE = "fclbases.fedavg.learner:FedAvgLearner"
 _DECOMPOSED = "methods.confedmade.decomposed_learner:"
 
 
@@ -30,7 +34,7 @@ def _spec(name: str, strategy: str, learner: str, summary: str, positions: str =
         name=name,
         package="confedmade",
         options=ConFedMADEOptions,
-        strategy=_STRATEGY + strategy,
+        strategy=strategy,
         learner=learner,
         metric="nll",
         served_format="made",
@@ -48,32 +52,32 @@ def _spec(name: str, strategy: str, learner: str, summary: str, positions: str =
 register(
     _spec(
         "confedmade",
-        "ConFedMADEStrategy",
+        _STRATEGY + "ConFedMADEStrategy",
         _DECOMPOSED + "ConFedMADELearner",
         "ConFedMADE: decomposed MADE, uploads inside the round's MADE mask, knowledge base",
         "methods.confedmade.wire:delta_positions",
     ),
     _spec(
         "fedweit-made-star",
-        "DecomposedStrategy",
+        _STRATEGY + "DecomposedStrategy",
         _DECOMPOSED + "DecomposedLearner",
         "FedWeIT on MADE with synchronised masks, unmasked L1 and uploads",
     ),
     _spec(
         "fedweit-made",
-        "DecomposedStrategy",
+        _STRATEGY + "DecomposedStrategy",
         _DECOMPOSED + "FedWeITMadeLearner",
         "FedWeIT on MADE, every client with its own MADE masks",
     ),
-    _spec("fedavg", "FedAvgStrategy", _FEDAVG + "FedAvgLearner", "FedAvg of a plain MADE"),
-    _spec("fedcl-finetune", "FedAvgStrategy", _FEDAVG + "FedAvgLearner", "FedAvg fine-tuned task after task"),
-    _spec("fedprox", "FedAvgStrategy", _FEDAVG + "FedProxLearner", "FedProx (proximal term to the global model)"),
-    _spec("fedcurv", "FedAvgStrategy", _FEDAVG + "FedCurvLearner", "federated EWC (diagonal Fisher per task)"),
+    _spec("fedavg", _FEDAVG_STRATEGY, _DENSE, "FedAvg of a plain MADE"),
+    _spec("fedcl-finetune", _FEDAVG_STRATEGY, _DENSE, "FedAvg fine-tuned task after task"),
+    _spec("fedprox", _FEDAVG_STRATEGY, _FEDAVG + "FedProxLearner", "FedProx (proximal term to the global model)"),
+    _spec("fedcurv", _FEDAVG_STRATEGY, _FEDAVG + "FedCurvLearner", "federated EWC (diagonal Fisher per task)"),
     _spec(
         "fedcl-cumulative-replay",
-        "FedAvgStrategy",
+        _FEDAVG_STRATEGY,
         _FEDAVG + "ReplayLearner",
         "FedAvg on every task seen so far (upper bound)",
     ),
-    _spec("offline", "FedAvgStrategy", _FEDAVG + "OfflineLearner", "joint training on all tasks (reference)"),
+    _spec("offline", _FEDAVG_STRATEGY, _FEDAVG + "OfflineLearner", "joint training on all tasks (reference)"),
 )

@@ -27,20 +27,20 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from fclbases.made.decomposed_model import DecomposedMADE
+from fclbases.made.learner import MadeLearner, mean_nll
+from fclbases.made.options import step_order, upload_order
 from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
 from fclcore.made_spec import made_masks, mask_for_param
 from fclcore.masked_upload import MIN_GATE, dense, pack, selection, top_units
-from fclcore.models.decomposed_made import DecomposedMADE
-from fclcore.orders import step_order, upload_order
 from fclcore.procmem import release_free_memory
 from fclcore.schedule import RoundPlace, TaskSchedule
 from fclcore.schema import FederationSpec
 from fclcore.served import ServedModel
 from methods.confedmade.kbstore import KnowledgeStore
 from methods.confedmade.penalty import PenaltyTerms, WeightPenalty, Workspace
-from methods.confedmade.training import MadeLearner, mean_nll
 from methods.confedmade.wire import EXTRA, HELD, KB_PREFIX, knowledge_key, parse_knowledge_meta, shares_knowledge
 
 

@@ -1,6 +1,5 @@
-"""The ConFedMADE package on the server: sample-weighted FedAvg of every MADE tensor for the
-FedAvg-family baselines, and, for ConFedMADE and FedWeIT-MADE, masked sparse FedAvg of B*sigmoid(m) and a
-knowledge base of task-adaptive parameters (Algorithms 1-2 of the ConFedMADE paper).
+"""The ConFedMADE package on the server: for ConFedMADE and FedWeIT-MADE, masked sparse FedAvg
+of B*sigmoid(m) and a knowledge base of task-adaptive parameters (Algorithms 1-2 of the ConFedMADE paper).
 
 Uploads of the base arrive packed (``fclcore.masked_upload``): for ``confedmade`` the
 positions are the round's MADE mask (derived here from the seed, never sent) intersected
@@ -19,14 +18,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fclcore.aggregation import RunningSum, template_check
+from fclbases.fedavg.strategy import FedAvgStrategy
+from fclbases.made.options import upload_order
+from fclcore.aggregation import RunningSum
 from fclcore.codec import CodecLimits, Frame, SparseTensor, Tensor
-from fclcore.made_spec import init_params, made_masks, mask_for_param, param_shapes
+from fclcore.made_spec import made_masks, mask_for_param
 from fclcore.masked_upload import UNITS, unpack
 from fclcore.model_sync import VALUE_BYTES
-from fclcore.orders import upload_order
 from fclcore.schema import FederationSpec
-from fclcore.strategy import Downlinks, Strategy, Update, without_tensors
+from fclcore.strategy import Downlinks, Update, without_tensors
 from methods.confedmade.wire import (
     EXTRA,
     HELD,
@@ -50,34 +50,6 @@ class KnowledgeEntry:
     @property
     def entry_id(self) -> str:
         return entry_id(self.client, self.task)
-
-
-class FedAvgStrategy(Strategy):
-    """Sample-weighted averaging of every trainable MADE tensor; the FedAvg-family baselines
-    differ only on the device (proximal term, EWC penalty, replay).  A weighted sum, so each
-    update is folded into the round's sums as it arrives (``Strategy.streams``)."""
-
-    streams = True
-    partial_sums = True  # fold keeps nothing, close is the sums' mean: a site can pre-sum
-
-    def __init__(self, fed: FederationSpec, options: Any, input_dim: int, aux_dir: str | None = None) -> None:
-        super().__init__(fed, options, input_dim, aux_dir)
-        self.made = fed.model.made_config(input_dim)
-        self.shapes = param_shapes(self.made)
-
-    @property
-    def dense_fp32_bytes(self) -> int:
-        return 4 * sum(int(np.prod(s)) for s in self.shapes.values())
-
-    def initial_model(self) -> dict[str, np.ndarray]:
-        return init_params(self.made, self.fed.seed)
-
-    def normalize(self, frame: Frame) -> dict[str, Tensor]:
-        return template_check(self.shapes)(frame)
-
-    def fold(self, running: RunningSum, update: Update) -> Update:
-        running.add(update.tensors, float(update.n_samples))
-        return without_tensors(update)
 
 
 class DecomposedStrategy(FedAvgStrategy):

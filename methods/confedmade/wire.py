@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from fclbases.made.options import upload_order
 from fclcore.made_spec import made_masks, mask_for_param, param_shapes
-from fclcore.orders import upload_order
 
 KB_PREFIX = "kb:"  # prefix of the task-adaptive tensors a task's last update carries
 EXTRA = "#extra"  # suffix of a weight's catch-up entries (outside the round's selection), a sparse tensor

@@ -3,8 +3,10 @@
 
 Modules: ``config`` (options), ``wire`` (the contract both halves use), ``strategy`` and
 ``server`` (the aggregator's half: trains on the server, torch), ``learner`` and ``client``
-(the device: Algorithm 1), ``losses``, ``memory`` (the sample memory), ``baselines``
-(the in-process building blocks of the same baselines, used by the unit tests).
+(the device: Algorithm 1), ``model`` (the pool of groups, the frozen-prefix cache, prototype
+head rows), ``losses``, ``memory`` (the sample memory), ``baselines`` (the in-process building
+blocks of the same baselines, used by the unit tests).  The backbone, the Enhancer groups and
+the prototype selector are shared bases (``fclbases.minilm``): the text-groups export serves them.
 
 Baselines, presets of this package: ``fedet-finetune`` and ``fedet-replay`` (one Enhancer
 group averaged by FedAvg; ``GroupFedAvgStrategy`` + ``GroupFedAvgLearner`` /

@@ -15,13 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fclcore.models.enhancer import (
-    EnhancerGroup,
-    FrozenBackbone,
-    group_to_tensors,
-    predict_logits,
-    trainable_parameters,
-)
+from fclbases.minilm.backbone import FrozenBackbone
+from fclbases.minilm.enhancer import EnhancerGroup, group_to_tensors, predict_logits, trainable_parameters
 from fclcore.text import EncodedDocs
 from methods.fedet.client import FedETConfig, seeded, train_epochs
 from methods.fedet.memory import SampleMemory

@@ -32,25 +32,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fclcore.codec import SparseTensor
-from fclcore.models.enhancer import (
+from fclbases.minilm.backbone import FrozenBackbone
+from fclbases.minilm.enhancer import (
     EnhancerConfig,
     EnhancerGroup,
-    FrozenBackbone,
     enhanced_logits,
-    enhanced_logits_from_prefix,
     group_to_tensors,
     predict_logits,
-    predict_logits_from_prefix,
-    prefix_states,
-    prototype_rows,
     trainable_parameters,
 )
-from fclcore.models.prototypes import PrototypeSelector, class_sums
+from fclbases.minilm.prototypes import PrototypeSelector, class_sums
+from fclcore.codec import SparseTensor
 from fclcore.optim import AdamW, Optimizer
 from fclcore.text import EncodedDocs
 from methods.fedet.losses import distillation_loss, double_distillation_targets, label_entropy
 from methods.fedet.memory import SampleMemory
+from methods.fedet.model import enhanced_logits_from_prefix, predict_logits_from_prefix, prefix_states, prototype_rows
 
 __all__ = ["FedETConfig", "GroupUpload", "FedETClient", "train_epochs", "seeded"]
 

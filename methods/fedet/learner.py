@@ -30,25 +30,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fclcore.codec import Tensor
-from fclcore.data import Dataset
-from fclcore.learner import Learner
-from fclcore.models.enhancer import (
+from fclbases.minilm.backbone import FrozenBackbone, default_minilm_dir, load_minilm, pooled_embeddings
+from fclbases.minilm.enhancer import (
     EnhancerConfig,
     EnhancerGroup,
-    FrozenBackbone,
-    default_minilm_dir,
     group_prefix,
     group_to_tensors,
-    load_minilm,
-    pooled_and_prefix,
-    pooled_embeddings,
-    prefix_states,
-    prototype_rows,
     tensors_to_group,
     trainable_parameters,
 )
-from fclcore.models.prototypes import class_sums
+from fclbases.minilm.prototypes import class_sums
+from fclcore.codec import Tensor
+from fclcore.data import Dataset
+from fclcore.learner import Learner
 from fclcore.optim import AdamW
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
@@ -56,6 +50,7 @@ from fclcore.served import TextGroupsServed
 from fclcore.text import EncodedDocs, entropy_nats
 from methods.fedet.client import FedETClient, FedETConfig, GroupUpload, _TaskGroup, seeded, train_epochs
 from methods.fedet.config import FedETOptions
+from methods.fedet.model import pooled_and_prefix, prefix_states, prototype_rows
 from methods.fedet.wire import META_KEY, parse_downlink
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from fclcore.models.prototypes import normalize_rows
+from fclbases.minilm.prototypes import normalize_rows
 from fclcore.text import EncodedDocs
 
 __all__ = ["SampleMemory"]

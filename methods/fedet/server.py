@@ -30,20 +30,20 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from fclcore.aggregation import weighted_average
-from fclcore.codec import Frame
-from fclcore.models.enhancer import (
+from fclbases.minilm.backbone import FrozenBackbone
+from fclbases.minilm.enhancer import (
     EnhancerConfig,
     EnhancerGroup,
-    FrozenBackbone,
     enhanced_logits,
     group_to_tensors,
     predict_logits,
-    prototype_rows,
     tensors_to_group,
     trainable_parameters,
 )
+from fclcore.aggregation import weighted_average
+from fclcore.codec import Frame
 from fclcore.text import EncodedDocs, entropy_nats
+from methods.fedet.model import prototype_rows
 
 __all__ = [
     "merge_class_sums",

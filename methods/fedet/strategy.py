@@ -18,19 +18,11 @@ from typing import Sequence
 
 import numpy as np
 
+from fclbases.minilm.backbone import FrozenBackbone, backbone_param_count, load_minilm, pooled_embeddings
+from fclbases.minilm.enhancer import EnhancerConfig, group_prefix, group_to_tensors, tensors_to_group
 from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, SparseTensor
 from fclcore.errors import ConfigError
-from fclcore.models.enhancer import (
-    EnhancerConfig,
-    FrozenBackbone,
-    backbone_param_count,
-    group_prefix,
-    group_to_tensors,
-    load_minilm,
-    pooled_embeddings,
-    tensors_to_group,
-)
 from fclcore.schema import FederationSpec
 from fclcore.strategy import Checked, Strategy, Update
 from fclcore.text import TextTokenizer, default_tokenizer_json

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from fclbases.minilm.enhancer import EnhancerConfig, EnhancerGroup, group_prefix, tensors_to_group
 from fclcore.codec import SparseTensor, Tensor
-from fclcore.models.enhancer import PHASES, EnhancerConfig, EnhancerGroup, group_prefix, tensors_to_group
 
 META_KEY = "fedet"  # the round message's and the update's metadata key of this method
 MAX_CLASS_ID = 1 << 20
+PHASES = ("sums", "train")  # a FedET task's first round sends class sums, later rounds train groups
 
 
 def phase_of(task_start: bool) -> str:

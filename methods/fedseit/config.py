@@ -5,28 +5,30 @@ the reading notes (section 2, G2-G13): lambda1 on A only, A_t = B / 5, mask logi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from fclcore.config import option
 
 
 @dataclass
 class FedSeITOptions:
-    max_length: int = 64  # wordpieces per text, [CLS] and [SEP] included
-    kernel_sizes: list[int] = field(default_factory=lambda: [3, 4, 5])
-    filters: int = 128  # output channels of each conv (N^F)
-    dropout: float = 0.3
-    embed_rms: float = 0.4  # the frozen MiniLM table is rescaled once to this RMS (notes G7)
-    lambda1: float = 1e-3  # L1 on every task-adaptive A (not on the mask: notes G6)
-    lambda2: float = 1.0  # retroactive drift ||dB * sigmoid(m_i) + dA_i||^2 of earlier tasks
-    adaptive_div: float = 5.0  # A_t starts as B / adaptive_div
-    mask_init: float = 0.0  # initial logit of the per-task unit mask m
-    keep_units: float = 1.0  # share of output units (ranked by sigmoid(m)) whose base goes up
-    kb_threshold: float = 1e-3  # |A_t| below this is not sent to the knowledge base
-    slots: int = 3  # foreign slots without SIT: the previous-task A of up to this many clients
-    sit: bool = False  # Selective Inter-client Transfer: top-K entries by the centres' similarity
-    sit_k: int = 3  # K, the slots with SIT
-    sit_q: int = 200  # Q, the most centres a device sends per task
-    sit_tau: float = 0.0  # pairwise cosines <= tau count 0 in the score (0: the paper's plain mean)
-    dls: bool = False  # +DLS: also federate W_f and W_c (decomposed like the convs); heads stay local
+    max_length: int = option(64, "wordpieces per text, [CLS] and [SEP] included")
+    kernel_sizes: list[int] = option([3, 4, 5], "the convolution kernel widths (wordpieces), one conv each")
+    filters: int = option(128, "output channels of each conv (N^F)")
+    dropout: float = option(0.3, "dropout before the classifier head")
+    embed_rms: float = option(0.4, "the frozen MiniLM table is rescaled once to this RMS (notes G7)")
+    lambda1: float = option(1e-3, "L1 on every task-adaptive A (not on the mask: notes G6)")
+    lambda2: float = option(1.0, "retroactive drift ||dB * sigmoid(m_i) + dA_i||^2 of earlier tasks")
+    adaptive_div: float = option(5.0, "A_t starts as B / adaptive_div")
+    mask_init: float = option(0.0, "initial logit of the per-task unit mask m")
+    keep_units: float = option(1.0, "share of output units (ranked by sigmoid(m)) whose base goes up")
+    kb_threshold: float = option(1e-3, "|A_t| below this is not sent to the knowledge base")
+    slots: int = option(3, "foreign slots without SIT: the previous-task A of up to this many clients")
+    sit: bool = option(False, "Selective Inter-client Transfer: top-K entries by the centres' similarity")
+    sit_k: int = option(3, "K, the slots with SIT")
+    sit_q: int = option(200, "Q, the most centres a device sends per task")
+    sit_tau: float = option(0.0, "pairwise cosines <= tau count 0 in the score (0: the paper's plain mean)")
+    dls: bool = option(False, "+DLS: also federate W_f and W_c (decomposed like the convs); heads stay local")
 
     def __post_init__(self) -> None:
         if not 2 <= self.max_length <= 512 or self.filters < 1 or not self.kernel_sizes:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fclcore.models.enhancer import read_safetensors
+from fclbases.minilm.safetensors import read_safetensors
 from fclcore.text import default_tokenizer_json
 
 SPECIAL_IDS = (0, 101, 102)  # [PAD], [CLS], [SEP] of the MiniLM vocabulary

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from fclbases.update_checks import refuse_unexpected, task_report
 from fclcore.aggregation import RunningSum
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.masked_upload import UNITS, unpack
@@ -128,19 +129,12 @@ class FedSeITStrategy(Strategy):
         if self.opts.sit and place.task_start:
             centres = self._centres(frame.tensors.get(CENTRES))
             expected.add(CENTRES)
-        extra = sorted(set(frame.tensors) - expected)
-        if extra:
-            raise ValueError(f"tensors: unexpected {extra[:5]}")
+        refuse_unexpected(frame.tensors, expected)
         for name, t in out.items():
             values = t.values if isinstance(t, SparseTensor) else t
             if not np.isfinite(values).all():
                 raise Rejected("nonfinite", f"{name}: NaN or infinite values")
-        try:
-            report = parse_report(frame.meta)
-        except ValueError as exc:
-            raise Rejected("meta", str(exc)) from None
-        if report["task"] != place.task:
-            raise Rejected("meta", f"meta.fedseit.task {report['task']}, the round is task {place.task}")
+        report = task_report(parse_report, frame.meta, place.task, "fedseit")
         unknown = [i for i in report["foreign"] if i not in self.sent.get(client, [])]
         if place.task > 0 and unknown:
             raise Rejected("entries", f"meta.fedseit.foreign names entries never sent to {client}: {unknown[:3]}")

@@ -12,34 +12,38 @@ Each preset is a subclass whose defaults differ; a scenario may still override a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from fclcore.config import option
 
 
 @dataclass
 class FILVEROptions:
     """VER-Sampled+SST (``filver``): sampled z rehearsed on the device and uploaded for SST."""
 
-    channels: list[int] = field(default_factory=lambda: [16, 32])  # the two 5x5 convs
-    padding: int = 0  # 0: the CPU preset (flatten 512 on 28x28); 2: the paper-size preset
-    hidden: int = 1000  # the encoder's two linear layers and the classifier's two hidden layers
-    latent: int = 256  # d of z (and of mu, log sigma)
-    classes: int = 10  # one shared head (domain-incremental)
-    encoder: Literal["variational", "deterministic"] = "variational"  # deterministic: EBR (z = mu, no KL)
-    beta: float = 1e-3  # weight of KL(N(mu, sigma) || N(0, I)); the privacy knob
-    phase0_rounds: int = 5  # FedAvg rounds of encoder + classifier at the start of task 1
-    phase0_lr: float = 1e-3  # Adam, fresh every round
-    momentum: float = 0.9  # of the SGD client rounds (federation.train.optimizer: sgd), reset per round
-    rehearsal: bool = True  # mix z re-sampled from the kept (mu, sigma) of past tasks into training
-    upload: Literal["z", "stats", "none"] = "z"  # what goes up of each rehearsal item: z, (mu, log sigma), nothing
-    share: float = 0.1  # of each task shard kept (class-balanced) for rehearsal and uploaded once
-    max_embed_per_round: int = 64  # the aggregator rejects an update carrying more items
-    sst_steps: int = 30  # server-side training steps after each FedAvg (0: no SST)
-    sst_batch: int = 64
-    sst_lr: float = 0.01  # SGD with momentum ``momentum``, fresh every round
-    buffer_size: int = 4000  # rehearsal items the aggregator keeps (eviction: docs/filver.md)
-    log_sigma_min: float = -10.0  # the head's log sigma (a std) is clamped to this range
-    log_sigma_max: float = 5.0
+    channels: list[int] = option([16, 32], "the two 5x5 convs")
+    padding: int = option(0, "0: the CPU preset (flatten 512 on 28x28); 2: the paper-size preset")
+    hidden: int = option(1000, "the encoder's two linear layers and the classifier's two hidden layers")
+    latent: int = option(256, "d of z (and of mu, log sigma)")
+    classes: int = option(10, "one shared head (domain-incremental)")
+    encoder: Literal["variational", "deterministic"] = option("variational", "deterministic: EBR (z = mu, no KL)")
+    beta: float = option(1e-3, "weight of KL(N(mu, sigma) || N(0, I)); the privacy knob")
+    phase0_rounds: int = option(5, "FedAvg rounds of encoder + classifier at the start of task 1")
+    phase0_lr: float = option(1e-3, "Adam, fresh every round")
+    momentum: float = option(0.9, "of the SGD client rounds (federation.train.optimizer: sgd), reset per round")
+    rehearsal: bool = option(True, "mix z re-sampled from the kept (mu, sigma) of past tasks into training")
+    upload: Literal["z", "stats", "none"] = option(
+        "z", "what goes up of each rehearsal item: z, (mu, log sigma) or nothing"
+    )
+    share: float = option(0.1, "of each task shard kept (class-balanced) for rehearsal and uploaded once")
+    max_embed_per_round: int = option(64, "the aggregator rejects an update carrying more items")
+    sst_steps: int = option(30, "server-side training steps after each FedAvg (0: no SST)")
+    sst_batch: int = option(64, "server-side training batch size")
+    sst_lr: float = option(0.01, "SGD with momentum ``momentum``, fresh every round")
+    buffer_size: int = option(4000, "rehearsal items the aggregator keeps (eviction: docs/filver.md)")
+    log_sigma_min: float = option(-10.0, "the head's log sigma (a std) is clamped to this range")
+    log_sigma_max: float = option(5.0, "upper clamp of the head's log sigma")
 
     def __post_init__(self) -> None:
         if len(self.channels) != 2 or min(self.channels) < 1 or self.padding not in (0, 1, 2):

@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from fclbases.update_checks import refuse_unexpected, task_report
 from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.schema import FederationSpec
@@ -190,15 +191,8 @@ class FILVERStrategy(Strategy):
             if not np.isfinite(t).all():
                 raise Rejected("nonfinite", f"{name}: NaN or infinite values")
             out[name] = t
-        extra = sorted(set(frame.tensors) - set(shapes) - set(EMB_NAMES))
-        if extra:
-            raise ValueError(f"tensors: unexpected {extra[:5]}")
-        try:
-            report = parse_report(frame.meta)
-        except ValueError as exc:
-            raise Rejected("meta", str(exc)) from None
-        if report["task"] != place.task:
-            raise Rejected("meta", f"meta.filver.task {report['task']}, the round is task {place.task}")
+        refuse_unexpected(frame.tensors, {*shapes, *EMB_NAMES})
+        report = task_report(parse_report, frame.meta, place.task, "filver")
         return Checked(out, self._embeddings(frame, report["form"]))
 
     def _embeddings(self, frame: Frame, form: str) -> Embeddings | None:

@@ -12,27 +12,31 @@ Each preset is a subclass whose defaults differ; a scenario may still override a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from fclcore.config import option
 
 
 @dataclass
 class NGFLOptions:
     """SA-PF (``ngfl``): self-attention over the current task's rows, partial fusion."""
 
-    hidden: list[int] = field(default_factory=lambda: [256, 128])  # the extractor's layers (ReLU after each)
-    loss: Literal["self", "total"] = "self"  # SA: softmax over the current task's rows; TA: over every row
-    fusion: Literal["partial", "total"] = "partial"  # a row is averaged over its trainers this round / its viewers
-    literal_eq10: bool = False  # the paper's Eq. 10 as printed (divide by every sender; docs/ngfl.md: not default)
-    alignment: Literal["post", "pre"] = "post"  # pre: announce new classes, start once the aggregator added them
-    idle: Literal["skip", "train"] = "skip"  # no active task: send a skip notice, or train the last task again
-    rounds_per_task: int = 2  # trained rounds a task stays active (R)
-    base_rounds: int = 5  # the same for the device's first task (the base task)
-    base_lr: float = 0.01  # the base task's SGD learning rate (later tasks: federation.train.lr)
-    base_weight_decay: float = 5e-4
-    weight_decay: float = 2e-4
-    momentum: float = 0.9  # SGD, fresh every round
-    replay: Literal["none", "self", "global"] = "none"  # the upper references: own past data, everyone's
+    hidden: list[int] = option([256, 128], "the extractor's layers (ReLU after each)")
+    loss: Literal["self", "total"] = option("self", "SA: softmax over the current task's rows; TA: over every row")
+    fusion: Literal["partial", "total"] = option(
+        "partial", "a row is averaged over its trainers this round, or its viewers"
+    )
+    literal_eq10: bool = option(False, "the paper's Eq. 10 as printed: divide by every sender (docs/ngfl.md)")
+    alignment: Literal["post", "pre"] = option("post", "pre: announce new classes, start once the aggregator has them")
+    idle: Literal["skip", "train"] = option("skip", "no active task: send a skip notice, or train the last task again")
+    rounds_per_task: int = option(2, "trained rounds a task stays active (R)")
+    base_rounds: int = option(5, "the same for the device's first task (the base task)")
+    base_lr: float = option(0.01, "the base task's SGD learning rate (later tasks: federation.train.lr)")
+    base_weight_decay: float = option(5e-4, "SGD weight decay on the base task")
+    weight_decay: float = option(2e-4, "SGD weight decay on later tasks")
+    momentum: float = option(0.9, "SGD, fresh every round")
+    replay: Literal["none", "self", "global"] = option("none", "the upper references: own past data, everyone's")
 
     def __post_init__(self) -> None:
         if not self.hidden or min(self.hidden) < 1:

@@ -1,5 +1,6 @@
-"""What every learner of the ConFedMADE package shares: a torch MADE-family model trained
-with the synchronised order schedule, and its checkpoint (model + optimiser moments)."""
+"""The MADE learner loop a method may build on: a torch MADE-family model trained with the
+synchronised order schedule (``fclbases.made.options``), its checkpoint (model + optimiser
+moments) and its evaluation (mean NLL in batches)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from fclbases.made.options import step_order
 from fclcore import optim
 from fclcore.data import Dataset
 from fclcore.learner import Learner, round_seed
 from fclcore.made_spec import MadeConfig
-from fclcore.orders import step_order
 from fclcore.procmem import release_free_memory
 from fclcore.schema import FederationSpec
 

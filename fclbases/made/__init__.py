@@ -1,0 +1,1 @@
+"""The MADE base: its options and order schedule, learner loop, and decomposed layers."""
