@@ -22,7 +22,7 @@ from fclcore.learner import Learner
 from fclcore.model_sync import SYNC_KNOWLEDGE, SYNC_KNOWLEDGE_BYTES
 from fclcore.runid import is_newer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
 
 
 class ClientFrames:

@@ -12,7 +12,7 @@ from fclcore.data import Dataset, float_pixels
 from fclcore.learner import Learner
 from fclcore.schedule import RoundPlace
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
 
 
 class ServeHandoff:

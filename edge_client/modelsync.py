@@ -14,7 +14,7 @@ from fclcore import topics
 from fclcore.codec import Frame, Tensor
 from fclcore.schema import FederationSpec
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
 Message = tuple[str, bytes, int]  # (topic, payload, size) as it arrived
 
 

@@ -27,7 +27,7 @@ from fclcore.config import ConfigError, from_dict, to_dict
 from fclcore.procmem import release_free_memory
 from fclcore.schema import ClientConfig, FederationSpec
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
 
 
 class RoundWork:

@@ -14,7 +14,7 @@ from pathlib import Path
 from fclcore.procmem import peak_rss_mb, rss_mb
 from fclcore.transport import parse_status
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
 
 
 class AggregatorWatch:

@@ -15,7 +15,7 @@ from fclcore.codec import CodecLimits, Frame, Header, Kind, encode, max_value
 from fclcore.errors import TrainingDiverged
 from fclcore.signing import sign
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
 SEQUENCE_AHEAD_US = 10_000_000  # a sequence further ahead of the aggregator's clock is reset to it
 FINAL_SEND_S = 60.0  # how long the final evaluation is retried across broker outages
 
