@@ -1,11 +1,12 @@
 """Peak RSS of every client daemon, phase by phase and round by round, over a whole ``fcl simulate`` run.
 
-The daemons run unchanged: a ``sitecustomize`` put first on their ``PYTHONPATH`` wraps, once
-``edge_client.daemon`` is imported, the ``ClientDaemon`` methods a round goes through.  Each
+The daemons run unchanged: a ``sitecustomize`` put first on their ``PYTHONPATH`` wraps, as their
+modules are imported, the methods a round goes through (``RoundWork``, ``DeviceLearner`` and
+``Uplink`` since the daemon was split; ``ClientDaemon``'s own before).  Each
 wrapped call starts a phase: the peak is reset (``5`` to ``/proc/self/clear_refs``) and, when the
 next phase starts, the phase's RSS before, peak (VmHWM) and RSS after are logged.  Phases of
 round r: ``evaluate`` (the held-out report), ``served`` (the snapshot for the export),
-``start_tasks``, ``train+upload`` (from ``_arrived`` to the update's encoding), ``frame``,
+``start_tasks``, ``train+upload`` (from ``arrived`` to the update's encoding), ``frame``,
 ``checkpoint``, ``send`` (publish, export submitted, heap trimmed), then ``between`` (after the
 round: the next announcement and any knowledge frame arriving).  The peak of the run is the
 largest phase peak.  Resetting the peak makes the daemons' own ``max_rss_mb`` (wire.json)
@@ -53,16 +54,29 @@ def _phase(name):
         json.dump(_LOG, f)
 
 
+_ROUND = ("_round", "round")  # the method that runs a round: None as phase, it names the round
+# module -> class -> (method, phase): the split daemon's parts, and the daemon before the split
+_HOOKS = {
+    "edge_client.rounds": {"RoundWork": (("round", None), ("served", "served"), ("checkpoint", "checkpoint"))},
+    "edge_client.learning": {"DeviceLearner": (("evaluate", "evaluate"), ("start_tasks", "start_tasks"),
+                                               ("arrived", "train+upload"))},
+    "edge_client.uplink": {"Uplink": (("frame", "frame"), ("send", "send"))},
+    "edge_client.daemon": {"ClientDaemon": (("_round", None), ("_evaluate", "evaluate"), ("_served", "served"),
+                                            ("_start_tasks", "start_tasks"), ("_arrived", "train+upload"),
+                                            ("_frame", "frame"), ("_checkpoint", "checkpoint"), ("_send", "send"))},
+}
+
+
 def _wrap(cls, method, phase):
     inner = getattr(cls, method)
 
     def wrapped(self, *args, **kwargs):
-        if method == "_round":
+        if method in _ROUND:
             _CUR["round"] = args[0].header.round
         if phase:
             _phase(f"{_CUR['round']} {phase}")
         out = inner(self, *args, **kwargs)
-        if method == "_round":
+        if method in _ROUND:
             _phase(f"{_CUR['round']} between")
         return out
 
@@ -70,16 +84,16 @@ def _wrap(cls, method, phase):
 
 
 def _patch(module):
-    cls = module.ClientDaemon
-    for method, phase in (("_round", None), ("_evaluate", "evaluate"), ("_served", "served"),
-                          ("_start_tasks", "start_tasks"), ("_arrived", "train+upload"), ("_frame", "frame"),
-                          ("_checkpoint", "checkpoint"), ("_send", "send")):
-        _wrap(cls, method, phase)
+    for name, methods in _HOOKS[module.__name__].items():
+        cls = getattr(module, name)
+        for method, phase in methods:
+            if hasattr(cls, method):  # the split daemon's ClientDaemon has none of the old ones
+                _wrap(cls, method, phase)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "edge_client.daemon":
+        if name not in _HOOKS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None:

@@ -9,7 +9,7 @@ Then a fresh Python process per scenario (so imports count from zero) plays ``cl
 
     interpreter -> import numpy -> import edge_client.daemon (torch, methods) -> import onnxruntime, onnx
     -> load_client_data -> methods.learner_for -> decode + load_global + start_task(0)
-    -> train_round + upload + encode -> evaluate (the daemon's _evaluate) -> served_model + export_served
+    -> train_round + upload + encode -> evaluate (the daemon's DeviceLearner.evaluate) -> served_model + export_served
 
 and records, after each phase, VmRSS (/proc/self/status) and the peak (ru_maxrss), which of
 torch / onnx / onnxruntime / sklearn / scipy / matplotlib are in ``sys.modules``, and who
@@ -123,15 +123,19 @@ def child(args: argparse.Namespace) -> None:
     mark("daemon_import")
 
     import methods
+    from edge_client.data import float_tasks, load_client_data
+    from edge_client.learning import BUILD_LOCK, DeviceLearner
+    from edge_client.protocol import places
     from edge_client.serving import ServedModelWriter
     from fclcore.codec import Frame, Header, Kind, decode, encode
     from fclcore.config import from_dict, load_config
+    from fclcore.data import float_pixels
     from fclcore.schedule import RoundPlace
     from fclcore.schema import ClientConfig, FederationSpec
 
     cfg = load_config(ClientConfig, args.config)
     daemon.torch.set_num_threads(cfg.threads)  # as ClientDaemon.__init__ does
-    data = daemon.load_client_data(cfg, compact=True)  # as ClientDaemon.__init__ loads it
+    data = load_client_data(cfg, compact=True)  # as ClientDaemon.__init__ loads it
     arrays = [d for d in (*data.train, *data.test, *(data.fleet or ())) if d is not None]
     extra["data"] = {
         "train_rows": [len(d) for d in data.train],
@@ -149,27 +153,27 @@ def child(args: argparse.Namespace) -> None:
     fed = from_dict(FederationSpec, frame.meta["federation"], "round message", "federation")
     methods.resolve(fed, "round message")
     input_dim = frame.meta["input_dim"]
-    with daemon._BUILD_LOCK:
+    with BUILD_LOCK:
         learner = methods.learner_for(fed, input_dim, cfg.data.client_index)
     learner.allow_embedding_upload = cfg.allow_embedding_upload
     learner.fleet_data = data.fleet
-    if not learner.compact_pixels:  # ClientDaemon._fit_pixels
-        data = daemon.float_tasks(data)
+    if not learner.compact_pixels:  # DeviceLearner._fit_pixels
+        data = float_tasks(data)
     mark("learner", learner=type(learner).__name__)
 
     knowledge = decode(Path(args.knowledge_frame).read_bytes()) if args.knowledge_frame else None
     learner.load_global(frame.tensors, frame.header.round, frame.meta)
-    place, _ = daemon._places(frame)
-    learner.start_task(place.task, knowledge)  # _start_tasks: task 0's own frame, if the strategy sent one
+    place, _ = places(frame)
+    learner.start_task(place.task, knowledge)  # start_tasks: task 0's own frame, if the strategy sent one
     mark(
         "global_model",
         round_frame_bytes=len(payload),
         knowledge_frame_bytes=os.path.getsize(args.knowledge_frame) if args.knowledge_frame else 0,
     )
 
-    own_clock = methods.lookup(fed.method).own_clock
-    view = argparse.Namespace(data=data, learner=learner, task_dir=None, own_clock=own_clock)
-    arrived = daemon.ClientDaemon._arrived(view, frame.header.round, place.task)
+    device = DeviceLearner(cfg, data, None, Path(args.work))  # the daemon's learner and data, as it holds them
+    device.learner, device.fed = learner, fed
+    arrived = device.arrived(frame.header.round, place.task)
     n_samples, train_nll = learner.train_round(arrived, frame.header.round, place)
     tensors = learner.upload(frame.header.round, place)
     header = Header(Kind.UPDATE, cfg.federation, frame.header.round, place.task, cfg.client_id, 1)
@@ -179,14 +183,14 @@ def child(args: argparse.Namespace) -> None:
 
     end_place = RoundPlace(place.task, place.task_start, True)  # a task's last round: every task seen
     if args.eval_mode == "plain":
-        report = daemon.ClientDaemon._evaluate(view, frame.header.round, end_place)
+        report = device.evaluate(frame.header.round, end_place)
     else:
         with getattr(daemon.torch, args.eval_mode)():
-            report = daemon.ClientDaemon._evaluate(view, frame.header.round, end_place)
+            report = device.evaluate(frame.header.round, end_place)
     mark("evaluate", eval_mode=args.eval_mode, report=report)
 
     writer = ServedModelWriter(Path(args.work), cfg.data.dataset, cfg.serve.int8)  # as the daemon serves
-    job = writer.snapshot(learner, place.task, daemon.float_pixels(data.test[place.task]).x)
+    job = writer.snapshot(learner, place.task, float_pixels(data.test[place.task]).x)
     if job is None:
         mark("export", skipped=f"{type(learner).__name__}.served_model returned None")
     else:

@@ -2,12 +2,12 @@
 
 One checkpoint (``state_dir/client.npz``, replaced atomically) holds: the federation the
 device joined, the task and last round it trained, its frame sequence counter, the
-knowledge-base frames it received (raw bytes, re-validated by the codec on load), the
+frames sent to it alone (``edge_client.frames``: raw bytes, re-validated by the codec on load), the
 learner's state, and the update it sent but has not seen acknowledged (a round
 announcement for a later round is the acknowledgement).  A daemon killed at any point
 restarts from the last update: it re-sends that update if its round is still open, and
 otherwise trains the next round from exactly the state it would have had.  What a learner
-keeps on disk across tasks (ConFedMADE: the knowledge-base entries it received) is in
+keeps on disk across tasks (ConFedMADE: the entries its frames carried) is in
 ``state_dir/learner/<run>``.
 """
 
@@ -24,7 +24,8 @@ from fclcore import checkpoint
 from fclcore.checkpoint import CheckpointError, FileBytes
 
 STATE_VERSION = 1
-_LEARNER, _KNOWLEDGE, _UNACKED = "learner/", "knowledge/", "unacked"
+# the client frames are stored under their wire kind's name ("knowledge"), as since the first version
+_LEARNER, _FRAMES, _FRAME_TASKS, _UNACKED = "learner/", "knowledge/", "knowledge_tasks", "unacked"
 
 
 @dataclass
@@ -34,8 +35,8 @@ class ClientState:
     task: int
     done_round: int
     sequence: int
-    # task -> raw knowledge frame: bytes, or (the daemon's) a file of the state directory, ``spill``
-    knowledge: dict[int, bytes | FileBytes] = field(default_factory=dict)
+    # task -> the task's first client frame, raw: bytes, or (the daemon's) a file of the state directory, ``spill``
+    frames: dict[int, bytes | FileBytes] = field(default_factory=dict)
     unacked: bytes | None = None  # the last update's payload, until a later round is announced
     learner_meta: dict = field(default_factory=dict)
     learner_arrays: dict[str, np.ndarray] = field(default_factory=dict)
@@ -48,11 +49,11 @@ class ClientStateStore:
         self.path = Path(state_dir) / "client.npz"
 
     def spill(self, task: int, raw: bytes) -> FileBytes:
-        """Keep task ``task``'s knowledge frame in a file beside the checkpoint instead of in
+        """Keep task ``task``'s client frame in a file beside the checkpoint instead of in
         memory (written atomically; ``save`` copies it into every checkpoint, which stays the
         one file a restart reads).  A frame is tens of MB by a late task and needed only when its
         task starts or the device restarts."""
-        path = self.path.parent / "knowledge" / f"{int(task)}.frame"
+        path = self.path.parent / _FRAMES / f"{int(task)}.frame"
         checkpoint.write_atomic(path, raw)
         return FileBytes(path)
 
@@ -64,7 +65,7 @@ class ClientStateStore:
             "task": state.task,
             "done_round": state.done_round,
             "sequence": state.sequence,
-            "knowledge_tasks": sorted(state.knowledge),
+            _FRAME_TASKS: sorted(state.frames),
             "learner": state.learner_meta,
             "input_dim": state.input_dim,
             "run": state.run,
@@ -72,8 +73,8 @@ class ClientStateStore:
         arrays = {_LEARNER + k: v for k, v in state.learner_arrays.items()}
         arrays.update(
             {
-                f"{_KNOWLEDGE}{t}": raw if isinstance(raw, FileBytes) else np.frombuffer(raw, np.uint8)
-                for t, raw in state.knowledge.items()
+                f"{_FRAMES}{t}": raw if isinstance(raw, FileBytes) else np.frombuffer(raw, np.uint8)
+                for t, raw in state.frames.items()
             }
         )
         if state.unacked is not None:
@@ -93,7 +94,7 @@ class ClientStateStore:
                 task=int(meta["task"]),
                 done_round=int(meta["done_round"]),
                 sequence=int(meta["sequence"]),
-                knowledge={int(t): arrays[f"{_KNOWLEDGE}{t}"].tobytes() for t in meta["knowledge_tasks"]},
+                frames={int(t): arrays[f"{_FRAMES}{t}"].tobytes() for t in meta[_FRAME_TASKS]},
                 unacked=None if unacked is None else unacked.tobytes(),
                 learner_meta=dict(meta["learner"]),
                 input_dim=int(meta["input_dim"]),
@@ -132,7 +133,7 @@ def learner_from_state(state_dir: str | os.PathLike) -> tuple[object, ClientStat
         learner = methods.learner_for(fed, state.input_dim, 0, "checkpoint")
         learner.store_dir = str(learner_store_dir(state_dir, state.run))
         for task in range(state.task + 1):
-            raw = state.knowledge.get(task)
+            raw = state.frames.get(task)
             learner.start_task(task, decode(raw) if raw is not None else None)
         learner.load_state(state.learner_meta, state.learner_arrays)
     except (CheckpointError, CodecError) as exc:

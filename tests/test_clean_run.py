@@ -13,7 +13,7 @@ import pytest
 from conftest import run_fcl
 
 from aggregator.runlog import RunLog
-from edge_client.daemon import check_finite
+from edge_client.uplink import check_finite
 from fclcore.codec import SparseTensor
 from fclcore.errors import TrainingDiverged
 from fclcore.exitcodes import ExitCode

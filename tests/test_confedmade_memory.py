@@ -166,7 +166,7 @@ def test_a_learner_rebuilt_from_a_checkpoint_with_spilled_knowledge_continues_bi
         assert not any(isinstance(v, bytes) for v in spilled.values())
         meta, arrays = learner.state()
         store.save(ClientState("c", to_dict(fed), learner.task, stop - 1, 1, spilled, None, meta, arrays, D))
-        assert store.load().knowledge == {t: knowledge[t] for t in spilled}  # the files' bytes, copied in
+        assert store.load().frames == {t: knowledge[t] for t in spilled}  # the files' bytes, copied in
         rebuilt, _ = learner_from_state(store.path.parent)
         rebuilt.load_global(start, stop)  # (the next round's global model, the same for both)
         learner.load_global(start, stop)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from edge_client.daemon import load_client_data
+from edge_client.data import load_client_data
 from fcl_edge.simulate import plan, write_configs
 from fclcore.config import ConfigError, load_config
 from fclcore.data import (

@@ -12,8 +12,8 @@ import yaml
 
 from aggregator.clients import ClientSet
 from aggregator.runlog import RunLog
-from edge_client.daemon import ClientDaemon
-from fclcore.codec import Frame, Header, Kind
+from edge_client.frames import ClientFrames
+from fclcore.codec import CodecLimits, Frame, Header, Kind
 from fclcore.errors import ConfigError
 from fclcore.membership import Membership, preset
 
@@ -179,15 +179,14 @@ def round_frame(client_frames: object, task: int = 1, rnd: int = 4) -> Frame:
 
 
 def test_a_device_waits_for_its_own_frame_only_when_the_round_names_it() -> None:
-    daemon = ClientDaemon.__new__(ClientDaemon)  # the method reads only these
-    daemon.cfg = SimpleNamespace(client_id="dev-1")
-    daemon.task, daemon.done_round, daemon.knowledge_raw, daemon.mid_frames = 0, 3, {}, {}
-    assert daemon._needs_knowledge(round_frame(True))
-    assert daemon._needs_knowledge(round_frame(["dev-0", "dev-1"]))
-    assert not daemon._needs_knowledge(round_frame(["dev-0"]))
-    assert not daemon._needs_knowledge(round_frame(False))
-    daemon.knowledge_raw[1] = b"frame"  # here already (kept raw)
-    assert not daemon._needs_knowledge(round_frame(["dev-1"]))
+    frames = ClientFrames("dev-1", "own", "own/full", store=None, link=None, limits=CodecLimits())
+    task, done_round = 0, 3  # the device is in task 0, round 3 done
+    assert frames.wanted(round_frame(True), task, done_round)
+    assert frames.wanted(round_frame(["dev-0", "dev-1"]), task, done_round)
+    assert not frames.wanted(round_frame(["dev-0"]), task, done_round)
+    assert not frames.wanted(round_frame(False), task, done_round)
+    frames.raw[1] = b"frame"  # here already (kept raw)
+    assert not frames.wanted(round_frame(["dev-1"]), task, done_round)
 
 
 # -- fcl simulate: a preset becomes the federation's table ---------------------------------------

@@ -100,13 +100,14 @@ def test_every_message_kind_of_an_earlier_run_is_dropped_and_counted(fleet) -> N
     current = frames(*aggregator(broker, agg_cfg, tmp / "agg-current"))
     d = daemon(broker, client_cfg, tmp / "device")
     assert handle(d, current["round0"]) is False  # a fresh device adopts the run of its first round
-    run, done = d.run_id, d.done_round
+    run, done = d.device.run_id, d.device.done_round
     assert run == decode(current["round0"][1]).meta["run"] and done == 0
     for name in ("round1", "request", "finish", "failed", "knowledge"):
         assert handle(d, old[name]) is False, name
-    assert d.rejected.get("run") == 5 and d.run_id == run and d.done_round == done and d.exit_code is None
+    assert d.stats.rejected.get("run") == 5 and d.exit_code is None
+    assert d.device.run_id == run and d.device.done_round == done
     assert handle(d, current["early_finish"]) is False  # its own run, but not the end of the last round
-    assert d.rejected.get("finish") == 1 and d.exit_code is None
+    assert d.stats.rejected.get("finish") == 1 and d.exit_code is None
     state = d.store.load()
     assert state.run == run  # the checkpoint names the run
 
@@ -115,7 +116,7 @@ def test_a_fresh_device_ignores_an_earlier_runs_finish_but_ends_on_a_failure(fle
     broker, agg_cfg, client_cfg, tmp = fleet
     old = frames(*aggregator(broker, agg_cfg, tmp / "agg-old"))
     d = daemon(broker, client_cfg, tmp / "device")
-    assert handle(d, old["finish"]) is False and d.rejected == {"run": 1} and d.run_id is None
+    assert handle(d, old["finish"]) is False and d.stats.rejected == {"run": 1} and d.device.run_id is None
     assert handle(d, old["failed"]) is True and d.exit_code is ExitCode.FEDERATION_FAILED
 
 
@@ -127,13 +128,13 @@ def test_a_newer_run_is_joined_from_scratch_or_refused(fleet, policy: str) -> No
     d = daemon(broker, client_cfg, tmp / "device", on_new_run=policy)
     handle(d, first["round0"])
     handle(d, first["round1"])
-    assert d.done_round == 1
+    assert d.device.done_round == 1
     ended = handle(d, newer["round0"])
     new_run = decode(newer["round0"][1]).meta["run"]
     if policy == "refuse":
-        assert ended is True and d.exit_code is ExitCode.OTHER_RUN and d.run_id != new_run
+        assert ended is True and d.exit_code is ExitCode.OTHER_RUN and d.device.run_id != new_run
     else:
-        assert ended is False and d.run_id == new_run and d.done_round == 0 and d.exit_code is None
+        assert ended is False and d.device.run_id == new_run and d.device.done_round == 0 and d.exit_code is None
         assert d.store.load().run == new_run
 
 
@@ -156,7 +157,7 @@ def test_device_sequences_follow_the_aggregators_clock(fleet) -> None:
     d = daemon(broker, client_cfg, tmp / "device")
     d.sequence = 2**62  # a checkpoint written while this device's clock was far ahead
     handle(d, (sent[-1][0], encode(frame)))
-    sent_seq = decode(d.unacked).header.sequence
+    sent_seq = decode(d.uplink.unacked).header.sequence
     assert ahead <= sent_seq < ahead + 60_000_000
 
 
@@ -181,13 +182,13 @@ def test_a_device_says_when_the_aggregator_is_gone_and_keeps_waiting(fleet) -> N
     d = daemon(broker, client_cfg, tmp / "device", aggregator_timeout_s=0.05)
     d.link.start()
     status_topic = topics.status_topic(client_cfg.federation, client_cfg.client_id)
-    d._on_aggregator_status(b'{"state": "dead"}')  # the aggregator's last will
-    d._watch_aggregator()
-    assert not d.told_lost  # not yet longer than aggregator_timeout_s
+    d.watch.on_status(b'{"state": "dead"}')  # the aggregator's last will
+    d.watch.check()
+    assert not d.watch.told_lost  # not yet longer than aggregator_timeout_s
     time.sleep(0.1)
-    d._watch_aggregator()
-    assert d.told_lost and d.exit_code is None
+    d.watch.check()
+    assert d.watch.told_lost and d.exit_code is None
     assert json.loads(broker.retained(status_topic))["aggregator"] == "lost"
-    d._on_aggregator_status(b'{"state": "online"}')
-    assert not d.told_lost and json.loads(broker.retained(status_topic))["aggregator"] == "online"
+    d.watch.on_status(b'{"state": "online"}')
+    assert not d.watch.told_lost and json.loads(broker.retained(status_topic))["aggregator"] == "online"
     d.link.close()

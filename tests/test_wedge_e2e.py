@@ -128,8 +128,8 @@ def test_a_stale_finish_from_the_brokers_persistence_file_is_ignored(tmp_path, r
         shutil.copy(snapshot, broker.persistence_dir / "mosquitto.db")
         broker.start()
         deadline = time.monotonic() + 30
-        while not all(c.service.rejected.get("run") for c in run.clients.values()):
-            assert time.monotonic() < deadline, {n: c.service.rejected for n, c in run.clients.items()}
+        while not all(c.service.stats.rejected.get("run") for c in run.clients.values()):
+            assert time.monotonic() < deadline, {n: c.service.stats.rejected for n, c in run.clients.items()}
             time.sleep(0.05)  # every device got the stale FINISH, and none took it as its end
         assert all(c.code is None for c in run.clients.values())
         run.start_aggregator()  # resumes the same run
@@ -148,8 +148,8 @@ def test_a_stale_round_of_an_aborted_run_does_not_wedge_a_fresh_run(tmp_path, re
     run = Run(repo_root, tmp_path / "fresh", mosquitto.url)
     run.start_clients()  # fresh devices meet the stale ROUND first and train it
     deadline = time.monotonic() + 30
-    while not all(c.service.done_round >= 1 for c in run.clients.values()):
-        assert time.monotonic() < deadline, {n: c.service.done_round for n, c in run.clients.items()}
+    while not all(c.service.device.done_round >= 1 for c in run.clients.values()):
+        assert time.monotonic() < deadline, {n: c.service.device.done_round for n, c in run.clients.items()}
         time.sleep(0.05)
     run.start_aggregator()  # a new run: clears the stale messages; devices join it
     assert set(run.finish().values()) == {ExitCode.OK}

@@ -1,0 +1,100 @@
+"""What the device tells about itself besides its updates: whether it still sees its aggregator
+(``AggregatorWatch``: log and retained status), and its own per-round measurements, written at
+exit as ``wire.json`` for comparison with the aggregator's meter and a packet capture
+(``RoundStats``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from fclcore.procmem import peak_rss_mb, rss_mb
+from fclcore.transport import parse_status
+
+log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
+
+
+class AggregatorWatch:
+    def __init__(self, link, timeout_s: float) -> None:
+        self.link, self.timeout_s = link, timeout_s
+        self.lost_since: float | None = None  # since when the aggregator is gone (status or link)
+        self.state = "unknown"
+        self.told_lost = False
+
+    def on_status(self, payload: bytes) -> None:
+        """The aggregator's retained status changed."""
+        status = parse_status(payload)
+        self.state = status["state"] if status else "unknown"
+        if self.state == "online":
+            if self.told_lost:
+                log.info("the aggregator is back")
+                self.link.publish_status("online", aggregator="online")
+            self.lost_since, self.told_lost = None, False
+        elif self.lost_since is None:
+            self.lost_since = time.monotonic()
+
+    def check(self) -> None:
+        """Say so (log and status) when the aggregator has been gone longer than
+        ``aggregator_timeout_s``: its status is "dead" or "stopped", or the broker is out of
+        reach.  The device keeps waiting and reconnecting; it never ends as if finished."""
+        if not self.link.connected.is_set() and self.lost_since is None:
+            self.lost_since = time.monotonic()
+        if self.lost_since is None or self.told_lost:
+            return
+        gone = time.monotonic() - self.lost_since
+        if gone > self.timeout_s:
+            why = "the broker is out of reach" if not self.link.connected.is_set() else f"its status is {self.state}"
+            log.warning("no aggregator for %.0f s (%s); still waiting for it", gone, why)
+            self.link.publish_status("online", aggregator="lost")
+            self.told_lost = True
+
+
+class RoundStats:
+    def __init__(self) -> None:
+        self.rejected: dict[str, int] = {}  # downlink messages dropped, by reason
+        self.bytes_down: dict[int, int] = {}  # PUBLISH bytes of each round's announcement
+        self.cpu_s: dict[int, float] = {}  # CPU seconds this process spent on each round
+        # this thread's CPU seconds per round by phase: "eval" (the held-out report), "train"
+        # (task start, training, upload); the rest of cpu_s is I/O and background threads
+        self.cpu_phases: dict[int, dict[str, float]] = {}
+        self.rss_mb: dict[int, list[float | None]] = {}  # [RSS, peak RSS] in MiB after each round
+
+    def drop(self, exc: Exception, topic: str | None = None) -> None:
+        """Every downlink message this device drops is counted here, by reason (its updates
+        report the counts: metrics.jsonl ``rejected_by_client``, summary.json likewise)."""
+        reason = str(exc).split(":", 1)[0]
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        log.warning("dropped downlink message%s: %s", f" on {topic}" if topic else "", exc)
+
+    def round_done(self, rnd: int, cpu_s: float, eval_cpu: float, train_cpu: float) -> None:
+        self.cpu_s[rnd] = round(cpu_s, 4)
+        self.cpu_phases[rnd] = {"eval": round(eval_cpu, 4), "train": round(train_cpu, 4)}
+        self.rss_mb[rnd] = [rss_mb(), peak_rss_mb()]
+
+    def write(self, out_dir: Path, client_id: str, model_syncs: dict, frame_syncs: dict, child_mb: float, meter: dict):
+        """``out_dir/wire.json`` (atomically), with the resyncs (the model's, the device's own
+        frames': key ``knowledge_syncs``), the export child's peak RSS and the link's meter."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / "wire.json.tmp"
+        tmp.write_text(
+            json.dumps(
+                {
+                    "client": client_id,
+                    "rejected": self.rejected,
+                    "round_bytes_down": self.bytes_down,
+                    "model_syncs": model_syncs,
+                    "knowledge_syncs": frame_syncs,
+                    "round_cpu_s": self.cpu_s,
+                    "round_cpu_phases": self.cpu_phases,
+                    "round_rss_mb": self.rss_mb,
+                    "max_rss_mb": peak_rss_mb(),
+                    "export_child_peak_rss_mb": child_mb,
+                    **meter,
+                },
+                indent=2,
+            )
+        )
+        os.replace(tmp, out_dir / "wire.json")
