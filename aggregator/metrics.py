@@ -62,7 +62,8 @@ class AggregatorMetrics:
         )
         self._down = prom.Counter(
             "fcl_bytes_down",
-            "MQTT PUBLISH bytes delivered to clients (round announcements and knowledge, counted once per client)",
+            "MQTT PUBLISH bytes delivered to clients "
+            "(round announcements and per-client frames, counted once per client)",
             fed,
             registry=reg,
         )
