@@ -40,25 +40,15 @@ class Announced:
     model: dict[str, np.ndarray]
 
 
+@dataclass
 class Announcer:
-    def __init__(
-        self,
-        outbox: Outbox,
-        fed: FederationSpec,
-        input_dim: int,
-        strategy: Strategy,
-        downlink: ModelDownlink,
-        limits: CodecLimits,
-        runlog: RunLog,
-    ) -> None:
-        self.outbox = outbox
-        self.fed = fed
-        self.input_dim = input_dim
-        self.strategy = strategy
-        self.schedule = strategy.schedule
-        self.downlink = downlink
-        self.limits = limits
-        self.runlog = runlog
+    outbox: Outbox
+    fed: FederationSpec
+    input_dim: int
+    strategy: Strategy
+    downlink: ModelDownlink
+    limits: CodecLimits
+    runlog: RunLog
 
     def announce(
         self,
@@ -104,7 +94,7 @@ class Announcer:
 
     def request(self, kind: Kind, rnd: int, missing: list[str]) -> None:
         """Ask ``missing`` clients to send their update (or evaluation) for ``rnd`` again."""
-        header = self.outbox.header(Kind.REQUEST, rnd, self.schedule.task_of(rnd))
+        header = self.outbox.header(Kind.REQUEST, rnd, self.strategy.schedule.task_of(rnd))
         meta = {"missing": missing, "kind": kind.name, "run": self.outbox.run_id}
         payload = encode(Frame(header, meta, {}), limits=self.limits)
         self.outbox.publish(topics.round_topic(self.fed.name), payload, tag=f"request:{rnd}", retain=False)
@@ -132,5 +122,5 @@ class Announcer:
     def _schedule_meta(self, rnd: int) -> dict:
         """This round's place in the task schedule and the previous round's (what the device's
         evaluation in this round's reply is of)."""
-        previous = self.schedule.place(rnd - 1).to_meta() if rnd > 0 else None
-        return {**self.schedule.place(rnd).to_meta(), "previous": previous}
+        previous = self.strategy.schedule.place(rnd - 1).to_meta() if rnd > 0 else None
+        return {**self.strategy.schedule.place(rnd).to_meta(), "previous": previous}

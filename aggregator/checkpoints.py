@@ -10,6 +10,7 @@ share back; what is left to the service (the model, the sequence, the run id) it
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,25 +25,15 @@ from fclcore.strategy import Strategy
 log = logging.getLogger(__name__)
 
 
+@dataclass
 class Checkpoints:
-    def __init__(
-        self,
-        store: StateStore,
-        fingerprint: str,
-        federation: str,
-        strategy: Strategy,
-        clients: ClientSet,
-        inbox: Inbox,
-        runlog: RunLog,
-    ) -> None:
-        """``fingerprint``: of the federation and input size (``aggregator.state.fingerprint``)."""
-        self.store = store
-        self.fingerprint = fingerprint
-        self.federation = federation
-        self.strategy = strategy
-        self.clients = clients
-        self.inbox = inbox
-        self.runlog = runlog
+    store: StateStore
+    fingerprint: str  # of the federation and input size (``aggregator.state.fingerprint``)
+    federation: str
+    strategy: Strategy
+    clients: ClientSet
+    inbox: Inbox
+    runlog: RunLog
 
     def resume(self) -> Committed | None:
         """The last committed round, its parts' state restored; None if nothing was committed.

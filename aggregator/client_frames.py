@@ -10,6 +10,7 @@ they hold.  Their bytes count against each client's downlink in the run log (``k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from aggregator.outbox import Outbox
@@ -23,15 +24,13 @@ from fclcore.transport import publish_packet_bytes
 FrameSizes = dict[str, tuple[int, int]]  # client -> (MQTT packet bytes, payload bytes) of its frame
 
 
+@dataclass
 class ClientFrames:
-    def __init__(
-        self, outbox: Outbox, fed: FederationSpec, strategy: Strategy, limits: CodecLimits, runlog: RunLog
-    ) -> None:
-        self.outbox = outbox
-        self.fed = fed
-        self.strategy = strategy
-        self.limits = limits
-        self.runlog = runlog
+    outbox: Outbox
+    fed: FederationSpec
+    strategy: Strategy
+    limits: CodecLimits
+    runlog: RunLog
 
     def publish(self, rnd: int, task: int, roster: Sequence[str]) -> FrameSizes:
         """Publish the strategy's frames for round ``rnd`` (retained); the size of each client's."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from aggregator.announcer import Announcer
@@ -29,25 +30,15 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 
 
+@dataclass
 class Collector:
-    def __init__(
-        self,
-        rounds: RoundSpec,
-        clients: ClientSet,
-        intake: Intake,
-        announcer: Announcer,
-        outbox: Outbox,
-        stop: threading.Event,
-        beat: Callable[[], None] = lambda: None,
-    ) -> None:
-        """``beat``: called before each message is taken (the service's watchdog)."""
-        self.rounds = rounds
-        self.clients = clients
-        self.intake = intake
-        self.announcer = announcer
-        self.outbox = outbox
-        self.stop = stop
-        self.beat = beat
+    rounds: RoundSpec
+    clients: ClientSet
+    intake: Intake
+    announcer: Announcer
+    outbox: Outbox
+    stop: threading.Event
+    beat: Callable[[], None] = lambda: None  # called before each message is taken (the service's watchdog)
 
     def quorum(self, enrolled: int) -> int:
         """Updates a round needs: the configured share of the clients enrolled for it, as a count."""
