@@ -158,7 +158,7 @@ class Inbox:
 
 def update_distance(tensors: Mapping[str, Tensor], current: Mapping[str, np.ndarray]) -> float:
     """L2 distance between an update and the global model over the entries it carries
-    (tensors the global model does not have, such as knowledge-base uploads, are skipped)."""
+    (tensors the global model does not have, such as those for other clients' frames, are skipped)."""
     total = 0.0
     for name, tensor in tensors.items():
         reference = current.get(name)

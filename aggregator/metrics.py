@@ -10,12 +10,12 @@ method is a no-op, so the round loop calls them unconditionally.
 
 Wiring (see the report of issue 7)::
 
-    metrics = AggregatorMetrics(fed.name, cfg.metrics_port)      # in __init__
-    metrics.round_started(rnd, task)                              # _run_round, before _announce
-    metrics.round_done(rnd, task, accepted, duration_s)           # _record_round
-    metrics.add_bytes(up=sum_up, down=sum_down)                   # _record_round, runlog's numbers
-    metrics.rejected(rejection.reason)                            # _reject
-    metrics.clients_online(len(self.online & expected))           # _on_status
+    metrics = AggregatorMetrics(fed.name, cfg.metrics_port)      # service.py, __init__
+    metrics.round_started(rnd, task)                              # service.py, before the announcement
+    metrics.round_done(rnd, task, accepted, duration_s)           # report.py, RunReport.record
+    metrics.add_bytes(up=sum_up, down=sum_down)                   # RunReport.record, runlog's numbers
+    metrics.rejected(rejection.reason)                            # intake.py, Intake.reject
+    metrics.clients_online(len(self.online & expected))           # Intake, on a status message
     metrics.close()                                               # run()'s finally
 """
 
@@ -62,7 +62,8 @@ class AggregatorMetrics:
         )
         self._down = prom.Counter(
             "fcl_bytes_down",
-            "MQTT PUBLISH bytes delivered to clients (round announcements and knowledge, counted once per client)",
+            "MQTT PUBLISH bytes delivered to clients "
+            "(round announcements and per-client frames, counted once per client)",
             fed,
             registry=reg,
         )

@@ -4,9 +4,9 @@ Event kinds written to metrics.jsonl (field ``event``):
 
 * ``round_client`` — one per (round, client): bytes_up/bytes_down (MQTT PUBLISH packet
   bytes), payload_up/payload_down, up_kinds/down_kinds (the packet bytes by kind: ``model``,
-  ``knowledge``, ``control``), dense_fp32_up/dense_fp32_down (what dense float32 FedAvg would
-  have sent: the reference), sync (the sync frames the device fetched: model
-  "full", "catchup", ...; "knowledge", the full knowledge frames), status (accepted |
+  ``knowledge``: the per-client frames' tensors, ``control``), dense_fp32_up/dense_fp32_down
+  (what dense float32 FedAvg would have sent: the reference), sync (the sync frames the device fetched: model
+  "full", "catchup", ...; "knowledge", the full per-client frames), status (accepted |
   missing), n_samples, train_nll;
 * ``round`` — one per closed round: accepted clients, duration, attempt, and the wall-clock
   times (Unix seconds) of its first and last accepted update (``first_update_t``,

@@ -2,8 +2,9 @@
 
 Layout of ``state_dir``::
 
-    committed.npz          last committed round: global model, strategy state (knowledge
-                           base), per-device sequence high-water marks, metrics offset
+    committed.npz          last committed round: global model, strategy state (what the
+                           method keeps across rounds), per-device sequence high-water marks,
+                           metrics offset
     open/<round>.journal   updates accepted in the round in progress, as received (raw,
                            possibly signed payloads), appended one record each
 

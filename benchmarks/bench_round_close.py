@@ -94,8 +94,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     service = build(args, work)
     fast = fastfold.warm()
     roster = service.clients.open_round(0, 0)
-    service._announce(Kind.ROUND, 0, 0)
+    sent = service._announce(Kind.ROUND, 0, 0)
     frames = UpdateFrames(service.fed.name, {k: v.shape for k, v in service.global_params.items()}, args.density, 0)
+    model = service.global_params
     received: dict[str, Update] = {}
     per_update: dict[str, list[float]] = {}
     # the accept path's two heavy parts, timed where the service calls them
@@ -111,12 +112,12 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             lambda: service.inbox.check(client, payload, len(payload), 0, set(received), Kind.UPDATE),
         )
         assert isinstance(update, Update), update
-        _timed(per_update, "accept", lambda: service._accept(update, 0, payload, received, journal=True))
-    _timed(per_update, "fold", service._round_sum(0)[0].flush)  # what is still staged is folding too
+        _timed(per_update, "accept", lambda: service.intake.accept(update, 0, payload, received, model, journal=True))
+    _timed(per_update, "fold", service.intake.running(0, model)[0].flush)  # what is still staged is folding too
     close: dict[str, list[float]] = {}
     t0 = time.perf_counter()
-    service.global_params = _timed(close, "model", lambda: service._close_model(0, received))
-    _timed(close, "run_log", lambda: service._record_round(0, 0, roster, received, 0, 0, 1, 1.0, {}))
+    service.global_params = _timed(close, "model", lambda: service.intake.close(0, received, model))
+    _timed(close, "run_log", lambda: service.report.record(0, 0, roster, received, sent, 1, 1.0, {}))
     _timed(close, "commit", lambda: (service.clients.close_round(roster, received), service._commit(0)))
     _timed(close, "finish", lambda: service._announce(Kind.FINISH, 1, 0))
     total = time.perf_counter() - t0

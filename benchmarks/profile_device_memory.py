@@ -2,8 +2,8 @@
 
 For each scenario the parent plans the federation (``fcl_edge.simulate.plan``), writes the
 client configs (``write_configs``) and builds what the aggregator would send for round 0: the
-strategy's initial model with the announcement's metadata (``aggregator/service.py``
-``_announce``: run, federation, input_dim, schedule, ``announce_meta(0)``), and any per-client
+strategy's initial model with the announcement's metadata (``aggregator/announcer.py``
+``Announcer.announce``: run, federation, input_dim, schedule, ``announce_meta(0)``), and any per-client
 frame ``client_downlinks(0)`` publishes, all encoded with ``fclcore.codec`` as on the wire.
 Then a fresh Python process per scenario (so imports count from zero) plays ``client-0``:
 
@@ -245,7 +245,7 @@ def prepare(name: str, work: Path) -> tuple[Path, Path, Path | None, str]:
         header = Header(Kind.KNOWLEDGE, fed.name, 0, 0, topics.AGGREGATOR_ID, 1)
         knowledge = work / "knowledge0.bin"
         knowledge.write_bytes(encode(Frame(header, {**kmeta, "run": run}, ktensors), fed.value_coding))
-    meta = {  # aggregator/service.py _announce
+    meta = {  # aggregator/announcer.py Announcer.announce
         "run": run,
         "clock_us": time.time_ns() // 1000,
         "federation": to_dict(fed),

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from aggregator.service import AggregatorService, Incoming
+from aggregator.service import AggregatorService
 from fclcore import topics
 from fclcore.codec import CodecError, Frame, Header, Kind, SparseTensor, decode, encode
 from fclcore.config import from_dict
@@ -193,18 +193,18 @@ def test_message_handler_rejects_without_side_effects(tmp_path) -> None:
             payload = _mutate(base, rng) if rng.random() < 0.7 else bytes(rng.integers(0, 256, 50, np.uint8))
         received: dict[str, Update] = {}
         seq_before = dict(service.inbox.last_seq)
-        service.queue.put(Incoming(topic, payload, len(payload) + 20))
-        service._drain(OPEN, received, timeout=0)
+        service.intake.put(topic, payload, len(payload) + 20)
+        service.intake.drain(OPEN, received, 0, service.global_params)
         if received:  # a mutation that is still a valid update (e.g. a flipped value bit)
             counts["accepted"] += 1
             service.inbox.last_seq.clear()
             service.store.clear_journal()
-            service.round_sum = None  # the round's running sum (fedavg streams): start it afresh too
+            service.intake.round_sum = None  # the round's running sum (fedavg streams): start it afresh too
         else:
             counts["rejected"] += 1
             assert service.inbox.last_seq == seq_before
             assert service.store.journaled(OPEN) == []
-            assert service.round_sum is None  # nothing was folded
+            assert service.intake.round_sum is None  # nothing was folded
     for reason, n in service.runlog.rejections.items():
         reasons[reason] = n
     assert sum(counts.values()) == N_HANDLER >= 45_000 and counts["rejected"] > N_HANDLER * 0.8, counts
@@ -215,10 +215,10 @@ def test_message_handler_rejects_without_side_effects(tmp_path) -> None:
         assert reasons.get(reason, 0) > 0, reasons
     # and the round still works afterwards: a clean update is accepted
     service.inbox.last_seq.clear()
-    service.round_sum = None
+    service.intake.round_sum = None
     received = {}
     good = _valid(service, "c0", time.time_ns() // 1000 + 1, rng)
-    service.queue.put(Incoming(update_topic, good, len(good) + 20))
-    service._drain(OPEN, received, timeout=0)
+    service.intake.put(update_topic, good, len(good) + 20)
+    service.intake.drain(OPEN, received, 0, service.global_params)
     assert set(received) == {"c0"}
     service.runlog.close()

@@ -248,13 +248,13 @@ def test_simulate_rejects_a_bad_membership_naming_the_scenario(overrides: list[s
 
 
 def test_simulate_in_process_starts_late_devices_when_their_task_comes(tmp_path: Path, monkeypatch) -> None:
-    from aggregator.service import AggregatorService
+    from aggregator.intake import Intake
     from fcl_edge.simulate import simulate
 
     metas: list[dict] = []
-    accept = AggregatorService._accept
+    accept = Intake.accept
     monkeypatch.setattr(
-        AggregatorService, "_accept", lambda self, u, *a, **k: metas.append(u.frame.meta) or accept(self, u, *a, **k)
+        Intake, "accept", lambda self, u, *a, **k: metas.append(u.frame.meta) or accept(self, u, *a, **k)
     )
     overrides = sets(
         "membership=increasing", "allow_embedding_upload=true", "federation.rounds_per_task=2", "compare=[]"

@@ -60,7 +60,7 @@ def frames(service: AggregatorService, sent: list) -> dict[str, tuple[str, bytes
     fed, total = service.fed, service.fed.total_rounds
     service._announce(Kind.ROUND, 0, 0)
     service._announce(Kind.ROUND, 1, 0)
-    service._request(Kind.UPDATE, 1, ["client-0"])
+    service.announcer.request(Kind.UPDATE, 1, ["client-0"])
     service._announce(Kind.FINISH, total, service.schedule.task_of(total))
     service._announce(Kind.FINISH, 1, service.schedule.task_of(1), failed="round 1 missed its quorum in 1 attempts")
     service._announce(

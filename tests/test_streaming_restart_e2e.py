@@ -102,7 +102,7 @@ def _wait(predicate, what: str, timeout: float = 60) -> None:
 
 
 def test_a_restart_mid_round_folds_each_journaled_update_once(mosquitto, tmp_path: Path, repo_root: Path, caplog):
-    caplog.set_level("INFO", logger="aggregator.service")
+    caplog.set_level("INFO", logger="aggregator")
     configs = write_configs(
         plan(str(repo_root / "configs/scenarios/quickstart.yaml"), OVERRIDES), tmp_path, mosquitto.url
     )

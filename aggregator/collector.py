@@ -1,0 +1,95 @@
+"""Waiting for the devices: until they are online at the start, and until a round's replies
+(updates, or the final evaluations) are in.
+
+A round is complete when every device of its roster replied; or when the quorum did and the
+rest are known to be gone (their status is "stopped" or the last-will "dead"), so waiting for
+the deadline is moot.  Devices still missing are asked to re-send every ``resend_after_s``
+(their update may have been lost with a broker, or sent while the service was down), and after
+a reconnect the service's retained messages are published again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from aggregator.announcer import Announcer
+from aggregator.clients import ClientSet
+from aggregator.intake import Intake, Model
+from aggregator.outbox import Outbox
+from aggregator.progress import WaitNotice, quorum_count
+from fclcore.codec import Kind
+from fclcore.errors import NotEnoughClients
+from fclcore.schema import RoundSpec
+from fclcore.strategy import Update
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2
+
+
+@dataclass
+class Collector:
+    rounds: RoundSpec
+    clients: ClientSet
+    intake: Intake
+    announcer: Announcer
+    outbox: Outbox
+    stop: threading.Event
+    beat: Callable[[], None] = lambda: None  # called before each message is taken (the service's watchdog)
+
+    def quorum(self, enrolled: int) -> int:
+        """Updates a round needs: the configured share of the clients enrolled for it, as a count."""
+        return quorum_count(self.rounds.quorum, enrolled)
+
+    def wait_online(self, expected: set[str], open_round: int, carried: dict[str, Update], model: Model) -> None:
+        """Wait for the ``expected`` clients' online status.  After a restart the round in
+        progress is open already (its announcement is retained), so updates queued for it are
+        taken into ``carried`` here (``open_round``: -1 before the first round)."""
+        deadline = time.monotonic() + self.rounds.start_timeout_s
+        need, notice = self.quorum(len(expected)), WaitNotice("start")
+        while not expected <= self.clients.online and time.monotonic() < deadline and not self.stop.is_set():
+            self._take(open_round, carried, POLL_S, model, Kind.UPDATE)
+            notice.check(expected - self.clients.online, len(expected & self.clients.online), need, len(expected))
+        online = len(self.clients.online & expected)
+        if online < need:
+            raise NotEnoughClients(
+                f"{online} of {len(expected)} clients online after "
+                f"{self.rounds.start_timeout_s:.0f} s; quorum needs {need}"
+            )
+        log.info("%d/%d clients online", online, len(expected))
+
+    def collect(
+        self,
+        rnd: int,
+        roster: list[str],
+        model: Model,
+        received: dict[str, Update] | None = None,
+        kind: Kind = Kind.UPDATE,
+    ) -> dict[str, Update]:
+        """Fill ``received`` until the round is complete or its deadline passes."""
+        received = {} if received is None else received
+        now = time.monotonic()
+        deadline, resend_at = now + self.rounds.deadline_s, now + self.rounds.resend_after_s
+        expected = set(roster)
+        need = self.quorum(len(expected))
+        notice = WaitNotice(f"round {rnd + 1}" if kind is Kind.UPDATE else "final evaluation")
+        while not self.complete(received, expected) and time.monotonic() < deadline and not self.stop.is_set():
+            self._take(rnd, received, min(POLL_S, max(0.0, deadline - time.monotonic())), model, kind)
+            notice.check(expected - set(received), len(received), need, len(expected))
+            self.outbox.republish_after_outage()
+            if time.monotonic() >= resend_at and set(received) < expected:
+                self.announcer.request(kind, rnd, sorted(expected - set(received)))
+                resend_at = time.monotonic() + self.rounds.resend_after_s
+        return received
+
+    def complete(self, received: dict[str, Update], expected: set[str]) -> bool:
+        if set(received) >= expected:
+            return True
+        return len(received) >= self.quorum(len(expected)) and set(received) >= (expected & self.clients.online)
+
+    def _take(self, open_round: int, received: dict[str, Update], timeout: float, model: Model, kind: Kind) -> None:
+        self.beat()
+        self.intake.drain(open_round, received, timeout, model, kind)

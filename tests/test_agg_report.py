@@ -1,0 +1,55 @@
+"""The run report alone: a closed round's rows charge each client the announcement, its own
+frame and the sync frames it fetched since its last report (all of a report whose counts went
+down: the device restarted), and the retained status says where the run is."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from support.agg_parts import FED, RecordingLink, federation
+
+from aggregator.announcer import Announced
+from aggregator.metrics import AggregatorMetrics
+from aggregator.report import RunReport
+from aggregator.runlog import RunLog
+from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode
+from fclcore.strategy import Update
+
+SENT = Announced(packet_bytes=1000, payload_bytes=950, model_bytes=800, model={})
+
+
+def _update(client: str, meta: dict) -> tuple[Update, bytes]:
+    tensors = {"w": np.ones(4, np.float32), "kb:w": np.ones(2, np.float32)}
+    payload = encode(Frame(Header(Kind.UPDATE, FED, 0, 0, client, 1), {"n_samples": 3, **meta}, tensors))
+    return Update(client, decode(payload), 3, len(payload) + 30, len(payload), tensors), payload
+
+
+def _rows(path) -> list[dict]:
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "round_client"]
+
+
+def test_rows_charge_each_client_its_frames_and_new_syncs(tmp_path) -> None:
+    fed, strategy = federation()
+    link, runlog = RecordingLink(), RunLog(tmp_path)
+    report = RunReport(strategy, runlog, AggregatorMetrics(FED), link, fed, CodecLimits())
+    for rnd, sync in enumerate(({"full": 1, "bytes": 500}, {"full": 2, "bytes": 700}, {"full": 1, "bytes": 300})):
+        report.open()
+        update, payload = _update("a", {"sync": sync})
+        report.measure(update, payload)
+        report.arrived()
+        report.record(rnd, 0, ["a", "b"], {"a": update}, SENT, 1, 0.5, {"a": (120, 100)})
+        status = link.statuses[-1]
+        assert (status["state"], status["role"], status["round"], status["task"]) == ("online", "aggregator", rnd, 0)
+    runlog.close()
+    rows = _rows(tmp_path / "metrics.jsonl")
+    a = [r for r in rows if r["client"] == "a"]
+    # round 1 adds 1 full model and 200 bytes to round 0's report; round 2's counts went down: all of it
+    assert [r.get("sync") for r in a] == [{"full": 1}, {"full": 1}, {"full": 1}]
+    assert [r["bytes_down"] for r in a] == [1000 + 120 + 500, 1000 + 120 + 200, 1000 + 120 + 300]
+    assert a[0]["down_kinds"] == {"model": 800 + 500, "knowledge": 120, "control": 200}
+    assert a[0]["up_kinds"]["knowledge"] > 0 and sum(a[0]["up_kinds"].values()) == a[0]["bytes_up"]
+    b = [r for r in rows if r["client"] == "b"]
+    assert [(r["status"], r["bytes_up"], r["bytes_down"]) for r in b] == [("missing", 0, 1000)] * 3
+    assert time.time() - 60 < report.update_span[0] <= report.update_span[1]
