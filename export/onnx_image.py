@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from export import scaffold
 from export.image_runtime import FORMAT, ImageClassifierRuntime
-from export.publish import OPSET, ExportError, publish_export, seal, write_synced
-from export.scaffold import Int8Copy, check_destination, check_logit_parity, check_min_agreement, open_written, staged
+from export.publish import ExportError, publish_export, seal, write_synced
 from fclcore.served import ImageClassifierServed
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "export_image_classifier",
@@ -42,7 +45,6 @@ __all__ = [
     "INT8_MIN_AGREEMENT",
 ]
 
-IR_VERSION = 8  # the IR version that introduced opset 17 (as the MADE export)
 PARITY_TOL = 1e-4  # |onnx - reference| <= PARITY_TOL * max(1, |reference|) for every logit
 TIE_TOL = 1e-4  # a reference top-2 logit gap below this (scaled like PARITY_TOL) is a float32 tie
 INT8_MIN_AGREEMENT = 0.9  # int8 labels must equal the fp32 reference ones on >= 90% of the parity rows
@@ -116,13 +118,7 @@ def build_image_onnx(served: ImageClassifierServed, toolkit_version: str = "0.1.
         doc_string=f"image classifier, {side}x{side} one-channel images flattened row-major -> "
         f"logits over {served.num_classes} classes and their argmax: " + ", ".join(served.layer_summary()),
     )
-    proto = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        ir_version=IR_VERSION,
-        producer_name="fcl-edge",
-        producer_version=str(toolkit_version),
-    )
+    proto = scaffold.model_proto(graph, toolkit_version)
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as exc:  # the checker raises several types
@@ -156,7 +152,7 @@ def _top2_gap(z: np.ndarray) -> np.ndarray:
 def _compare(ref: np.ndarray, logits: np.ndarray, labels: np.ndarray, desc: str) -> dict[str, Any]:
     """Every logit within PARITY_TOL (scaled), and the graph's label the reference argmax except
     where the reference's own top-2 gap is a float32 tie."""
-    err, scaled = check_logit_parity(logits, ref, PARITY_TOL, rows=len(ref), desc=desc, against="numpy")
+    err, scaled = scaffold.check_logit_parity(logits, ref, PARITY_TOL, rows=len(ref), desc=desc, against="numpy")
     want = ref.argmax(axis=1)
     tie = _top2_gap(ref) <= TIE_TOL * np.maximum(1.0, np.abs(ref).max(axis=1))
     if not np.array_equal(labels, logits.argmax(axis=1)):
@@ -167,15 +163,10 @@ def _compare(ref: np.ndarray, logits: np.ndarray, labels: np.ndarray, desc: str)
             f"parity check failed: {int(bad.sum())} labels differ from the numpy reference (rows "
             f"{np.flatnonzero(bad)[:5].tolist()}; {desc})"
         )
-    return {
-        "max_abs_err": err,
-        "max_scaled_err": scaled,
-        "label_agreement": float((labels == want).mean()),
-        "float32_ties": int((tie & (labels != want)).sum()),
-    }
+    return scaffold.label_report(err, scaled, labels, want, tie)
 
 
-class _Int8(Int8Copy):
+class _Int8(scaffold.Int8Copy):
     """The int8 copy must give the reference label on ``min_agreement`` of the parity images."""
 
     def __init__(
@@ -208,10 +199,8 @@ def export_image_classifier(
     served: Any,
     path: str | os.PathLike,
     *,
-    parity_inputs: np.ndarray | None = None,
-    int8: bool = False,
-    toolkit_version: str = "0.1.0",
     int8_min_agreement: float = INT8_MIN_AGREEMENT,
+    **options: Unpack[scaffold.ExportOptions],
 ) -> dict[str, Any]:
     """Export an :class:`~fclcore.served.ImageClassifierServed` to ``path`` (verified, atomic) and
     return a report.
@@ -225,29 +214,23 @@ def export_image_classifier(
     ``quantize_dynamic``, per-channel int8 weights) must give the reference label on at least
     ``int8_min_agreement`` of the parity rows; both files are published only if both pass.
     Raises :class:`ExportError`."""
+    parity_inputs, int8, toolkit_version = scaffold.export_options(options)
     served = _as_served(served)
-    path = check_destination(path)
-    check_min_agreement(int8_min_agreement)
+    path = scaffold.check_destination(path)
+    scaffold.check_min_agreement(int8_min_agreement)
     x, desc = _parity_inputs(served, parity_inputs)
     ref = served.logits(x)
     if not np.isfinite(ref).all():
         raise ExportError(f"the reference logits are not finite on the parity rows ({desc})")
     metadata = image_metadata(served, toolkit_version)
     proto = build_image_onnx(served, toolkit_version)
-    with staged(path) as (tmp, temps):
+    with scaffold.staged(path) as (tmp, temps):
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
-        rt = open_written(ImageClassifierRuntime, tmp, metadata)
+        rt = scaffold.open_written(ImageClassifierRuntime, tmp, metadata)
         logits, labels = rt.classify(x)
-        report: dict[str, Any] = {
-            "path": str(path),
-            "bytes": tmp.stat().st_size,
-            "classes": served.num_classes,
-            "parity_rows": len(x),
-            "parity_data": desc,
-            **_compare(ref, logits, labels, desc),
-            "sha256": rt.metadata["weights_sha256"],
-        }
+        fields = {"classes": served.num_classes}
+        report = scaffold.fp32_report(path, tmp, fields, len(x), desc, _compare(ref, logits, labels, desc), rt)
         del rt
         int8_fn = _Int8(tmp, metadata, desc, int8_min_agreement, ref, x) if int8 else None
         return publish_export(tmp, path, temps, report, int8_fn)

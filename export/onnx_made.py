@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from export import _meta
+from export import _meta, scaffold
 from export.publish import OPSET, ExportError, int8_path_for, publish_export, quantize_int8, seal, write_synced
-from export.scaffold import check_destination, int8_sizes, load_verified, logit_errors, open_written, staged
 from fclcore.made_spec import input_order, made_masks, mask_for_param
 from fclcore.served import ServedModel
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "ServedModel",
@@ -39,7 +41,6 @@ __all__ = [
     "OPSET",
 ]
 
-IR_VERSION = 8  # the IR version that introduced opset 17: readable by older device runtimes
 PARITY_TOL = 1e-5
 _PARITY_RANDOM_ROWS = 64
 
@@ -111,13 +112,7 @@ def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
         doc_string=f"MADE D={d} hidden={list(cfg.hidden_sizes)} direct={cfg.direct} order_index={model.order_k}: "
         "x in {0,1}^D -> Bernoulli logits of p(x_d=1 | x_<d), <d in fcl.input_order",
     )
-    proto = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        ir_version=IR_VERSION,
-        producer_name="fcl-edge",
-        producer_version=str(toolkit_version),
-    )
+    proto = scaffold.model_proto(graph, toolkit_version)
     onnx.checker.check_model(proto)
     return seal(proto, base_metadata(model, toolkit_version))
 
@@ -162,10 +157,8 @@ def export_served_model(
     model: ServedModel,
     path: str | os.PathLike,
     *,
-    parity_inputs: np.ndarray | None = None,
-    int8: bool = False,
-    toolkit_version: str = "0.1.0",
     reference_logits: np.ndarray | None = None,
+    **options: Unpack[scaffold.ExportOptions],
 ) -> dict[str, Any]:
     """Write ``model`` as ONNX to ``path`` atomically, after verifying the written bytes.
 
@@ -184,15 +177,16 @@ def export_served_model(
     ``reference_logits``: the torch MADE's logits on ``parity_inputs``, computed by a process
     that has torch (the training daemon); given, the export itself runs without torch.
     """
-    path = check_destination(path)
+    parity_inputs, int8, toolkit_version = scaffold.export_options(options)
+    path = scaffold.check_destination(path)
     x, x_desc = _parity_inputs(model, parity_inputs)
     proto = build_onnx(model, toolkit_version)
-    with staged(path) as (tmp, temps):
+    with scaffold.staged(path) as (tmp, temps):
         write_synced(tmp, proto.SerializeToString())
         expected = base_metadata(model, toolkit_version)
-        rt = open_written(_load, tmp, expected)
+        rt = scaffold.open_written(_load, tmp, expected)
         ref = _reference(model, x, reference_logits, parity_inputs is None)
-        err, scaled = logit_errors(rt.logits(x), ref)
+        err, scaled = scaffold.logit_errors(rt.logits(x), ref)
         if not scaled <= PARITY_TOL:  # also catches NaN
             raise ExportError(
                 f"parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
@@ -233,12 +227,12 @@ def _export_int8(
         raise ExportError("int8 model produces non-finite log-likelihoods")
     meta = dict(metadata, quantization="int8-dynamic", int8_nll_delta=delta, int8_eval=x_desc)
     write_synced(q_tmp, seal(proto, meta).SerializeToString())
-    rt = load_verified(_load, q_tmp, "int8")
+    rt = scaffold.load_verified(_load, q_tmp, "int8")
     check = float(np.max(np.abs(-rt.log_likelihood(x) - nll_q)))
     if check > 1e-3:
         raise ExportError(f"sealed int8 model disagrees with the measured one by {check:.3g} nats")
     return {
-        **int8_sizes(fp32_tmp, q_tmp, q_path),
+        **scaffold.int8_sizes(fp32_tmp, q_tmp, q_path),
         "int8_nll_delta": delta,
         "int8_sha256": rt.metadata["weights_sha256"],
     }

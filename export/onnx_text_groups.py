@@ -46,12 +46,12 @@ from __future__ import annotations
 import gc
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from export import scaffold
 from export.publish import ExportError, int8_path_for, seal, write_synced
-from export.scaffold import check_destination, check_min_agreement, staged
 from export.text_export import parity_token_rows, tokenizer_metadata
 from export.text_groups_build import build_selector, build_text_classifier_onnx, plan_groups, text_classifier_reference
 from export.text_groups_graph import GRAPHS, AllGroupsGraph, TextGroupsGraph, backbone_passes
@@ -65,6 +65,9 @@ from export.text_groups_verify import (
 )
 from fclcore.models.enhancer import EnhancerGroup, FrozenBackbone
 from fclcore.procmem import release_free_memory
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "export_text_groups",
@@ -147,8 +150,8 @@ def export_text_classifier(
     """
     if not isinstance(method, str) or not method.strip():
         raise ExportError(f"method must be the non-empty name of the method that trained the model, got {method!r}")
-    path = check_destination(path)
-    check_min_agreement(int8_min_agreement)
+    path = scaffold.check_destination(path)
+    scaffold.check_min_agreement(int8_min_agreement)
     if max_length is None:
         max_length = min(128, backbone.cfg.max_positions)
     selector = build_selector(prototypes, group_of)
@@ -209,7 +212,7 @@ def export_text_classifier(
     if stage_dir is not None:  # the checks and the publication are another process's
         write_stage(Path(stage_dir), proto, checks)  # unsealed, its weights as external data
         return {"staged": str(stage_dir), "path": str(path)}
-    with staged(path) as (tmp, temps):
+    with scaffold.staged(path) as (tmp, temps):
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
         return verify_and_publish(tmp, temps, checks)
@@ -237,10 +240,8 @@ def export_text_groups(
     served: Any,
     path: str | os.PathLike,
     *,
-    parity_inputs: np.ndarray | None = None,
-    int8: bool = False,
-    toolkit_version: str = "0.1.0",
     stage_dir: str | os.PathLike | None = None,
+    **options: Unpack[scaffold.ExportOptions],
 ) -> dict[str, Any]:
     """Export a :class:`~fclcore.served.TextGroupsServed` to ``path`` (verified, atomic;
     ``stage_dir``: staged for a second process, as in :func:`export_text_classifier`).
@@ -249,6 +250,7 @@ def export_text_groups(
     is ``ids != 0``), or None for the exporter's seeded random token rows.  The recorded
     ``fcl.method`` is ``served.method``, which the learner that made ``served`` sets; an empty
     one is refused.  Raises :class:`ExportError`."""
+    parity_inputs, int8, toolkit_version = scaffold.export_options(options)
     try:
         backbone, groups = served.backbone, list(served.groups)
         prototypes, group_of = dict(served.prototypes), dict(served.group_of)

@@ -25,18 +25,21 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import onnx
 import torch
 from torch import nn
 
+from export import scaffold
 from export.publish import ExportError, publish_export, seal, write_synced
-from export.scaffold import Int8Copy, check_destination, check_logit_parity, check_min_agreement, open_written, staged
 from export.text_export import parity_token_rows, tokenizer_metadata, trace_token_model
 from export.text_tasks_runtime import FORMAT, TextTasksRuntime
 from fclcore.served import TextTasksServed
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "export_text_tasks",
@@ -182,7 +185,7 @@ def _compare(ref: np.ndarray, got: np.ndarray, labels: Sequence[Sequence[int]], 
     same_inf = np.array_equal(finite, np.isfinite(got)) and np.array_equal(ref[~finite], got[~finite])
     if np.isnan(got).any() or not same_inf:
         raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
-    err, scaled = check_logit_parity(got[finite], ref[finite], PARITY_TOL, rows=len(ref), desc=desc, what=what)
+    err, scaled = scaffold.check_logit_parity(got[finite], ref[finite], PARITY_TOL, rows=len(ref), desc=desc, what=what)
     want, gaps = task_labels(ref, labels)
     have, _ = task_labels(got, labels)
     scale = np.abs(np.where(np.isfinite(ref), ref, 0.0)).max(axis=2)  # (N, T)
@@ -190,18 +193,13 @@ def _compare(ref: np.ndarray, got: np.ndarray, labels: Sequence[Sequence[int]], 
     bad = (have != want) & ~tie
     if bad.any():
         raise ExportError(f"{what} parity check failed: {int(bad.sum())} (row, task) labels differ from torch ({desc})")
-    return {
-        "max_abs_err": err,
-        "max_scaled_err": scaled,
-        "label_agreement": float((have == want).mean()),
-        "float32_ties": int((tie & (have != want)).sum()),
-    }
+    return scaffold.label_report(err, scaled, have, want, tie)
 
 
 # ------------------------------------------------------------------ int8
 
 
-class _Int8(Int8Copy):
+class _Int8(scaffold.Int8Copy):
     """The int8 copy must give torch's label on ``min_agreement`` of the (parity row, task) pairs."""
 
     def __init__(
@@ -249,11 +247,9 @@ def export_text_tasks(
     served: Any,
     path: str | os.PathLike,
     *,
-    parity_inputs: np.ndarray | None = None,
-    int8: bool = False,
-    toolkit_version: str = "0.1.0",
     tokenizer_json: str | os.PathLike | None = None,
     int8_min_agreement: float = INT8_MIN_AGREEMENT,
+    **options: Unpack[scaffold.ExportOptions],
 ) -> dict[str, Any]:
     """Export a :class:`~fclcore.served.TextTasksServed` to ``path`` (verified, atomic) and return a report.
 
@@ -267,9 +263,10 @@ def export_text_tasks(
     ``int8_min_agreement`` of the (parity row, task) pairs; both files are published only if
     both pass.  The recorded ``fcl.method`` is ``served.method`` (an empty one is refused).
     Raises :class:`ExportError`."""
+    parity_inputs, int8, toolkit_version = scaffold.export_options(options)
     served = _as_served(served)
-    path = check_destination(path)
-    check_min_agreement(int8_min_agreement)
+    path = scaffold.check_destination(path)
+    scaffold.check_min_agreement(int8_min_agreement)
     labels = [list(row) for row in served.labels]
     tok_meta, vocab = tokenizer_metadata(tokenizer_json if tokenizer_json is not None else _default_tokenizer())
     metadata: dict[str, Any] = {
@@ -292,20 +289,12 @@ def export_text_tasks(
         ref = reference_logits(served.module, ids, mask)
         _check_layout(ref, labels, "the served module's")
         proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
-    with staged(path) as (tmp, temps):
+    with scaffold.staged(path) as (tmp, temps):
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
-        rt = open_written(lambda p: TextTasksRuntime(p, tokenizer=False), tmp, metadata)
-        report: dict[str, Any] = {
-            "path": str(path),
-            "bytes": tmp.stat().st_size,
-            "tasks": len(labels),
-            "labels": labels,
-            "parity_rows": len(ids),
-            "parity_data": desc,
-            **_compare(ref, rt.predict_ids(ids, mask), labels, "fp32", desc),
-            "sha256": rt.metadata["weights_sha256"],
-        }
+        rt = scaffold.open_written(lambda p: TextTasksRuntime(p, tokenizer=False), tmp, metadata)
+        parity = _compare(ref, rt.predict_ids(ids, mask), labels, "fp32", desc)
+        report = scaffold.fp32_report(path, tmp, {"tasks": len(labels), "labels": labels}, len(ids), desc, parity, rt)
         del rt
         int8_fn = _Int8(tmp, metadata, int8_min_agreement, ref, labels, rows) if int8 else None
         return publish_export(tmp, path, temps, report, int8_fn)

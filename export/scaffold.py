@@ -18,13 +18,15 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypedDict, TypeVar
 
 import numpy as np
 
-from export.publish import ExportError, quantize_int8, remove_temps, seal, temp_path, write_synced
+from export.publish import OPSET, ExportError, quantize_int8, remove_temps, seal, temp_path, write_synced
 
 __all__ = [
+    "ExportOptions",
+    "export_options",
     "check_destination",
     "check_min_agreement",
     "staged",
@@ -32,11 +34,48 @@ __all__ = [
     "open_written",
     "logit_errors",
     "check_logit_parity",
+    "fp32_report",
+    "label_report",
     "int8_sizes",
     "Int8Copy",
+    "IR_VERSION",
+    "model_proto",
 ]
 
 R = TypeVar("R")
+IR_VERSION = 8  # the IR version that introduced opset 17: readable by older device runtimes
+
+
+class ExportOptions(TypedDict, total=False):
+    """The keyword options every format's exporter takes (what ``export.formats.export_served``
+    passes on); an exporter adds its own keywords before them."""
+
+    parity_inputs: Any  # the format's parity rows; None: its seeded random ones
+    int8: bool  # also write <stem>.int8.onnx, once it passes its check (default False)
+    toolkit_version: str  # recorded as fcl.toolkit_version (default "0.1.0")
+
+
+def export_options(given: Mapping[str, Any]) -> tuple[Any, bool, str]:
+    """(parity_inputs, int8, toolkit_version) of an exporter's ``**options``, with their defaults;
+    TypeError for a keyword no exporter takes."""
+    unknown = sorted(set(given) - set(ExportOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected export options {unknown}")
+    return given.get("parity_inputs"), given.get("int8", False), given.get("toolkit_version", "0.1.0")
+
+
+def model_proto(graph: Any, toolkit_version: str) -> Any:
+    """An ``onnx.helper``-built graph as an opset-:data:`~export.publish.OPSET` model of IR
+    version :data:`IR_VERSION`, produced by fcl-edge (the graphs not traced from torch)."""
+    from onnx import helper
+
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        ir_version=IR_VERSION,
+        producer_name="fcl-edge",
+        producer_version=str(toolkit_version),
+    )
 
 
 def check_destination(path: str | os.PathLike) -> Path:
@@ -110,6 +149,33 @@ def check_logit_parity(
             f"{tol:g} (max abs logit error {err:.3g}) on {rows} rows ({desc})"
         )
     return err, scaled
+
+
+def fp32_report(
+    path: Path, tmp: Path, fields: dict[str, Any], rows: int, desc: str, parity: dict[str, Any], rt: Any
+) -> dict[str, Any]:
+    """A classifier export's report on its verified fp32 file ``tmp`` (published as ``path``):
+    the format's ``fields``, the parity rows and the ``parity`` check's fields, the weights hash."""
+    return {
+        "path": str(path),
+        "bytes": tmp.stat().st_size,
+        **fields,
+        "parity_rows": rows,
+        "parity_data": desc,
+        **parity,
+        "sha256": rt.metadata["weights_sha256"],
+    }
+
+
+def label_report(err: float, scaled: float, have: np.ndarray, want: np.ndarray, tie: np.ndarray) -> dict[str, Any]:
+    """The parity fields of a classifier's report: the logit errors, the share of labels equal to
+    the reference's and how many differ only where the reference itself is a float32 tie."""
+    return {
+        "max_abs_err": err,
+        "max_scaled_err": scaled,
+        "label_agreement": float((have == want).mean()),
+        "float32_ties": int((tie & (have != want)).sum()),
+    }
 
 
 def int8_sizes(fp32_tmp: Path, q_tmp: Path, q_path: Path) -> dict[str, Any]:

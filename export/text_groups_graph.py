@@ -50,7 +50,14 @@ class _Attention(torch.autograd.Function):
 class _RoutedGraph(nn.Module):
     """What both graphs share: the backbone and the selector's routing (``PrototypeSelector.route``)."""
 
-    def __init__(self, backbone: FrozenBackbone, group_ids: Sequence[int], selector: PrototypeSelector) -> None:
+    def __init__(
+        self,
+        backbone: FrozenBackbone,
+        groups: Sequence[EnhancerGroup],
+        group_ids: Sequence[int],
+        selector: PrototypeSelector,
+        classes: Sequence[int],
+    ) -> None:
         super().__init__()
         self.backbone = backbone
         pos_of = {int(j): i for i, j in enumerate(group_ids)}
@@ -59,6 +66,11 @@ class _RoutedGraph(nn.Module):
         self.register_buffer("prototypes_t", torch.from_numpy(np.ascontiguousarray(selector.prototypes.T)))
         self.register_buffer("proto_group", torch.tensor(proto_groups, dtype=torch.int64))
         self.register_buffer("proto_pos", torch.tensor([pos_of[j] for j in proto_groups], dtype=torch.int64))
+        self._build(groups, classes)
+
+    def _build(self, groups: Sequence[EnhancerGroup], classes: Sequence[int]) -> None:
+        """The graph's own tensors of the exported ``groups`` (in ``group_ids`` order) and ``classes``."""
+        raise NotImplementedError
 
     def _route(self, pooled: Tensor) -> tuple[Tensor, Tensor]:
         """(group id, position in the exported groups) per row: ``PrototypeSelector.route``."""
@@ -84,18 +96,11 @@ class TextGroupsGraph(_RoutedGraph):
     columns are -inf before the argmax.  The encoder blocks mirror ``BertBlock.forward`` with
     the attention as one fused op (:class:`_Attention`)."""
 
-    def __init__(
-        self,
-        backbone: FrozenBackbone,
-        groups: Sequence[EnhancerGroup],
-        group_ids: Sequence[int],
-        selector: PrototypeSelector,
-        classes: Sequence[int],
-    ) -> None:
+    def _build(self, groups: Sequence[EnhancerGroup], classes: Sequence[int]) -> None:
         acts = {type(e.act) for g in groups for e in g.enhancers}
         if len(acts) != 1:
             raise ExportError(f"the groups' Enhancers use different activations {sorted(a.__name__ for a in acts)}")
-        super().__init__(backbone, group_ids, selector)
+        backbone = self.backbone
         self.act = groups[0].enhancers[0].act
         self.heads, self.layers, self.n_classes = backbone.cfg.heads, backbone.cfg.layers, len(classes)
         for i, blk in enumerate(backbone.encoder.blocks):
@@ -175,15 +180,7 @@ class AllGroupsGraph(_RoutedGraph):
     ``benchmarks/bench_fedet_export.py`` and the tests (``export_text_classifier(...,
     graph="all-groups")``); not what the exporter writes by default."""
 
-    def __init__(
-        self,
-        backbone: FrozenBackbone,
-        groups: Sequence[EnhancerGroup],
-        group_ids: Sequence[int],
-        selector: PrototypeSelector,
-        classes: Sequence[int],
-    ) -> None:
-        super().__init__(backbone, group_ids, selector)
+    def _build(self, groups: Sequence[EnhancerGroup], classes: Sequence[int]) -> None:
         self.groups = nn.ModuleList(groups)
         col = {int(c): i for i, c in enumerate(classes)}
         for i, g in enumerate(groups):

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import onnx
 
+from export import scaffold
 from export.publish import ExportError, publish_export, quantize_int8, seal, write_synced
-from export.scaffold import Int8Copy, check_logit_parity, open_written, staged
 from fclcore.procmem import release_free_memory
 
 __all__ = [
@@ -60,18 +60,11 @@ def verify_and_publish(tmp: Path, temps: list[Path], checks: dict[str, Any]) -> 
     path, metadata, parity = Path(checks["path"]), checks["metadata"], checks["parity"]
     ids, mask, desc = parity["ids"], parity["mask"], parity["desc"]
     ref = {k: parity[k] for k in _PARITY[2:]}
-    rt = open_written(_runtime, tmp, metadata)
+    rt = scaffold.open_written(_runtime, tmp, metadata)
     labels, routes, logits = rt.predict_ids(ids, mask)
-    report: dict[str, Any] = {
-        "path": str(path),
-        "bytes": tmp.stat().st_size,
-        "classes": checks["classes"],
-        "groups": checks["groups"],
-        "parity_rows": len(ids),
-        "parity_data": desc,
-        **_compare(ref, labels, routes, logits, "fp32", desc),
-        "sha256": rt.metadata["weights_sha256"],
-    }
+    fields = {"classes": checks["classes"], "groups": checks["groups"]}
+    parity = _compare(ref, labels, routes, logits, "fp32", desc)
+    report = scaffold.fp32_report(path, tmp, fields, len(ids), desc, parity, rt)
     del rt
     int8_fn = _Int8(tmp, metadata, ref, (ids, mask, desc), checks) if checks["int8"] else None
     return publish_export(tmp, path, temps, report, int8_fn)
@@ -114,7 +107,7 @@ def finish_stage(stage_dir: Path) -> dict[str, Any]:
             raise TypeError("metadata is not a dict")
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{stage_dir}: not a complete export stage ({exc!r})") from None
-    with staged(path) as (tmp, temps):  # next to the target, so that publishing it is a rename
+    with scaffold.staged(path) as (tmp, temps):  # next to the target, so that publishing it is a rename
         proto = load_staged_model(stage_dir / "model.onnx")
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
@@ -177,7 +170,7 @@ def _compare(
     finite = np.isfinite(r)
     if not np.array_equal(finite, np.isfinite(g)) or np.isnan(g).any():
         raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
-    err, scaled = check_logit_parity(g[finite], r[finite], PARITY_TOL, rows=len(labels), desc=desc, what=what)
+    err, scaled = scaffold.check_logit_parity(g[finite], r[finite], PARITY_TOL, rows=len(labels), desc=desc, what=what)
     return {
         "max_abs_err": err,
         "max_scaled_err": scaled,
@@ -213,7 +206,7 @@ def _runtime(path: Path) -> Any:
     return TextClassifierRuntime(path, tokenizer=False)
 
 
-class _Int8(Int8Copy):
+class _Int8(scaffold.Int8Copy):
     """The int8 copy: torch's label on ``int8_min_agreement`` of the parity rows (its group
     agreement recorded too); the selector and the stacked groups stay fp32."""
 
