@@ -38,7 +38,7 @@ The exported file is written to a temporary file, reloaded and validated by the 
 :class:`export.text_runtime.TextClassifierRuntime`, parity-checked against the torch
 computation, and only then moved over the destination with ``os.replace``.  int8: the
 backbone's MatMuls and attentions get int8 weights; the selector's MatMul and the gathered
-Enhancers and heads stay fp32 (see :func:`_stack_gathers`).
+Enhancers and heads stay fp32 (see ``export.text_groups_verify._stack_gathers``).
 """
 
 from __future__ import annotations
