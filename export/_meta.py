@@ -174,14 +174,37 @@ def read_entries(
     return out
 
 
-def parse(raw: dict[str, str]) -> dict[str, Any]:
-    """Validate the ``fcl.*`` entries of ``raw``; return them parsed, keys without the prefix."""
+def read_format(
+    raw: dict[str, str],
+    want: str,
+    reader: str,
+    required: dict[str, Callable[[str, str], Any]],
+    optional: dict[str, Callable[[str, str], Any]],
+    hints: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """:func:`read_entries` of a file whose ``fcl.format`` is ``want``; another format is refused
+    naming ``reader`` (``"this ... runtime"``) and, from ``hints``, what that format is."""
     fmt = raw.get(PREFIX + "format")
     if fmt is None:
         raise MetadataError("no fcl.format metadata (not an fcl-edge export)")
-    if fmt != FORMAT:
-        raise MetadataError(f"fcl.format is {fmt[:40]!r}, this runtime reads {FORMAT!r}")
-    out = read_entries(raw, REQUIRED, OPTIONAL)
+    if fmt != want:
+        hint = f" ({hints[fmt]})" if hints and fmt in hints else ""
+        raise MetadataError(f"fcl.format is {fmt[:40]!r}, {reader} reads {want!r}{hint}")
+    return read_entries(raw, required, optional)
+
+
+def check_quantization(out: dict[str, Any], int8_key: str) -> None:
+    """``fcl.quantization`` is ``none`` or ``int8-dynamic``, and an int8 file records ``int8_key``
+    (what its exporter measured on it)."""
+    if out["quantization"] not in ("none", "int8-dynamic"):
+        raise MetadataError(f"fcl.quantization must be 'none' or 'int8-dynamic', got {out['quantization'][:40]!r}")
+    if out["quantization"] == "int8-dynamic" and int8_key not in out:
+        raise MetadataError(f"int8 model without {PREFIX}{int8_key}")
+
+
+def parse(raw: dict[str, str]) -> dict[str, Any]:
+    """Validate the ``fcl.*`` entries of ``raw``; return them parsed, keys without the prefix."""
+    out = read_format(raw, FORMAT, "this runtime", REQUIRED, OPTIONAL)
     d = out["input_dim"]
     if any(h < 1 for h in out["hidden_sizes"]):
         raise MetadataError("fcl.hidden_sizes must all be >= 1")
@@ -189,8 +212,5 @@ def parse(raw: dict[str, str]) -> dict[str, Any]:
         raise MetadataError(f"fcl.input_order must be a permutation of range({d})")
     if out["order_index"] >= out["num_orders"]:
         raise MetadataError("fcl.order_index must be < fcl.num_orders")
-    if out["quantization"] not in ("none", "int8-dynamic"):
-        raise MetadataError(f"fcl.quantization must be 'none' or 'int8-dynamic', got {out['quantization'][:40]!r}")
-    if out["quantization"] == "int8-dynamic" and "int8_nll_delta" not in out:
-        raise MetadataError("int8 model without fcl.int8_nll_delta")
+    check_quantization(out, "int8_nll_delta")
     return out

@@ -294,6 +294,18 @@ def _sample_request(line: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
 
 
+def _read_utf8(path: str) -> str:
+    """The text of the file at ``path``, newlines as Python's text mode reads them; ValueError
+    naming the path for a file that cannot be read (a UnicodeDecodeError is the caller's)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such input file") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read input: {exc.strerror or exc}") from None
+
+
 def _read_texts(args: argparse.Namespace) -> list[str]:
     """--text values, else the lines of --input FILE / stdin (blank lines skipped)."""
     if args.text:
@@ -304,14 +316,9 @@ def _read_texts(args: argparse.Namespace) -> list[str]:
         raw = sys.stdin.read()
     else:
         try:
-            with open(args.input, encoding="utf-8") as fh:
-                raw = fh.read()
-        except FileNotFoundError:
-            raise ValueError(f"{args.input}: no such input file") from None
+            raw = _read_utf8(args.input)
         except UnicodeDecodeError:
             raise ValueError(f"{args.input}: not UTF-8 text") from None
-        except OSError as exc:
-            raise ValueError(f"{args.input}: cannot read input: {exc.strerror or exc}") from None
     return [line.strip() for line in raw.splitlines() if line.strip()]
 
 

@@ -1,6 +1,7 @@
-"""Export what a device serves, chosen by its format (not by the method that trained it).
+"""The served formats a device can export, each registered with its exporter and runtime.
 
-``export_served(served, path)`` dispatches on ``served.format``:
+``export_served(served, path)`` looks ``served.format`` up in :data:`REGISTRY` and runs that
+format's exporter (which verifies the written file with the format's runtime):
 
 * ``made`` (:class:`fclcore.served.ServedModel`) -> :func:`export.onnx_made.export_served_model`;
   ``parity_inputs`` are binary rows ``(N, D)``;
@@ -13,20 +14,86 @@
   :func:`export.onnx_image.export_image_classifier`; ``parity_inputs`` are float rows
   ``(N, side*side)`` of flattened images, as the device's data has them.
 
-The exporters (onnx, torch) are imported only when a model is exported, so importing this
-module is cheap.
+A format is registered by name with ``module:attribute`` references, imported only when a model
+of that format is exported or loaded (the exporters import onnx and torch), so importing this
+module is cheap.  A new served format is one :func:`register` call here plus its exporter and
+runtime modules.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from export.publish import ExportError
 
-__all__ = ["FORMATS", "ExportError", "export_served"]
+__all__ = ["FORMATS", "REGISTRY", "ServedFormat", "ExportError", "export_served", "register"]
 
-FORMATS: tuple[str, ...] = ("made", "text-groups", "text-tasks", "image-classifier")
+
+@dataclass(frozen=True)
+class ServedFormat:
+    """One served format: its name (``served.format``), the ``fcl.format`` its files carry,
+    its exporter (``export_served``'s signature: ``(served, path, *, parity_inputs, int8,
+    toolkit_version) -> report``) and the torch-free runtime that loads (and, at export,
+    verifies) its files, both as ``module:attribute``."""
+
+    name: str
+    file_format: str
+    exporter: str
+    runtime: str
+
+    def load_exporter(self) -> Any:
+        return _resolve(self.exporter)
+
+    def load_runtime(self) -> Any:
+        return _resolve(self.runtime)
+
+
+def _resolve(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+REGISTRY: dict[str, ServedFormat] = {}
+
+
+def register(fmt: ServedFormat) -> ServedFormat:
+    """Add ``fmt`` to :data:`REGISTRY` (a name registers once)."""
+    if fmt.name in REGISTRY:
+        raise ValueError(f"served format {fmt.name!r} is already registered")
+    REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+register(ServedFormat("made", "fcl-made/1", "export.onnx_made:export_served_model", "export.runtime:MadeRuntime"))
+register(
+    ServedFormat(
+        "text-groups",
+        "fcl-fedet/1",
+        "export.onnx_text_groups:export_text_groups",
+        "export.text_runtime:TextClassifierRuntime",
+    )
+)
+register(
+    ServedFormat(
+        "text-tasks",
+        "fcl-text-tasks/1",
+        "export.onnx_text_tasks:export_text_tasks",
+        "export.text_tasks_runtime:TextTasksRuntime",
+    )
+)
+register(
+    ServedFormat(
+        "image-classifier",
+        "fcl-image-classifier/1",
+        "export.onnx_image:export_image_classifier",
+        "export.image_runtime:ImageClassifierRuntime",
+    )
+)
+
+FORMATS: tuple[str, ...] = tuple(REGISTRY)
 
 
 def export_served(
@@ -40,27 +107,10 @@ def export_served(
     """Write ``served`` as a verified ONNX file at ``path`` (plus ``<stem>.int8.onnx`` with
     ``int8``) and return the exporter's report.  Raises :class:`ExportError`, also for a
     format no exporter knows."""
-    fmt = getattr(served, "format", None)
-    if fmt == "made":
-        from export.onnx_made import export_served_model
-
-        return export_served_model(
-            served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version
+    name = getattr(served, "format", None)
+    fmt = REGISTRY.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise ExportError(
+            f"no exporter for served format {name!r} ({type(served).__name__}); known formats: {', '.join(FORMATS)}"
         )
-    if fmt == "text-groups":
-        from export.onnx_text_groups import export_text_groups
-
-        return export_text_groups(served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version)
-    if fmt == "text-tasks":
-        from export.onnx_text_tasks import export_text_tasks
-
-        return export_text_tasks(served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version)
-    if fmt == "image-classifier":
-        from export.onnx_image import export_image_classifier
-
-        return export_image_classifier(
-            served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version
-        )
-    raise ExportError(
-        f"no exporter for served format {fmt!r} ({type(served).__name__}); known formats: {', '.join(FORMATS)}"
-    )
+    return fmt.load_exporter()(served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version)

@@ -46,7 +46,7 @@ import numpy as np
 import onnxruntime as ort
 
 from export import _meta
-from export.runtime import InputError, ModelFileError, open_validated, session_options, validate_model_bytes
+from export.runtime import InputError, ModelFileError, identity, open_validated, session_options, validate_model_bytes
 from fclcore.npfile import refusal
 
 __all__ = ["FORMAT", "CHUNK_ROWS", "ImageClassifierRuntime", "parse_metadata", "load_images"]
@@ -80,21 +80,10 @@ _OTHER_FORMATS = {
 
 def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
     """Validate the ``fcl.*`` entries of an image-classifier model; return them parsed, keys without the prefix."""
-    fmt = raw.get(_meta.PREFIX + "format")
-    if fmt is None:
-        raise _meta.MetadataError("no fcl.format metadata (not an fcl-edge export)")
-    if fmt != FORMAT:
-        hint = f" ({_OTHER_FORMATS[fmt]})" if fmt in _OTHER_FORMATS else ""
-        raise _meta.MetadataError(f"fcl.format is {fmt[:40]!r}, this image-classifier runtime reads {FORMAT!r}{hint}")
-    out = _meta.read_entries(raw, REQUIRED, OPTIONAL)
+    out = _meta.read_format(raw, FORMAT, "this image-classifier runtime", REQUIRED, OPTIONAL, _OTHER_FORMATS)
     if not out["class_names"]:
         raise _meta.MetadataError("fcl.class_names must name at least one class")
-    if out["quantization"] not in ("none", "int8-dynamic"):
-        raise _meta.MetadataError(
-            f"fcl.quantization must be 'none' or 'int8-dynamic', got {out['quantization'][:40]!r}"
-        )
-    if out["quantization"] == "int8-dynamic" and "int8_label_agreement" not in out:
-        raise _meta.MetadataError("int8 model without fcl.int8_label_agreement")
+    _meta.check_quantization(out, "int8_label_agreement")
     return out
 
 
@@ -226,14 +215,15 @@ class ImageClassifierRuntime:
 
     def describe(self) -> dict[str, Any]:
         """Identity of the loaded model, for logs and JSON answers."""
-        m = self.metadata
-        return {
-            "path": self.path,
-            "format": m["format"],
-            "method": m["method"],
-            "task": m["task"],
-            "image_side": m["image_side"],
-            "classes": len(m["class_names"]),
-            "quantization": m["quantization"],
-            "weights_sha256": m["weights_sha256"],
-        }
+        classes = ("classes", len(self.metadata["class_names"]))
+        return identity(
+            self.path,
+            self.metadata,
+            "format",
+            "method",
+            "task",
+            "image_side",
+            classes,
+            "quantization",
+            "weights_sha256",
+        )

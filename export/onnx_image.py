@@ -21,25 +21,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from export import scaffold
 from export.image_runtime import FORMAT, ImageClassifierRuntime
-from export.publish import (
-    OPSET,
-    ExportError,
-    publish_export,
-    quantize_int8,
-    remove_temps,
-    seal,
-    temp_path,
-    write_synced,
-)
-from export.runtime import ModelFileError
+from export.publish import ExportError, publish_export, seal, write_synced
 from fclcore.served import ImageClassifierServed
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "export_image_classifier",
@@ -51,7 +45,6 @@ __all__ = [
     "INT8_MIN_AGREEMENT",
 ]
 
-IR_VERSION = 8  # the IR version that introduced opset 17 (as the MADE export)
 PARITY_TOL = 1e-4  # |onnx - reference| <= PARITY_TOL * max(1, |reference|) for every logit
 TIE_TOL = 1e-4  # a reference top-2 logit gap below this (scaled like PARITY_TOL) is a float32 tie
 INT8_MIN_AGREEMENT = 0.9  # int8 labels must equal the fp32 reference ones on >= 90% of the parity rows
@@ -125,13 +118,7 @@ def build_image_onnx(served: ImageClassifierServed, toolkit_version: str = "0.1.
         doc_string=f"image classifier, {side}x{side} one-channel images flattened row-major -> "
         f"logits over {served.num_classes} classes and their argmax: " + ", ".join(served.layer_summary()),
     )
-    proto = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        ir_version=IR_VERSION,
-        producer_name="fcl-edge",
-        producer_version=str(toolkit_version),
-    )
+    proto = scaffold.model_proto(graph, toolkit_version)
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as exc:  # the checker raises several types
@@ -155,13 +142,6 @@ def _parity_inputs(served: ImageClassifierServed, parity_inputs: Any) -> tuple[n
     return a, f"parity_inputs:{a.shape[0]}"
 
 
-def _load(path: Path, what: str) -> ImageClassifierRuntime:
-    try:
-        return ImageClassifierRuntime(path)
-    except ModelFileError as exc:
-        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
-
-
 def _top2_gap(z: np.ndarray) -> np.ndarray:
     if z.shape[1] < 2:
         return np.full(len(z), np.inf)
@@ -172,14 +152,7 @@ def _top2_gap(z: np.ndarray) -> np.ndarray:
 def _compare(ref: np.ndarray, logits: np.ndarray, labels: np.ndarray, desc: str) -> dict[str, Any]:
     """Every logit within PARITY_TOL (scaled), and the graph's label the reference argmax except
     where the reference's own top-2 gap is a float32 tie."""
-    diff = np.abs(logits.astype(np.float64) - ref)
-    err = float(diff.max())
-    scaled = float((diff / np.maximum(1.0, np.abs(ref))).max())
-    if not scaled <= PARITY_TOL:  # also catches NaN
-        raise ExportError(
-            f"parity check failed: max |onnx - numpy| / max(1, |numpy|) = {scaled:.3g} > {PARITY_TOL:g} "
-            f"(max abs logit error {err:.3g}) on {len(ref)} rows ({desc})"
-        )
+    err, scaled = scaffold.check_logit_parity(logits, ref, PARITY_TOL, rows=len(ref), desc=desc, against="numpy")
     want = ref.argmax(axis=1)
     tie = _top2_gap(ref) <= TIE_TOL * np.maximum(1.0, np.abs(ref).max(axis=1))
     if not np.array_equal(labels, logits.argmax(axis=1)):
@@ -190,63 +163,44 @@ def _compare(ref: np.ndarray, logits: np.ndarray, labels: np.ndarray, desc: str)
             f"parity check failed: {int(bad.sum())} labels differ from the numpy reference (rows "
             f"{np.flatnonzero(bad)[:5].tolist()}; {desc})"
         )
-    return {
-        "max_abs_err": err,
-        "max_scaled_err": scaled,
-        "label_agreement": float((labels == want).mean()),
-        "float32_ties": int((tie & (labels != want)).sum()),
-    }
+    return scaffold.label_report(err, scaled, labels, want, tie)
 
 
-def _export_int8(
-    fp32_tmp: Path,
-    q_tmp: Path,
-    q_path: Path,
-    ref: np.ndarray,
-    x: np.ndarray,
-    desc: str,
-    metadata: dict[str, Any],
-    min_agreement: float,
-) -> dict[str, Any]:
-    quantize_int8(fp32_tmp, q_tmp)
-    proto = onnx.load(q_tmp)
-    meta = dict(metadata, quantization="int8-dynamic", int8_label_agreement=0.0)
-    meta.update(int8_min_agreement=min_agreement, int8_eval=desc)
-    write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
-    logits, labels = _load(q_tmp, "int8").classify(x)
-    if not np.isfinite(logits).all():
-        raise ExportError("the int8 model produces non-finite logits")
-    agree = float((labels == ref.argmax(axis=1)).mean())
-    if not agree >= min_agreement:
-        raise ExportError(
-            f"int8 label agreement with the fp32 reference is {agree:.4f} < {min_agreement:g} on {len(x)} rows "
-            f"({desc}); nothing written"
+class _Int8(scaffold.Int8Copy):
+    """The int8 copy must give the reference label on ``min_agreement`` of the parity images."""
+
+    def __init__(
+        self, fp32_tmp: Path, metadata: dict[str, Any], desc: str, min_agreement: float, ref: np.ndarray, x: np.ndarray
+    ) -> None:
+        super().__init__(fp32_tmp, metadata, desc, min_agreement)
+        self.ref, self.x, self.max_abs_err = ref, x, 0.0
+
+    def load(self, path: Path) -> ImageClassifierRuntime:
+        return ImageClassifierRuntime(path)
+
+    def measure(self, rt: ImageClassifierRuntime) -> tuple[tuple[np.ndarray, ...], dict[str, float]]:
+        logits, labels = rt.classify(self.x)
+        if not np.isfinite(logits).all():
+            raise ExportError("the int8 model produces non-finite logits")
+        self.max_abs_err = float(np.max(np.abs(logits.astype(np.float64) - self.ref)))
+        return (labels,), {"int8_label_agreement": float((labels == self.ref.argmax(axis=1)).mean())}
+
+    def refusal(self, agree: float) -> str:
+        return (
+            f"int8 label agreement with the fp32 reference is {agree:.4f} < {self.min_agreement:g} on {len(self.x)} "
+            f"rows ({self.desc}); nothing written"
         )
-    meta["int8_label_agreement"] = agree
-    write_synced(q_tmp, seal(proto, meta).SerializeToString())
-    rt = _load(q_tmp, "int8")
-    if not np.array_equal(rt.classify(x)[1], labels):
-        raise ExportError("the sealed int8 model disagrees with the measured one")
-    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
-    return {
-        "int8_path": str(q_path),
-        "int8_bytes": size_q,
-        "int8_size_ratio": size_q / size_fp32,
-        "int8_label_agreement": agree,
-        "int8_min_agreement": min_agreement,
-        "int8_max_abs_err": float(np.max(np.abs(logits.astype(np.float64) - ref))),
-        "int8_sha256": rt.metadata["weights_sha256"],
-    }
+
+    def extras(self, proto: Any, answers: tuple[np.ndarray, ...]) -> dict[str, Any]:
+        return {"int8_max_abs_err": self.max_abs_err}
 
 
 def export_image_classifier(
     served: Any,
     path: str | os.PathLike,
     *,
-    parity_inputs: np.ndarray | None = None,
-    int8: bool = False,
-    toolkit_version: str = "0.1.0",
     int8_min_agreement: float = INT8_MIN_AGREEMENT,
+    **options: Unpack[scaffold.ExportOptions],
 ) -> dict[str, Any]:
     """Export an :class:`~fclcore.served.ImageClassifierServed` to ``path`` (verified, atomic) and
     return a report.
@@ -260,44 +214,23 @@ def export_image_classifier(
     ``quantize_dynamic``, per-channel int8 weights) must give the reference label on at least
     ``int8_min_agreement`` of the parity rows; both files are published only if both pass.
     Raises :class:`ExportError`."""
-    path = Path(path)
+    parity_inputs, int8, toolkit_version = scaffold.export_options(options)
     served = _as_served(served)
-    if not path.parent.is_dir():
-        raise ExportError(f"output directory {path.parent} does not exist")
-    if not 0.0 <= int8_min_agreement <= 1.0:
-        raise ExportError(f"int8_min_agreement must be in [0, 1], got {int8_min_agreement}")
+    path = scaffold.check_destination(path)
+    scaffold.check_min_agreement(int8_min_agreement)
     x, desc = _parity_inputs(served, parity_inputs)
     ref = served.logits(x)
     if not np.isfinite(ref).all():
         raise ExportError(f"the reference logits are not finite on the parity rows ({desc})")
     metadata = image_metadata(served, toolkit_version)
     proto = build_image_onnx(served, toolkit_version)
-    temps: list[Path] = []
-    try:
-        tmp = temp_path(path)
-        temps.append(tmp)
+    with scaffold.staged(path) as (tmp, temps):
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
-        rt = _load(tmp, "fp32")
-        wrong = [k for k, v in metadata.items() if rt.metadata.get(k) != v]
-        if wrong:
-            raise ExportError(f"exported metadata does not round-trip: {wrong}")
+        rt = scaffold.open_written(ImageClassifierRuntime, tmp, metadata)
         logits, labels = rt.classify(x)
-        report: dict[str, Any] = {
-            "path": str(path),
-            "bytes": tmp.stat().st_size,
-            "classes": served.num_classes,
-            "parity_rows": len(x),
-            "parity_data": desc,
-            **_compare(ref, logits, labels, desc),
-            "sha256": rt.metadata["weights_sha256"],
-        }
+        fields = {"classes": served.num_classes}
+        report = scaffold.fp32_report(path, tmp, fields, len(x), desc, _compare(ref, logits, labels, desc), rt)
         del rt
-        int8_fn = (
-            (lambda q_tmp, q_path: _export_int8(tmp, q_tmp, q_path, ref, x, desc, metadata, int8_min_agreement))
-            if int8
-            else None
-        )
+        int8_fn = _Int8(tmp, metadata, desc, int8_min_agreement, ref, x) if int8 else None
         return publish_export(tmp, path, temps, report, int8_fn)
-    finally:
-        remove_temps(temps)

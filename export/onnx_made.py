@@ -16,26 +16,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from export import _meta
-from export.publish import (
-    OPSET,
-    ExportError,
-    int8_path_for,
-    publish_export,
-    quiet_quantizer,
-    remove_temps,
-    seal,
-    temp_path,
-    write_synced,
-)
+from export import _meta, scaffold
+from export.publish import OPSET, ExportError, int8_path_for, publish_export, quantize_int8, seal, write_synced
 from fclcore.made_spec import input_order, made_masks, mask_for_param
 from fclcore.served import ServedModel
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "ServedModel",
@@ -48,7 +41,6 @@ __all__ = [
     "OPSET",
 ]
 
-IR_VERSION = 8  # the IR version that introduced opset 17: readable by older device runtimes
 PARITY_TOL = 1e-5
 _PARITY_RANDOM_ROWS = 64
 
@@ -120,13 +112,7 @@ def build_onnx(model: ServedModel, toolkit_version: str) -> onnx.ModelProto:
         doc_string=f"MADE D={d} hidden={list(cfg.hidden_sizes)} direct={cfg.direct} order_index={model.order_k}: "
         "x in {0,1}^D -> Bernoulli logits of p(x_d=1 | x_<d), <d in fcl.input_order",
     )
-    proto = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        ir_version=IR_VERSION,
-        producer_name="fcl-edge",
-        producer_version=str(toolkit_version),
-    )
+    proto = scaffold.model_proto(graph, toolkit_version)
     onnx.checker.check_model(proto)
     return seal(proto, base_metadata(model, toolkit_version))
 
@@ -161,23 +147,18 @@ def _reference(model: ServedModel, x: np.ndarray, given: np.ndarray | None, rand
     return ref.astype(np.float64)
 
 
-def _load_verified(path: Path, what: str) -> Any:
-    from export.runtime import MadeRuntime, ModelFileError
+def _load(path: Path) -> Any:
+    from export.runtime import MadeRuntime
 
-    try:
-        return MadeRuntime.load(path)
-    except ModelFileError as exc:
-        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
+    return MadeRuntime.load(path)
 
 
 def export_served_model(
     model: ServedModel,
     path: str | os.PathLike,
     *,
-    parity_inputs: np.ndarray | None = None,
-    int8: bool = False,
-    toolkit_version: str = "0.1.0",
     reference_logits: np.ndarray | None = None,
+    **options: Unpack[scaffold.ExportOptions],
 ) -> dict[str, Any]:
     """Write ``model`` as ONNX to ``path`` atomically, after verifying the written bytes.
 
@@ -196,26 +177,16 @@ def export_served_model(
     ``reference_logits``: the torch MADE's logits on ``parity_inputs``, computed by a process
     that has torch (the training daemon); given, the export itself runs without torch.
     """
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise ExportError(f"output directory {path.parent} does not exist")
+    parity_inputs, int8, toolkit_version = scaffold.export_options(options)
+    path = scaffold.check_destination(path)
     x, x_desc = _parity_inputs(model, parity_inputs)
     proto = build_onnx(model, toolkit_version)
-    temps: list[Path] = []
-    try:
-        tmp = temp_path(path)
-        temps.append(tmp)
+    with scaffold.staged(path) as (tmp, temps):
         write_synced(tmp, proto.SerializeToString())
-        rt = _load_verified(tmp, "fp32")
         expected = base_metadata(model, toolkit_version)
-        wrong = [k for k, v in expected.items() if rt.metadata.get(k) != v]
-        if wrong:
-            raise ExportError(f"exported metadata does not round-trip: {wrong}")
-        got = rt.logits(x).astype(np.float64)
+        rt = scaffold.open_written(_load, tmp, expected)
         ref = _reference(model, x, reference_logits, parity_inputs is None)
-        diff = np.abs(got - ref)
-        err = float(np.max(diff))
-        scaled = float(np.max(diff / np.maximum(1.0, np.abs(ref))))
+        err, scaled = scaffold.logit_errors(rt.logits(x), ref)
         if not scaled <= PARITY_TOL:  # also catches NaN
             raise ExportError(
                 f"parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
@@ -233,23 +204,16 @@ def export_served_model(
         }
         int8_fn = (lambda q_tmp, q_path: _export_int8(rt, tmp, q_tmp, q_path, x, x_desc, expected)) if int8 else None
         return publish_export(tmp, path, temps, report, int8_fn)
-    finally:
-        remove_temps(temps)
 
 
 def _export_int8(
     fp32_rt: Any, fp32_tmp: Path, q_tmp: Path, q_path: Path, x: np.ndarray, x_desc: str, metadata: dict[str, Any]
 ) -> dict[str, Any]:
     import onnxruntime as ort
-    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from export.runtime import session_options
 
-    try:
-        with quiet_quantizer():
-            quantize_dynamic(fp32_tmp, q_tmp, weight_type=QuantType.QInt8, per_channel=False)
-    except Exception as exc:
-        raise ExportError(f"int8 quantisation failed: {exc}") from exc
+    quantize_int8(fp32_tmp, q_tmp, per_channel=False)
     proto = onnx.load(q_tmp)
     # Measure the NLL change before sealing (row by row: activation scales are per tensor).
     sess = ort.InferenceSession(
@@ -263,15 +227,12 @@ def _export_int8(
         raise ExportError("int8 model produces non-finite log-likelihoods")
     meta = dict(metadata, quantization="int8-dynamic", int8_nll_delta=delta, int8_eval=x_desc)
     write_synced(q_tmp, seal(proto, meta).SerializeToString())
-    rt = _load_verified(q_tmp, "int8")
+    rt = scaffold.load_verified(_load, q_tmp, "int8")
     check = float(np.max(np.abs(-rt.log_likelihood(x) - nll_q)))
     if check > 1e-3:
         raise ExportError(f"sealed int8 model disagrees with the measured one by {check:.3g} nats")
-    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
     return {
-        "int8_path": str(q_path),
-        "int8_bytes": size_q,
-        "int8_size_ratio": size_q / size_fp32,
+        **scaffold.int8_sizes(fp32_tmp, q_tmp, q_path),
         "int8_nll_delta": delta,
         "int8_sha256": rt.metadata["weights_sha256"],
     }

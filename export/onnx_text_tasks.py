@@ -25,26 +25,21 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import onnx
 import torch
 from torch import nn
 
-from export.publish import (
-    ExportError,
-    publish_export,
-    quantize_int8,
-    remove_temps,
-    seal,
-    temp_path,
-    write_synced,
-)
-from export.runtime import ModelFileError
+from export import scaffold
+from export.publish import ExportError, publish_export, seal, write_synced
 from export.text_export import parity_token_rows, tokenizer_metadata, trace_token_model
 from export.text_tasks_runtime import FORMAT, TextTasksRuntime
 from fclcore.served import TextTasksServed
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "export_text_tasks",
@@ -190,15 +185,7 @@ def _compare(ref: np.ndarray, got: np.ndarray, labels: Sequence[Sequence[int]], 
     same_inf = np.array_equal(finite, np.isfinite(got)) and np.array_equal(ref[~finite], got[~finite])
     if np.isnan(got).any() or not same_inf:
         raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
-    r, g = ref[finite].astype(np.float64), got[finite].astype(np.float64)
-    diff = np.abs(g - r)
-    err = float(diff.max()) if diff.size else 0.0
-    scaled = float((diff / np.maximum(1.0, np.abs(r))).max()) if diff.size else 0.0
-    if not scaled <= PARITY_TOL:
-        raise ExportError(
-            f"{what} parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
-            f"{PARITY_TOL:g} (max abs logit error {err:.3g}) on {len(ref)} rows ({desc})"
-        )
+    err, scaled = scaffold.check_logit_parity(got[finite], ref[finite], PARITY_TOL, rows=len(ref), desc=desc, what=what)
     want, gaps = task_labels(ref, labels)
     have, _ = task_labels(got, labels)
     scale = np.abs(np.where(np.isfinite(ref), ref, 0.0)).max(axis=2)  # (N, T)
@@ -206,64 +193,41 @@ def _compare(ref: np.ndarray, got: np.ndarray, labels: Sequence[Sequence[int]], 
     bad = (have != want) & ~tie
     if bad.any():
         raise ExportError(f"{what} parity check failed: {int(bad.sum())} (row, task) labels differ from torch ({desc})")
-    return {
-        "max_abs_err": err,
-        "max_scaled_err": scaled,
-        "label_agreement": float((have == want).mean()),
-        "float32_ties": int((tie & (have != want)).sum()),
-    }
+    return scaffold.label_report(err, scaled, have, want, tie)
 
 
 # ------------------------------------------------------------------ int8
 
 
-def _load(path: Path, what: str) -> TextTasksRuntime:
-    try:
+class _Int8(scaffold.Int8Copy):
+    """The int8 copy must give torch's label on ``min_agreement`` of the (parity row, task) pairs."""
+
+    def __init__(
+        self,
+        fp32_tmp: Path,
+        metadata: dict[str, Any],
+        min_agreement: float,
+        ref: np.ndarray,
+        labels: Sequence[Sequence[int]],
+        rows: tuple[np.ndarray, np.ndarray, str],
+    ) -> None:
+        super().__init__(fp32_tmp, metadata, rows[2], min_agreement)
+        self.ref, self.labels, self.rows = ref, labels, rows
+
+    def load(self, path: Path) -> TextTasksRuntime:
         return TextTasksRuntime(path, tokenizer=False)
-    except ModelFileError as exc:
-        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
 
+    def measure(self, rt: TextTasksRuntime) -> tuple[tuple[np.ndarray, ...], dict[str, float]]:
+        logits = rt.predict_ids(*self.rows[:2])
+        _check_layout(logits, self.labels, "int8")
+        have, _ = task_labels(logits, self.labels)
+        return (have,), {"int8_label_agreement": float((have == task_labels(self.ref, self.labels)[0]).mean())}
 
-def _export_int8(
-    fp32_tmp: Path,
-    q_tmp: Path,
-    q_path: Path,
-    ref: np.ndarray,
-    labels: Sequence[Sequence[int]],
-    rows: tuple[np.ndarray, np.ndarray, str],
-    metadata: dict[str, Any],
-    min_agreement: float,
-) -> dict[str, Any]:
-    ids, mask, desc = rows
-    quantize_int8(fp32_tmp, q_tmp)
-    proto = onnx.load(q_tmp)
-    meta = dict(metadata, quantization="int8-dynamic", int8_label_agreement=0.0)
-    meta.update(int8_min_agreement=min_agreement, int8_eval=desc)
-    write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
-    logits = _load(q_tmp, "int8").predict_ids(ids, mask)
-    _check_layout(logits, labels, "int8")
-    want, _ = task_labels(ref, labels)
-    have, _ = task_labels(logits, labels)
-    agree = float((have == want).mean())
-    if not agree >= min_agreement:
-        raise ExportError(
-            f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows x "
-            f"{len(labels)} tasks ({desc}); nothing written"
+    def refusal(self, agree: float) -> str:
+        return (
+            f"int8 label agreement with torch fp32 is {agree:.4f} < {self.min_agreement:g} on {len(self.rows[0])} "
+            f"rows x {len(self.labels)} tasks ({self.desc}); nothing written"
         )
-    meta["int8_label_agreement"] = agree
-    write_synced(q_tmp, seal(proto, meta).SerializeToString())
-    rt = _load(q_tmp, "int8")
-    if not np.array_equal(task_labels(rt.predict_ids(ids, mask), labels)[0], have):
-        raise ExportError("the sealed int8 model disagrees with the measured one")
-    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
-    return {
-        "int8_path": str(q_path),
-        "int8_bytes": size_q,
-        "int8_size_ratio": size_q / size_fp32,
-        "int8_label_agreement": agree,
-        "int8_min_agreement": min_agreement,
-        "int8_sha256": rt.metadata["weights_sha256"],
-    }
 
 
 # ------------------------------------------------------------------ export
@@ -283,11 +247,9 @@ def export_text_tasks(
     served: Any,
     path: str | os.PathLike,
     *,
-    parity_inputs: np.ndarray | None = None,
-    int8: bool = False,
-    toolkit_version: str = "0.1.0",
     tokenizer_json: str | os.PathLike | None = None,
     int8_min_agreement: float = INT8_MIN_AGREEMENT,
+    **options: Unpack[scaffold.ExportOptions],
 ) -> dict[str, Any]:
     """Export a :class:`~fclcore.served.TextTasksServed` to ``path`` (verified, atomic) and return a report.
 
@@ -301,12 +263,10 @@ def export_text_tasks(
     ``int8_min_agreement`` of the (parity row, task) pairs; both files are published only if
     both pass.  The recorded ``fcl.method`` is ``served.method`` (an empty one is refused).
     Raises :class:`ExportError`."""
-    path = Path(path)
+    parity_inputs, int8, toolkit_version = scaffold.export_options(options)
     served = _as_served(served)
-    if not path.parent.is_dir():
-        raise ExportError(f"output directory {path.parent} does not exist")
-    if not 0.0 <= int8_min_agreement <= 1.0:
-        raise ExportError(f"int8_min_agreement must be in [0, 1], got {int8_min_agreement}")
+    path = scaffold.check_destination(path)
+    scaffold.check_min_agreement(int8_min_agreement)
     labels = [list(row) for row in served.labels]
     tok_meta, vocab = tokenizer_metadata(tokenizer_json if tokenizer_json is not None else _default_tokenizer())
     metadata: dict[str, Any] = {
@@ -329,32 +289,12 @@ def export_text_tasks(
         ref = reference_logits(served.module, ids, mask)
         _check_layout(ref, labels, "the served module's")
         proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
-    temps: list[Path] = []
-    try:
-        tmp = temp_path(path)
-        temps.append(tmp)
+    with scaffold.staged(path) as (tmp, temps):
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
-        rt = _load(tmp, "fp32")
-        wrong = [k for k, v in metadata.items() if rt.metadata.get(k) != v]
-        if wrong:
-            raise ExportError(f"exported metadata does not round-trip: {wrong}")
-        report: dict[str, Any] = {
-            "path": str(path),
-            "bytes": tmp.stat().st_size,
-            "tasks": len(labels),
-            "labels": labels,
-            "parity_rows": len(ids),
-            "parity_data": desc,
-            **_compare(ref, rt.predict_ids(ids, mask), labels, "fp32", desc),
-            "sha256": rt.metadata["weights_sha256"],
-        }
+        rt = scaffold.open_written(lambda p: TextTasksRuntime(p, tokenizer=False), tmp, metadata)
+        parity = _compare(ref, rt.predict_ids(ids, mask), labels, "fp32", desc)
+        report = scaffold.fp32_report(path, tmp, {"tasks": len(labels), "labels": labels}, len(ids), desc, parity, rt)
         del rt
-        int8_fn = (
-            (lambda q_tmp, q_path: _export_int8(tmp, q_tmp, q_path, ref, labels, rows, metadata, int8_min_agreement))
-            if int8
-            else None
-        )
+        int8_fn = _Int8(tmp, metadata, int8_min_agreement, ref, labels, rows) if int8 else None
         return publish_export(tmp, path, temps, report, int8_fn)
-    finally:
-        remove_temps(temps)

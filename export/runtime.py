@@ -33,7 +33,16 @@ from export._proto import INTEGRITY_KEY, ProtoError, integrity_digest, parse_mod
 from fclcore.errors import BadInput
 from fclcore.npfile import refusal
 
-__all__ = ["ModelFileError", "InputError", "MadeRuntime", "ModelWatcher", "load_inputs", "parse_row", "session_options"]
+__all__ = [
+    "ModelFileError",
+    "InputError",
+    "MadeRuntime",
+    "ModelWatcher",
+    "identity",
+    "load_inputs",
+    "parse_row",
+    "session_options",
+]
 
 log = logging.getLogger("fcl.export.runtime")
 
@@ -130,6 +139,16 @@ def _check_io(session: ort.InferenceSession, meta: dict[str, Any], path: str) ->
             f"{path}: expected one output 'logits' of shape [batch, {d}], got "
             + ", ".join(f"{o.name}{o.shape}" for o in outs)
         )
+
+
+def identity(path: str, metadata: dict[str, Any], *entries: str | tuple[str, Any]) -> dict[str, Any]:
+    """What a runtime's ``describe()`` says of its model, in order: the path, then per entry a
+    metadata key (its value) or a ``(name, value)`` pair the runtime computes."""
+    out: dict[str, Any] = {"path": path}
+    for entry in entries:
+        name, value = (entry, metadata[entry]) if isinstance(entry, str) else entry
+        out[name] = value
+    return out
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
@@ -290,15 +309,7 @@ class MadeRuntime:
 
     def describe(self) -> dict[str, Any]:
         """Identity of the loaded model, for logs and JSON answers."""
-        m = self.metadata
-        return {
-            "path": self.path,
-            "method": m["method"],
-            "task": m["task"],
-            "order_index": m["order_index"],
-            "quantization": m["quantization"],
-            "weights_sha256": m["weights_sha256"],
-        }
+        return identity(self.path, self.metadata, "method", "task", "order_index", "quantization", "weights_sha256")
 
 
 class ModelWatcher:

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from export.publish import ExportError, publish_export, quantize_int8, remove_temps, seal, temp_path, write_synced
+from export import scaffold
+from export.publish import ExportError, publish_export, quantize_int8, seal, write_synced
 from fclcore.procmem import release_free_memory
 
 __all__ = [
@@ -59,41 +60,13 @@ def verify_and_publish(tmp: Path, temps: list[Path], checks: dict[str, Any]) -> 
     path, metadata, parity = Path(checks["path"]), checks["metadata"], checks["parity"]
     ids, mask, desc = parity["ids"], parity["mask"], parity["desc"]
     ref = {k: parity[k] for k in _PARITY[2:]}
-    rt = _load(tmp, "fp32")
-    wrong = [k for k, v in metadata.items() if rt.metadata.get(k) != v]
-    if wrong:
-        raise ExportError(f"exported metadata does not round-trip: {wrong}")
+    rt = scaffold.open_written(_runtime, tmp, metadata)
     labels, routes, logits = rt.predict_ids(ids, mask)
-    report: dict[str, Any] = {
-        "path": str(path),
-        "bytes": tmp.stat().st_size,
-        "classes": checks["classes"],
-        "groups": checks["groups"],
-        "parity_rows": len(ids),
-        "parity_data": desc,
-        **_compare(ref, labels, routes, logits, "fp32", desc),
-        "sha256": rt.metadata["weights_sha256"],
-    }
+    fields = {"classes": checks["classes"], "groups": checks["groups"]}
+    parity = _compare(ref, labels, routes, logits, "fp32", desc)
+    report = scaffold.fp32_report(path, tmp, fields, len(ids), desc, parity, rt)
     del rt
-    int8_fn = (
-        (
-            lambda q_tmp, q_path: _export_int8(
-                tmp,
-                q_tmp,
-                q_path,
-                ref,
-                ids,
-                mask,
-                desc,
-                metadata,
-                checks["int8_min_agreement"],
-                checks["int8_per_channel"],
-                checks["int8_exclude_selector"],
-            )
-        )
-        if checks["int8"]
-        else None
-    )
+    int8_fn = _Int8(tmp, metadata, ref, (ids, mask, desc), checks) if checks["int8"] else None
     return publish_export(tmp, path, temps, report, int8_fn)
 
 
@@ -134,10 +107,7 @@ def finish_stage(stage_dir: Path) -> dict[str, Any]:
             raise TypeError("metadata is not a dict")
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{stage_dir}: not a complete export stage ({exc!r})") from None
-    temps: list[Path] = []
-    try:
-        tmp = temp_path(path)  # next to the target, so that publishing it is a rename
-        temps.append(tmp)
+    with scaffold.staged(path) as (tmp, temps):  # next to the target, so that publishing it is a rename
         proto = load_staged_model(stage_dir / "model.onnx")
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
@@ -148,8 +118,6 @@ def finish_stage(stage_dir: Path) -> dict[str, Any]:
         except onnx.checker.ValidationError as exc:
             raise ExportError(f"the staged model fails the ONNX checker: {exc}") from None
         return verify_and_publish(tmp, temps, checks)
-    finally:
-        remove_temps(temps)
 
 
 def load_staged_model(path: Path) -> onnx.ModelProto:
@@ -202,14 +170,7 @@ def _compare(
     finite = np.isfinite(r)
     if not np.array_equal(finite, np.isfinite(g)) or np.isnan(g).any():
         raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
-    diff = np.abs(g[finite] - r[finite])
-    err = float(diff.max()) if diff.size else 0.0
-    scaled = float((diff / np.maximum(1.0, np.abs(r[finite]))).max()) if diff.size else 0.0
-    if not scaled <= PARITY_TOL:
-        raise ExportError(
-            f"{what} parity check failed: max |onnx - torch| / max(1, |torch|) = {scaled:.3g} > "
-            f"{PARITY_TOL:g} (max abs logit error {err:.3g}) on {len(labels)} rows ({desc})"
-        )
+    err, scaled = scaffold.check_logit_parity(g[finite], r[finite], PARITY_TOL, rows=len(labels), desc=desc, what=what)
     return {
         "max_abs_err": err,
         "max_scaled_err": scaled,
@@ -238,73 +199,59 @@ def _stack_gathers(proto: onnx.ModelProto) -> list[str]:
     return [n.name for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in names]
 
 
-def _quantize(src: Path, dst: Path, exclude: list[str], per_channel: bool) -> None:
-    quantize_int8(src, dst, exclude, per_channel)
-
-
-def _load(path: Path, what: str) -> Any:
+def _runtime(path: Path) -> Any:
     """The torch-free runtime on ``path`` (``export.text_runtime.TextClassifierRuntime``)."""
-    from export.runtime import ModelFileError
     from export.text_runtime import TextClassifierRuntime
 
-    try:
-        return TextClassifierRuntime(path, tokenizer=False)
-    except ModelFileError as exc:
-        raise ExportError(f"the exported {what} model failed validation: {exc}") from None
+    return TextClassifierRuntime(path, tokenizer=False)
 
 
-def _export_int8(
-    fp32_tmp: Path,
-    q_tmp: Path,
-    q_path: Path,
-    ref: dict[str, np.ndarray],
-    ids: np.ndarray,
-    mask: np.ndarray,
-    desc: str,
-    metadata: dict[str, Any],
-    min_agreement: float,
-    per_channel: bool,
-    exclude_selector: bool,
-) -> dict[str, Any]:
-    proto = onnx.load(fp32_tmp, load_external_data=False)
-    exclude = (_selector_nodes(proto) if exclude_selector else []) + _stack_gathers(proto)
-    del proto  # the quantiser loads its own copy: not two fp32 models at its peak
-    gc.collect()
-    release_free_memory()
-    _quantize(fp32_tmp, q_tmp, exclude, per_channel)
-    proto = onnx.load(q_tmp)
-    meta = dict(
-        metadata,
-        quantization="int8-dynamic",
-        int8_label_agreement=0.0,
-        int8_group_agreement=0.0,
-        int8_min_agreement=min_agreement,
-        int8_eval=desc,
-    )
-    write_synced(q_tmp, seal(proto, meta).SerializeToString())  # provisional, to measure with the real runtime
-    labels, groups, _ = _load(q_tmp, "int8").predict_ids(ids, mask)
-    agree, g_agree = float((labels == ref["label"]).mean()), float((groups == ref["group"]).mean())
-    if not agree >= min_agreement:
-        raise ExportError(
-            f"int8 label agreement with torch fp32 is {agree:.4f} < {min_agreement:g} on {len(ids)} rows "
-            f"({desc}); nothing written"
+class _Int8(scaffold.Int8Copy):
+    """The int8 copy: torch's label on ``int8_min_agreement`` of the parity rows (its group
+    agreement recorded too); the selector and the stacked groups stay fp32."""
+
+    agreements = ("int8_label_agreement", "int8_group_agreement")
+
+    def __init__(
+        self,
+        fp32_tmp: Path,
+        metadata: dict[str, Any],
+        ref: dict[str, np.ndarray],
+        rows: tuple[np.ndarray, np.ndarray, str],
+        checks: dict[str, Any],
+    ) -> None:
+        super().__init__(fp32_tmp, metadata, rows[2], checks["int8_min_agreement"])
+        self.ref, self.rows = ref, rows
+        self.per_channel, self.exclude_selector = checks["int8_per_channel"], checks["int8_exclude_selector"]
+        self.exclude: list[str] = []
+
+    def quantize(self, q_tmp: Path) -> None:
+        proto = onnx.load(self.fp32_tmp, load_external_data=False)
+        self.exclude = (_selector_nodes(proto) if self.exclude_selector else []) + _stack_gathers(proto)
+        del proto  # the quantiser loads its own copy: not two fp32 models at its peak
+        gc.collect()
+        release_free_memory()
+        quantize_int8(self.fp32_tmp, q_tmp, self.exclude, self.per_channel)
+
+    def load(self, path: Path) -> Any:
+        return _runtime(path)
+
+    def measure(self, rt: Any) -> tuple[tuple[np.ndarray, ...], dict[str, float]]:
+        labels, groups, _ = rt.predict_ids(*self.rows[:2])
+        return (labels, groups), {
+            "int8_label_agreement": float((labels == self.ref["label"]).mean()),
+            "int8_group_agreement": float((groups == self.ref["group"]).mean()),
+        }
+
+    def refusal(self, agree: float) -> str:
+        return (
+            f"int8 label agreement with torch fp32 is {agree:.4f} < {self.min_agreement:g} on {len(self.rows[0])} rows "
+            f"({self.desc}); nothing written"
         )
-    meta.update(int8_label_agreement=agree, int8_group_agreement=g_agree)
-    write_synced(q_tmp, seal(proto, meta).SerializeToString())
-    rt = _load(q_tmp, "int8")
-    again, g_again, _ = rt.predict_ids(ids, mask)
-    if not (np.array_equal(again, labels) and np.array_equal(g_again, groups)):
-        raise ExportError("the sealed int8 model disagrees with the measured one")
-    size_fp32, size_q = fp32_tmp.stat().st_size, q_tmp.stat().st_size
-    return {
-        "int8_path": str(q_path),
-        "int8_bytes": size_q,
-        "int8_size_ratio": size_q / size_fp32,
-        "int8_label_agreement": agree,
-        "int8_group_agreement": g_agree,
-        "int8_min_agreement": min_agreement,
-        "int8_excluded_nodes": exclude,
-        "int8_quantized_ops": sorted({n.op_type for n in proto.graph.node if n.op_type in _INT8_OPS}),
-        "int8_per_channel": per_channel,
-        "int8_sha256": rt.metadata["weights_sha256"],
-    }
+
+    def extras(self, proto: onnx.ModelProto, answers: tuple[np.ndarray, ...]) -> dict[str, Any]:
+        return {
+            "int8_excluded_nodes": self.exclude,
+            "int8_quantized_ops": sorted({n.op_type for n in proto.graph.node if n.op_type in _INT8_OPS}),
+            "int8_per_channel": self.per_channel,
+        }

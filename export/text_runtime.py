@@ -69,6 +69,7 @@ from export.runtime import (
     MAX_MODEL_BYTES,
     InputError,
     ModelFileError,
+    identity,
     open_validated,
     session_options,
     validate_model_bytes,
@@ -132,18 +133,12 @@ OPTIONAL: dict[str, Callable[[str, str], Any]] = {
     "int8_eval": _meta._text(False),
     "backbone_passes": _meta._int(1),
 }
+_OTHER_FORMATS = {_meta.FORMAT: "a MADE model: use fcl infer --op loglik|conditionals|sample"}
 
 
 def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
     """Validate the ``fcl.*`` entries of a text-groups model; return them parsed, keys without the prefix."""
-    p = _meta.PREFIX
-    fmt = raw.get(p + "format")
-    if fmt is None:
-        raise _meta.MetadataError("no fcl.format metadata (not an fcl-edge export)")
-    if fmt != FORMAT:
-        hint = " (a MADE model: use fcl infer --op loglik|conditionals|sample)" if fmt == _meta.FORMAT else ""
-        raise _meta.MetadataError(f"fcl.format is {fmt[:40]!r}, this text runtime reads {FORMAT!r}{hint}")
-    out = _meta.read_entries(raw, REQUIRED, OPTIONAL)
+    out = _meta.read_format(raw, FORMAT, "this text runtime", REQUIRED, OPTIONAL, _OTHER_FORMATS)
     classes, groups, group_classes = out["classes"], out["groups"], out["group_classes"]
     if classes != sorted(set(classes)) or min(classes) < 0:
         raise _meta.MetadataError("fcl.classes must be sorted, distinct and >= 0")
@@ -166,12 +161,7 @@ def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
 
 def check_text_entries(out: dict[str, Any]) -> None:
     """The checks every text format shares: quantisation, int8 agreement, embedded tokenizer."""
-    if out["quantization"] not in ("none", "int8-dynamic"):
-        raise _meta.MetadataError(
-            f"fcl.quantization must be 'none' or 'int8-dynamic', got {out['quantization'][:40]!r}"
-        )
-    if out["quantization"] == "int8-dynamic" and "int8_label_agreement" not in out:
-        raise _meta.MetadataError("int8 model without fcl.int8_label_agreement")
+    _meta.check_quantization(out, "int8_label_agreement")
     if "tokenizer_json" in out:
         digest = sha256(out["tokenizer_json"].encode("utf-8")).hexdigest()
         if out.get("tokenizer_sha256", digest) != digest:
@@ -285,6 +275,7 @@ class TokenizedRuntime:
 
     parse_metadata: Callable[[dict[str, str]], dict[str, Any]]
     session_config: dict[str, str] = {}  # onnxruntime session config entries (add_session_config_entry)
+    described: tuple[str, ...] = ()  # the format's own metadata entries ``describe()`` names
 
     def __init__(
         self,
@@ -311,9 +302,18 @@ class TokenizedRuntime:
         self._tok, self.tokenizer_source = load_tokenizer(m, tokenizer_json, self.path) if tokenizer else (None, None)
         pad = self._tok.token_to_id("[PAD]") if self._tok is not None else None
         self.pad_id = 0 if pad is None else int(pad)
+        self._read_metadata(m)
+
+    def _read_metadata(self, m: dict[str, Any]) -> None:
+        """What a subclass keeps of its validated metadata, once the file is loaded."""
 
     def _check_io(self, session: ort.InferenceSession, meta: dict[str, Any], path: str) -> None:
         raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """Identity of the loaded model, for logs and JSON answers."""
+        entries = ("format", "method", "task", *self.described, "quantization", "max_length", "weights_sha256")
+        return identity(self.path, self.metadata, *entries, ("tokenizer", self.tokenizer_source))
 
     # ----------------------------------------------------------- token ids
     def _check_ids(self, ids: Any, mask: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -377,6 +377,7 @@ class TextClassifierRuntime(TokenizedRuntime):
     """A validated text classifier (text-groups format): ``classify(texts)`` -> one dict per text."""
 
     parse_metadata = staticmethod(parse_metadata)
+    described = ("classes", "groups")
     # onnxruntime's SkipLayerNormFusion (residual Add + LayerNormalization -> one kernel) makes
     # these graphs slower, not faster (onnxruntime 1.32, 1 thread): the fused kernel took 123 us
     # on a 64 x 384 input, Add + LayerNormalization 19 us; without the fusion the int8 batch-1
@@ -384,17 +385,9 @@ class TextClassifierRuntime(TokenizedRuntime):
     # change; benchmarks/results/fedet_export.md).  Results are the same up to float rounding.
     session_config = {"optimization.disable_specified_optimizers": "SkipLayerNormFusion"}
 
-    def __init__(
-        self,
-        model_path: str | os.PathLike,
-        tokenizer_json: str | os.PathLike | None = None,
-        *,
-        intra_op_threads: int | None = 1,
-        tokenizer: bool = True,
-    ) -> None:
-        super().__init__(model_path, tokenizer_json, intra_op_threads=intra_op_threads, tokenizer=tokenizer)
-        self.classes = np.asarray(self.metadata["classes"], dtype=np.int64)
-        self.class_names: list[str] | None = self.metadata.get("class_names")
+    def _read_metadata(self, m: dict[str, Any]) -> None:
+        self.classes = np.asarray(m["classes"], dtype=np.int64)
+        self.class_names: list[str] | None = m.get("class_names")
 
     def _check_io(self, session: ort.InferenceSession, meta: dict[str, Any], path: str) -> None:
         _check_io(session, meta, path)
@@ -436,18 +429,3 @@ class TextClassifierRuntime(TokenizedRuntime):
                 row["class_name"] = self.class_names[int(col)]
             out.append(row)
         return out
-
-    def describe(self) -> dict[str, Any]:
-        m = self.metadata
-        return {
-            "path": self.path,
-            "format": m["format"],
-            "method": m["method"],
-            "task": m["task"],
-            "classes": m["classes"],
-            "groups": m["groups"],
-            "quantization": m["quantization"],
-            "max_length": m["max_length"],
-            "weights_sha256": m["weights_sha256"],
-            "tokenizer": self.tokenizer_source,
-        }

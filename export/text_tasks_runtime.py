@@ -35,7 +35,6 @@ Metadata (``fcl.*``; JSON unless noted):
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -78,13 +77,7 @@ _OTHER_FORMATS = {
 
 def parse_metadata(raw: dict[str, str]) -> dict[str, Any]:
     """Validate the ``fcl.*`` entries of a text-tasks model; return them parsed, keys without the prefix."""
-    fmt = raw.get(_meta.PREFIX + "format")
-    if fmt is None:
-        raise _meta.MetadataError("no fcl.format metadata (not an fcl-edge export)")
-    if fmt != FORMAT:
-        hint = f" ({_OTHER_FORMATS[fmt]})" if fmt in _OTHER_FORMATS else ""
-        raise _meta.MetadataError(f"fcl.format is {fmt[:40]!r}, this text-tasks runtime reads {FORMAT!r}{hint}")
-    out = _meta.read_entries(raw, REQUIRED, OPTIONAL)
+    out = _meta.read_format(raw, FORMAT, "this text-tasks runtime", REQUIRED, OPTIONAL, _OTHER_FORMATS)
     labels, n_names = out["labels"], len(out["class_names"])
     if out["task"] != len(labels) - 1:
         raise _meta.MetadataError(f"fcl.task is {out['task']}, fcl.labels lists {len(labels)} tasks")
@@ -107,23 +100,16 @@ def _softmax_top(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class TextTasksRuntime(TokenizedRuntime):
-    """A validated task-incremental text classifier: ``classify(texts, task)``."""
+    """A validated task-incremental text classifier: ``classify(texts, task)``.  Loading raises
+    :class:`ModelFileError` for the file and :class:`~export.text_runtime.TokenizerError` for its
+    tokenizer (``tokenizer=False``: token ids only)."""
 
     parse_metadata = staticmethod(parse_metadata)
+    described = ("labels",)
 
-    def __init__(
-        self,
-        model_path: str | os.PathLike,
-        tokenizer_json: str | os.PathLike | None = None,
-        *,
-        intra_op_threads: int | None = 1,
-        tokenizer: bool = True,
-    ) -> None:
-        """Load and validate ``model_path`` (:class:`ModelFileError`) and its tokenizer
-        (:class:`~export.text_runtime.TokenizerError`; ``tokenizer=False``: token ids only)."""
-        super().__init__(model_path, tokenizer_json, intra_op_threads=intra_op_threads, tokenizer=tokenizer)
-        self.labels: list[list[int]] = self.metadata["labels"]
-        self.class_names: list[str] = self.metadata["class_names"]
+    def _read_metadata(self, m: dict[str, Any]) -> None:
+        self.labels: list[list[int]] = m["labels"]
+        self.class_names: list[str] = m["class_names"]
         self.num_tasks = len(self.labels)
         self.width = max(len(row) for row in self.labels)
 
@@ -204,17 +190,3 @@ class TextTasksRuntime(TokenizedRuntime):
         if task is not None:
             return per_task[0]
         return [list(row) for row in zip(*per_task)] if per_task else []
-
-    def describe(self) -> dict[str, Any]:
-        m = self.metadata
-        return {
-            "path": self.path,
-            "format": m["format"],
-            "method": m["method"],
-            "task": m["task"],
-            "labels": m["labels"],
-            "quantization": m["quantization"],
-            "max_length": m["max_length"],
-            "weights_sha256": m["weights_sha256"],
-            "tokenizer": self.tokenizer_source,
-        }

@@ -23,6 +23,38 @@ def test_formats_match_the_served_classes():
     assert tuple(c.format for c in classes) == FORMATS
 
 
+def test_each_registered_format_names_its_exporter_and_runtime():
+    """The registry's references resolve, and each format's files carry its runtime's format."""
+    from export import _meta, image_runtime, text_runtime, text_tasks_runtime
+    from export.formats import REGISTRY, ServedFormat, register
+    from export.image_runtime import ImageClassifierRuntime
+    from export.runtime import MadeRuntime
+    from export.text_runtime import TextClassifierRuntime
+    from export.text_tasks_runtime import TextTasksRuntime
+
+    runtimes = {
+        "made": (MadeRuntime, _meta.FORMAT),
+        "text-groups": (TextClassifierRuntime, text_runtime.FORMAT),
+        "text-tasks": (TextTasksRuntime, text_tasks_runtime.FORMAT),
+        "image-classifier": (ImageClassifierRuntime, image_runtime.FORMAT),
+    }
+    assert tuple(REGISTRY) == FORMATS == tuple(runtimes)
+    for name, fmt in REGISTRY.items():
+        assert fmt.name == name and callable(fmt.load_exporter())
+        assert (fmt.load_runtime(), fmt.file_format) == runtimes[name]
+    with pytest.raises(ValueError, match="already registered"):
+        register(ServedFormat("made", "x", "export.onnx_made:export_served_model", "export.runtime:MadeRuntime"))
+
+
+def test_exporters_refuse_unknown_options(tmp_path):
+    from export.onnx_made import export_served_model
+
+    cfg = MadeConfig(6, (8,))
+    with pytest.raises(TypeError, match="parity_rows"):
+        export_served_model(ServedModel(cfg, init_params(cfg, 0), 1, "fedavg", 2), tmp_path / "m.onnx", parity_rows=3)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_made_export(tmp_path):
     from export.runtime import MadeRuntime
 

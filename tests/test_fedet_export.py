@@ -222,7 +222,7 @@ def test_int8_is_smaller_and_reports_agreement(tmp_path):
 def test_int8_below_threshold_publishes_nothing(client, held_out, tmp_path, monkeypatch):
     import export.text_groups_verify as mod  # the checks' half of the export (torch-free)
 
-    real = mod._quantize
+    real = mod.quantize_int8
 
     def broken(src, dst, exclude, per_channel):  # an int8 model that always answers with one class
         real(src, dst, exclude, per_channel)
@@ -234,7 +234,7 @@ def test_int8_below_threshold_publishes_nothing(client, held_out, tmp_path, monk
                 t.CopyFrom(numpy_helper.from_array(b, t.name))
         onnx.save(proto, dst)
 
-    monkeypatch.setattr(mod, "_quantize", broken)
+    monkeypatch.setattr(mod, "quantize_int8", broken)
     with pytest.raises(ExportError, match="int8 label agreement"):
         export_client_text_classifier(
             client,
