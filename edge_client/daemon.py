@@ -56,7 +56,7 @@ from fclcore.runid import check_run_id, is_newer
 from fclcore.schedule import RoundPlace
 from fclcore.schema import ClientConfig, FederationSpec
 from fclcore.sdnotify import Notifier, WatchdogThread
-from fclcore.signing import read_key, sign
+from fclcore.signing import read_key, sign, verify
 from fclcore.transport import MqttLink, TransportError, parse_status
 
 log = logging.getLogger(__name__)
@@ -792,6 +792,9 @@ class ClientDaemon:
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
         payload = self._frame(Kind.UPDATE, rnd, task, meta, tensors)
+        if self.learner.reads_upload:  # error feedback: what coding lost stays in the learner (checkpointed next)
+            frame_bytes = verify(payload, self.key) if self.key is not None else payload
+            self.learner.uploaded(decode(frame_bytes, self.limits).tensors)
         self.done_round, self.unacked = rnd, payload
         self._checkpoint(payload)  # before publishing: a crash after this re-sends, never retrains
         self._send(payload, f"update:{rnd}")

@@ -35,13 +35,15 @@ from fclcore.learner import Learner, round_seed
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import ImageClassifierServed
+from fclcore.sparsify import DELTA, Compression, Residuals
 from methods.ngfl.config import NGFLOptions
 from methods.ngfl.model import Extractor, GrowingHead, self_attention, total_attention
 from methods.ngfl.table import DeviceTable, GlobalTable, TableError, check_labels
-from methods.ngfl.wire import EXTRACTOR, HEAD_B, HEAD_W, META, ROWS_B, ROWS_W, extractor_shapes
+from methods.ngfl.wire import COMPRESSION, EXTRACTOR, HEAD_B, HEAD_W, META, ROWS_B, ROWS_W, extractor_shapes
 
 log = logging.getLogger(__name__)
 EVAL_BATCH = 1024
+RESIDUAL = "residual/"  # checkpoint prefix of the upload's error-feedback residuals
 DEVICE = "this-device"  # who added a row, in the device's own slots (the aggregator names the sender)
 
 
@@ -64,6 +66,11 @@ class NGFLLearner(Learner):
         self.sa_fallback = 0  # self-attention rounds of one-class tasks (trained with total attention)
         self.round_info: dict = {}  # what this round's report says
         self.warned_serving = False
+        density = Compression.of(fed.wire, COMPRESSION).up_density
+        # the extractor goes up compressed: its change from the announced one (``held``) plus residual
+        self.residuals = None if density is None else Residuals(density, fed.wire.error_feedback)
+        self.reads_upload = self.residuals is not None
+        self.held: dict[str, np.ndarray] = {}
 
     # -- what arrives ----------------------------------------------------------------------
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
@@ -94,6 +101,8 @@ class NGFLLearner(Learner):
                 layer.weight.copy_(torch.from_numpy(dense[f"{EXTRACTOR}{i}.weight"]))
                 layer.bias.copy_(torch.from_numpy(dense[f"{EXTRACTOR}{i}.bias"]))
         self.pending_global = set(table.pending)
+        if self.residuals is not None:
+            self.held = {name: np.array(dense[name], np.float32) for name in self.shapes}
 
     def start_task(self, task: int, downlink: Frame | None) -> None:
         """The federation's stage: this device's tasks come on its own clock (``train_round``)."""
@@ -212,12 +221,19 @@ class NGFLLearner(Learner):
         self.round_info["table"] = sent.to_meta()
         out: dict[str, Tensor] = {}
         for i, layer in enumerate(self.extractor.layers):
-            out[f"{EXTRACTOR}{i}.weight"] = layer.weight.detach().numpy().copy()
-            out[f"{EXTRACTOR}{i}.bias"] = layer.bias.detach().numpy().copy()
+            for part in ("weight", "bias"):
+                name, value = f"{EXTRACTOR}{i}.{part}", getattr(layer, part).detach().numpy()
+                if self.residuals is None:
+                    out[name] = value.copy()
+                else:
+                    out[name + DELTA] = self.residuals.compress(name, value - self.held[name])
         index = torch.as_tensor(rows, dtype=torch.long)
         out[ROWS_W] = self.head.weight.detach()[index].numpy().copy()
         out[ROWS_B] = self.head.bias.detach()[index].numpy().copy()
         return out
+
+    def uploaded(self, tensors: dict[str, Tensor]) -> None:
+        self.residuals.sent(tensors)
 
     def report(self, place: RoundPlace) -> dict:
         info = self.round_info
@@ -291,6 +307,8 @@ class NGFLLearner(Learner):
         for i, layer in enumerate(self.extractor.layers):
             arrays[f"{EXTRACTOR}{i}.weight"] = layer.weight.detach().numpy()
             arrays[f"{EXTRACTOR}{i}.bias"] = layer.bias.detach().numpy()
+        if self.residuals is not None:
+            arrays.update(self.residuals.state(RESIDUAL))
         return meta, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -323,6 +341,8 @@ class NGFLLearner(Learner):
         self.table, self.started, self.slot_labels, self.pending_global = table, started, slot_labels, pending
         self.active, self.left = meta.get("active"), int(meta.get("left", 0))
         self.sa_fallback = int(meta.get("sa_fallback", 0))
+        if self.residuals is not None:
+            self.residuals.load_state(arrays, RESIDUAL, self.shapes)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, np.ndarray]:
