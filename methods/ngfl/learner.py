@@ -43,7 +43,7 @@ from methods.ngfl.wire import COMPRESSION, EXTRACTOR, HEAD_B, HEAD_W, META, ROWS
 
 log = logging.getLogger(__name__)
 EVAL_BATCH = 1024
-RESIDUAL = "residual/"  # checkpoint prefix of the upload's error-feedback residuals
+RESIDUAL, HELD = "residual/", "held/"  # checkpoint prefixes: the upload's residuals, the announced extractor
 DEVICE = "this-device"  # who added a row, in the device's own slots (the aggregator names the sender)
 
 
@@ -70,7 +70,9 @@ class NGFLLearner(Learner):
         # the extractor goes up compressed: its change from the announced one (``held``) plus residual
         self.residuals = None if density is None else Residuals(density, fed.wire.error_feedback)
         self.reads_upload = self.residuals is not None
-        self.held: dict[str, np.ndarray] = {}
+        self.held: dict[str, np.ndarray] = {}  # the extractor as announced (its own start until one is)
+        if self.residuals is not None:
+            self.held = {name: value.detach().numpy().copy() for name, value in self._extractor_params()}
 
     # -- what arrives ----------------------------------------------------------------------
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
@@ -220,17 +222,23 @@ class NGFLLearner(Learner):
         sent, rows = self.table.upload(self.o.partial)
         self.round_info["table"] = sent.to_meta()
         out: dict[str, Tensor] = {}
-        for i, layer in enumerate(self.extractor.layers):
-            for part in ("weight", "bias"):
-                name, value = f"{EXTRACTOR}{i}.{part}", getattr(layer, part).detach().numpy()
-                if self.residuals is None:
-                    out[name] = value.copy()
-                else:
-                    out[name + DELTA] = self.residuals.compress(name, value - self.held[name])
+        for name, param in self._extractor_params():
+            value = param.detach().numpy()
+            if self.residuals is None:
+                out[name] = value.copy()
+            else:
+                out[name + DELTA] = self.residuals.compress(name, value - self.held[name])
         index = torch.as_tensor(rows, dtype=torch.long)
         out[ROWS_W] = self.head.weight.detach()[index].numpy().copy()
         out[ROWS_B] = self.head.bias.detach()[index].numpy().copy()
         return out
+
+    def _extractor_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [
+            (f"{EXTRACTOR}{i}.{part}", getattr(layer, part))
+            for i, layer in enumerate(self.extractor.layers)
+            for part in ("weight", "bias")
+        ]
 
     def uploaded(self, tensors: dict[str, Tensor]) -> None:
         self.residuals.sent(tensors)
@@ -309,6 +317,7 @@ class NGFLLearner(Learner):
             arrays[f"{EXTRACTOR}{i}.bias"] = layer.bias.detach().numpy()
         if self.residuals is not None:
             arrays.update(self.residuals.state(RESIDUAL))
+            arrays.update({HELD + name: value for name, value in self.held.items()})
         return meta, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -342,7 +351,11 @@ class NGFLLearner(Learner):
         self.active, self.left = meta.get("active"), int(meta.get("left", 0))
         self.sa_fallback = int(meta.get("sa_fallback", 0))
         if self.residuals is not None:
+            held = {name: arrays.get(HELD + name) for name in self.shapes}
+            if any(v is None or v.shape != self.shapes[name] for name, v in held.items()):
+                raise ValueError("ngfl checkpoint: the announced extractor is missing or does not fit")
             self.residuals.load_state(arrays, RESIDUAL, self.shapes)
+            self.held = {name: np.array(v, np.float32) for name, v in held.items()}
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, np.ndarray]:
