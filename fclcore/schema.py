@@ -212,6 +212,10 @@ class WireSpec:
     down_sparsify: Optional[Literal["none", "topk"]] = None  # downlink: the announced model moves by top-k
     down_density: Optional[float] = None  # downlink top-k: share of each tensor's entries changed, in (0, 1]
 
+    # left out of ``to_dict`` at their defaults: a federation that does not set them announces
+    # the same JSON, and resumes a state dir with the same fingerprint, as before they existed
+    omit_when_default = ("sparsify", "density", "error_feedback", "down_sparsify", "down_density")
+
     def __post_init__(self) -> None:
         for key in ("density", "down_density"):
             value = getattr(self, key)

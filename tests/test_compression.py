@@ -172,3 +172,19 @@ def test_settings_resolve_the_scenario_over_the_method_default():
         Compression.of(WireSpec(sparsify="topk"), OFF)
     with pytest.raises(ValueError, match="density"):
         WireSpec(density=1.5)
+
+
+def test_untouched_settings_leave_the_announced_json_and_the_fingerprint_as_before():
+    """The stage's keys are left out of ``to_dict`` at their defaults (announcements carry the
+    federation as JSON, and the aggregator's state fingerprint is of it); set, they travel."""
+    from fclcore.config import from_dict, to_dict
+
+    assert list(to_dict(WireSpec())) == [
+        "value_dtype",
+        "max_frame_mb",
+        "int8_block",
+        "int8_rounding",
+        "catchup_versions",
+    ]
+    spec = WireSpec(sparsify="topk", density=0.1, error_feedback=False, down_sparsify="none")
+    assert from_dict(WireSpec, to_dict(spec), "test") == spec
