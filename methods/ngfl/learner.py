@@ -350,12 +350,12 @@ class NGFLLearner(Learner):
         self.table, self.started, self.slot_labels, self.pending_global = table, started, slot_labels, pending
         self.active, self.left = meta.get("active"), int(meta.get("left", 0))
         self.sa_fallback = int(meta.get("sa_fallback", 0))
-        if self.residuals is not None:
-            held = {name: arrays.get(HELD + name) for name in self.shapes}
-            if any(v is None or v.shape != self.shapes[name] for name, v in held.items()):
-                raise ValueError("ngfl checkpoint: the announced extractor is missing or does not fit")
+        if self.residuals is not None:  # a checkpoint from before compression has neither: the next round sets both
+            held = {name: arrays[HELD + name] for name in self.shapes if HELD + name in arrays}
+            if any(v.shape != self.shapes[name] for name, v in held.items()):
+                raise ValueError("ngfl checkpoint: the announced extractor does not fit")
             self.residuals.load_state(arrays, RESIDUAL, self.shapes)
-            self.held = {name: np.array(v, np.float32) for name, v in held.items()}
+            self.held.update({name: np.array(v, np.float32) for name, v in held.items()})
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, np.ndarray]:
