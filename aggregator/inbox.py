@@ -22,6 +22,7 @@ import numpy as np
 
 from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, Tensor, decode
 from fclcore.signing import SignatureError, verify
+from fclcore.sparsify import DELTA
 from fclcore.strategy import Checked, Update
 
 MAX_SAMPLES = 2**31 - 1  # a sample count is a FedAvg weight: it must stay a sane float
@@ -162,6 +163,10 @@ def update_distance(tensors: Mapping[str, Tensor], current: Mapping[str, np.ndar
     total = 0.0
     for name, tensor in tensors.items():
         reference = current.get(name)
+        if name.endswith(DELTA) and name[: -len(DELTA)] in current:  # a change from the model the device holds
+            values = tensor.values if isinstance(tensor, SparseTensor) else np.asarray(tensor)
+            total += float(np.sum(np.square(values, dtype=np.float64)))
+            continue
         if reference is None:
             continue
         if isinstance(tensor, SparseTensor):

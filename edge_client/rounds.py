@@ -186,6 +186,8 @@ class RoundWork:
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
         payload = self.uplink.frame(Kind.UPDATE, rnd, task, meta, tensors, device.fed.value_coding)
+        if learner.reads_upload:  # error feedback: what coding lost stays in the learner (checkpointed next)
+            learner.uploaded(self.uplink.decoded_tensors(payload))
         device.done_round, self.uplink.unacked = rnd, payload
         self.checkpoint(payload)  # before publishing: a crash after this re-sends, never retrains
         self.uplink.send(payload, f"update:{rnd}")

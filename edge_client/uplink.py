@@ -11,9 +11,9 @@ import time
 import numpy as np
 
 from fclcore import topics
-from fclcore.codec import CodecLimits, Frame, Header, Kind, encode, max_value
+from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode, max_value
 from fclcore.errors import TrainingDiverged
-from fclcore.signing import sign
+from fclcore.signing import sign, verify
 
 log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
 SEQUENCE_AHEAD_US = 10_000_000  # a sequence further ahead of the aggregator's clock is reset to it
@@ -51,6 +51,10 @@ class Uplink:
         header = Header(kind, self.federation, rnd, task, self.client_id, self.sequence)
         payload = encode(Frame(header, meta, tensors), value_coding, self.limits)
         return sign(payload, self.key) if self.key is not None else payload
+
+    def decoded_tensors(self, payload: bytes) -> dict:
+        """The tensors of one of this device's own messages as the aggregator will decode them."""
+        return decode(verify(payload, self.key) if self.key is not None else payload, self.limits).tensors
 
     def send(self, payload: bytes, tag: str):
         return self.link.publish(topics.update_topic(self.federation, self.client_id), payload, tag=tag)

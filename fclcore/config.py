@@ -159,7 +159,12 @@ def _help(cls: type, name: str) -> str:
 def to_dict(obj: Any) -> Any:
     """Plain-data form of a config dataclass (for YAML/JSON and for round messages)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        omit = getattr(obj, "omit_when_default", ())  # keys added later, left out at their defaults
+        return {
+            f.name: to_dict(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if f.name not in omit or getattr(obj, f.name) != f.default
+        }
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

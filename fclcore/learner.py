@@ -42,6 +42,9 @@ class Learner:
     # a directory of the device's state directory for what the learner keeps on disk across tasks
     # (set by the daemon right after building the learner; None: keep it in memory)
     store_dir: str | None = None
+    # True: the learner keeps what coding took from its upload (error feedback, fclcore.sparsify),
+    # so the daemon hands it the update as the aggregator decodes it (``uploaded``) before the checkpoint
+    reads_upload = False
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, client_index: int) -> None:
         self.fed = fed
@@ -81,6 +84,9 @@ class Learner:
     def upload(self, rnd: int, place: RoundPlace) -> dict[str, Tensor]:
         """The tensors to send for this round."""
         raise NotImplementedError
+
+    def uploaded(self, tensors: dict[str, Tensor]) -> None:
+        """This round's upload as the aggregator decodes it (only for ``reads_upload``)."""
 
     def report(self, place: RoundPlace) -> dict:
         """Extra JSON metadata for this round's upload."""

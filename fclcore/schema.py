@@ -204,8 +204,23 @@ class WireSpec:
     # a device behind by up to this many model versions catches up from one retained frame of
     # the entries changed meanwhile; further behind (or just joined) it fetches the full model
     catchup_versions: int = 4
+    # Compression of dense updates (fclcore.sparsify; docs/wire.md "Compression"): None leaves
+    # each setting to the method (off for every method but NGFL's family); a scenario's value wins.
+    sparsify: Optional[Literal["none", "topk"]] = None  # uplink: top-k of the change + residual; "none": dense
+    density: Optional[float] = None  # uplink top-k: share of each tensor's entries kept, in (0, 1]
+    error_feedback: bool = True  # keep what was not sent (device and aggregator) and add it next time
+    down_sparsify: Optional[Literal["none", "topk"]] = None  # downlink: the announced model moves by top-k
+    down_density: Optional[float] = None  # downlink top-k: share of each tensor's entries changed, in (0, 1]
+
+    # left out of ``to_dict`` at their defaults: a federation that does not set them announces
+    # the same JSON, and resumes a state dir with the same fingerprint, as before they existed
+    omit_when_default = ("sparsify", "density", "error_feedback", "down_sparsify", "down_density")
 
     def __post_init__(self) -> None:
+        for key in ("density", "down_density"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{key}: expected a share in (0, 1] or null, got {value}")
         if not 0 < self.max_frame_mb <= 255:  # MQTT caps a packet just under 256 MiB
             raise ValueError(f"max_frame_mb: expected a size in (0, 255] MB, got {self.max_frame_mb}")
         if not 0 <= self.catchup_versions <= 64:

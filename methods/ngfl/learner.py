@@ -35,13 +35,15 @@ from fclcore.learner import Learner, round_seed
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import ImageClassifierServed
+from fclcore.sparsify import DELTA, Compression, Residuals
 from methods.ngfl.config import NGFLOptions
 from methods.ngfl.model import Extractor, GrowingHead, self_attention, total_attention
 from methods.ngfl.table import DeviceTable, GlobalTable, TableError, check_labels
-from methods.ngfl.wire import EXTRACTOR, HEAD_B, HEAD_W, META, ROWS_B, ROWS_W, extractor_shapes
+from methods.ngfl.wire import COMPRESSION, EXTRACTOR, HEAD_B, HEAD_W, META, ROWS_B, ROWS_W, extractor_shapes
 
 log = logging.getLogger(__name__)
 EVAL_BATCH = 1024
+RESIDUAL, HELD = "residual/", "held/"  # checkpoint prefixes: the upload's residuals, the announced extractor
 DEVICE = "this-device"  # who added a row, in the device's own slots (the aggregator names the sender)
 
 
@@ -64,6 +66,13 @@ class NGFLLearner(Learner):
         self.sa_fallback = 0  # self-attention rounds of one-class tasks (trained with total attention)
         self.round_info: dict = {}  # what this round's report says
         self.warned_serving = False
+        density = Compression.of(fed.wire, COMPRESSION).up_density
+        # the extractor goes up compressed: its change from the announced one (``held``) plus residual
+        self.residuals = None if density is None else Residuals(density, fed.wire.error_feedback)
+        self.reads_upload = self.residuals is not None
+        self.held: dict[str, np.ndarray] = {}  # the extractor as announced (its own start until one is)
+        if self.residuals is not None:
+            self.held = {name: value.detach().numpy().copy() for name, value in self._extractor_params()}
 
     # -- what arrives ----------------------------------------------------------------------
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
@@ -94,6 +103,8 @@ class NGFLLearner(Learner):
                 layer.weight.copy_(torch.from_numpy(dense[f"{EXTRACTOR}{i}.weight"]))
                 layer.bias.copy_(torch.from_numpy(dense[f"{EXTRACTOR}{i}.bias"]))
         self.pending_global = set(table.pending)
+        if self.residuals is not None:
+            self.held = {name: np.array(dense[name], np.float32) for name in self.shapes}
 
     def start_task(self, task: int, downlink: Frame | None) -> None:
         """The federation's stage: this device's tasks come on its own clock (``train_round``)."""
@@ -211,13 +222,26 @@ class NGFLLearner(Learner):
         sent, rows = self.table.upload(self.o.partial)
         self.round_info["table"] = sent.to_meta()
         out: dict[str, Tensor] = {}
-        for i, layer in enumerate(self.extractor.layers):
-            out[f"{EXTRACTOR}{i}.weight"] = layer.weight.detach().numpy().copy()
-            out[f"{EXTRACTOR}{i}.bias"] = layer.bias.detach().numpy().copy()
+        for name, param in self._extractor_params():
+            value = param.detach().numpy()
+            if self.residuals is None:
+                out[name] = value.copy()
+            else:
+                out[name + DELTA] = self.residuals.compress(name, value - self.held[name])
         index = torch.as_tensor(rows, dtype=torch.long)
         out[ROWS_W] = self.head.weight.detach()[index].numpy().copy()
         out[ROWS_B] = self.head.bias.detach()[index].numpy().copy()
         return out
+
+    def _extractor_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [
+            (f"{EXTRACTOR}{i}.{part}", getattr(layer, part))
+            for i, layer in enumerate(self.extractor.layers)
+            for part in ("weight", "bias")
+        ]
+
+    def uploaded(self, tensors: dict[str, Tensor]) -> None:
+        self.residuals.sent(tensors)
 
     def report(self, place: RoundPlace) -> dict:
         info = self.round_info
@@ -291,6 +315,9 @@ class NGFLLearner(Learner):
         for i, layer in enumerate(self.extractor.layers):
             arrays[f"{EXTRACTOR}{i}.weight"] = layer.weight.detach().numpy()
             arrays[f"{EXTRACTOR}{i}.bias"] = layer.bias.detach().numpy()
+        if self.residuals is not None:
+            arrays.update(self.residuals.state(RESIDUAL))
+            arrays.update({HELD + name: value for name, value in self.held.items()})
         return meta, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -323,6 +350,12 @@ class NGFLLearner(Learner):
         self.table, self.started, self.slot_labels, self.pending_global = table, started, slot_labels, pending
         self.active, self.left = meta.get("active"), int(meta.get("left", 0))
         self.sa_fallback = int(meta.get("sa_fallback", 0))
+        if self.residuals is not None:  # a checkpoint from before compression has neither: the next round sets both
+            held = {name: arrays[HELD + name] for name in self.shapes if HELD + name in arrays}
+            if any(v.shape != self.shapes[name] for name, v in held.items()):
+                raise ValueError("ngfl checkpoint: the announced extractor does not fit")
+            self.residuals.load_state(arrays, RESIDUAL, self.shapes)
+            self.held.update({name: np.array(v, np.float32) for name, v in held.items()})
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, np.ndarray]:

@@ -20,11 +20,24 @@ import numpy as np
 from fclcore.aggregation import RunningSum
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.schema import FederationSpec
+from fclcore.sparsify import DELTA, Compression, TrueModel, checked_delta, mean_change
 from fclcore.strategy import Checked, Rejected, Strategy, Update, tensor_nbytes, without_tensors
 from methods.ngfl.config import NGFLOptions
 from methods.ngfl.fusion import HeadUpload, fuse_heads
 from methods.ngfl.table import MAX_LABELS, GlobalTable, TableError, UploadTable, check_labels
-from methods.ngfl.wire import EXTRACTOR, HEAD_B, HEAD_W, META, ROWS_B, ROWS_W, extractor_shapes, initial_extractor
+from methods.ngfl.wire import (
+    COMPRESSION,
+    EXTRACTOR,
+    HEAD_B,
+    HEAD_W,
+    META,
+    ROWS_B,
+    ROWS_W,
+    extractor_shapes,
+    initial_extractor,
+)
+
+TRUE = "true/"  # checkpoint prefix of the extractor the deltas add up to (the downlink's residual)
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,9 @@ class NGFLStrategy(Strategy):
         self.dim = options.hidden[-1]
         self.table = GlobalTable()
         self.rejected_tables = 0
+        self.compression = Compression.of(fed.wire, COMPRESSION)
+        on = self.compression.up_density is not None or self.compression.down_density is not None
+        self.true = TrueModel(self.compression.down_density, fed.wire.error_feedback) if on else None
 
     @property
     def dense_fp32_bytes(self) -> int:
@@ -91,18 +107,22 @@ class NGFLStrategy(Strategy):
             if frame.tensors or frame.meta.get("n_samples") != 0:
                 raise Rejected("table", "a skip notice carries no tensors and n_samples 0")
             return Checked({}, Parsed(None, announce))
-        tensors = {}
+        density = self.compression.up_density
+        extractor = {name + DELTA: shape for name, shape in self.shapes.items()} if density else self.shapes
+        if set(frame.tensors) != {*extractor, ROWS_W, ROWS_B}:
+            names = {*extractor, ROWS_W, ROWS_B}
+            missing, extra = sorted(names - set(frame.tensors)), sorted(set(frame.tensors) - names)
+            raise ValueError(f"tensors: missing {missing[:3]}, unexpected {extra[:3]}")
+        tensors: dict[str, Tensor] = {}
         for name, tensor in frame.tensors.items():
+            if density and name in extractor:
+                tensors[name] = checked_delta(name[: -len(DELTA)], tensor, extractor[name], density)
+                continue
             if isinstance(tensor, SparseTensor):
                 raise ValueError(f"{name}: expected a dense tensor")
             tensors[name] = np.asarray(tensor, np.float32)
-        expected = {**self.shapes, ROWS_W: None, ROWS_B: None}
-        if set(tensors) != set(expected):
-            missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-            raise ValueError(f"tensors: missing {missing[:3]}, unexpected {extra[:3]}")
-        for name, shape in self.shapes.items():
-            if tensors[name].shape != shape:
-                raise ValueError(f"{name}: shape {tensors[name].shape}, expected {shape}")
+            if name in extractor and tensors[name].shape != extractor[name]:
+                raise ValueError(f"{name}: shape {tensors[name].shape}, expected {extractor[name]}")
         w, b = tensors[ROWS_W], tensors[ROWS_B]
         if w.ndim != 2 or w.shape[1] != self.dim or b.shape != (w.shape[0],):
             raise ValueError(f"{ROWS_W}, {ROWS_B}: expected (rows, {self.dim}) and (rows,), got {w.shape}, {b.shape}")
@@ -123,14 +143,17 @@ class NGFLStrategy(Strategy):
     def fold(self, running: RunningSum, update: Update) -> Update:
         """A sender's extractor joins the unweighted mean; its head rows stay in ``parsed``."""
         if update.parsed.head is not None:
-            running.add({name: update.tensors[name] for name in self.shapes}, 1.0)
+            suffix = DELTA if self.compression.up_density else ""
+            running.add({name: update.tensors[name + suffix] for name in self.shapes}, 1.0)
         return without_tensors(update)
 
     def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
         rnd = kept[0].frame.header.round if kept else 0
         senders = [u for u in sorted(kept, key=lambda u: u.client) if u.parsed.head is not None]
         params = {k: v for k, v in current.items() if k not in (HEAD_W, HEAD_B)}
-        if senders:
+        if self.true is not None:
+            params.update(self._announced(running, bool(senders), {n: current[n] for n in self.shapes}))
+        elif senders:
             params.update(running.result({name: current[name] for name in self.shapes}))
         weight = current.get(HEAD_W, np.zeros((0, self.dim), np.float32))
         bias = current.get(HEAD_B, np.zeros(0, np.float32))
@@ -157,12 +180,28 @@ class NGFLStrategy(Strategy):
             params[HEAD_W], params[HEAD_B] = weight, bias
         return params
 
+    def _announced(self, running: RunningSum, sent: bool, current: Mapping[str, np.ndarray]) -> dict:
+        """The extractor to announce under compression: the deltas' mean (or the plain mean's
+        change, uplink off) added to the true extractor, and the announced one moved towards it."""
+        plain = None if not sent or self.compression.up_density else running.result(current)
+        out = {}
+        for name, shape in self.shapes.items():
+            change = None
+            if plain is not None:
+                change = plain[name].astype(np.float64) - current[name]
+            elif sent:
+                change = mean_change(running.sums[name], running.total_weight, shape)
+            out[name] = self.true.step(name, current[name], change)
+        return out
+
     # -- restarts --------------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
-        return {"table": self.table.to_meta()}, {}
+        return {"table": self.table.to_meta()}, ({} if self.true is None else self.true.state(TRUE))
 
     def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         try:
             self.table = GlobalTable.from_meta(meta.get("table"))
         except TableError as exc:
             raise ValueError(f"ngfl checkpoint: {exc}") from None
+        if self.true is not None:
+            self.true.restore(arrays, TRUE, self.shapes)

@@ -10,6 +10,11 @@
   UploadTable.to_meta, "announce": [...], "sa_fallback": n}``; a device with nothing to train
   sends ``{"skip": true, "announce": [...]}`` with no tensors (its skip notice).  The task
   history never leaves the device.  Labels are strings in JSON, never pickled.
+* Compressed (the default, ``COMPRESSION``; ``fclcore.sparsify``): the extractor goes up as
+  ``extractor.<i>.<part>@delta``, the top-k of its change from the announced extractor plus
+  the device's residual, and the announcement moves the extractor by the top-k of the
+  aggregator's residual; the head rows travel as above (partial fusion already sends only the
+  trained rows).  ``federation.wire.sparsify`` / ``down_sparsify: none`` turn either side off.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from typing import Sequence
 
 import numpy as np
 
+from fclcore.sparsify import Compression
+
 EXTRACTOR = "extractor."
 HEAD_W, HEAD_B = "head.weight", "head.bias"  # the global head (down)
 ROWS_W, ROWS_B = "rows.weight", "rows.bias"  # a device's uploaded rows (up)
 META = "ngfl"
+# the extractor's share of entries sent each way per round (measured: docs/ngfl.md, "Bytes")
+COMPRESSION = Compression(up_density=0.05, down_density=0.05)
 
 
 def extractor_shapes(input_dim: int, hidden: Sequence[int]) -> dict[str, tuple[int, ...]]:
