@@ -1,7 +1,7 @@
 """FedSeIT and FedWeIT-on-CNN (issue 15): the model's algebra, SIT's clustering and scoring,
 the strategy's validation of hostile uploads, and a device checkpoint mid-task.
 
-The end-to-end run over Mosquitto is ``tests/test_fedseit_e2e.py``.
+The end-to-end run over Mosquitto is ``tests/e2e/test_fedseit_e2e.py``.
 """
 
 from __future__ import annotations

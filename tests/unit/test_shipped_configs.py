@@ -9,7 +9,7 @@ import pytest
 from fclcore.config import ConfigError, load_config
 from fclcore.schema import AggregatorConfig, ClientConfig, Scenario, SiteConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/scenarios").glob("*.yaml")), ids=lambda p: p.name)

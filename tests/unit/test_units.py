@@ -20,7 +20,7 @@ import yaml
 from fcl_edge.cli import _parser
 from fclcore.exitcodes import ExitCode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UNITS = {"fcl-aggregator": "aggregator", "fcl-client": "client"}  # unit name -> fcl subcommand
 
 

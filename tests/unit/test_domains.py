@@ -261,7 +261,7 @@ def test_domain_tasks_schema():
 
 
 def scenario(tmp_path: Path, tasks: dict | None = None, clients: int = 3, **data) -> Path:
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     raw = yaml.safe_load((repo / "configs" / "scenarios" / "quickstart.yaml").read_text())
     raw["federation"].update(name="domains", rounds_per_task=2)
     raw["clients"] = clients

@@ -331,6 +331,6 @@ def test_the_runtime_imports_neither_torch_nor_onnx():
     import sys
 
     code = "import sys, export.image_runtime; print(sorted(m for m in ('torch', 'onnx') if m in sys.modules))"
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

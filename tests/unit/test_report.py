@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import run_fcl
+
+pytestmark = pytest.mark.e2e  # each test runs `fcl report` in a fresh interpreter (matplotlib included)
 
 
 def _fake_run(path: Path, method: str, nll_offset: float) -> None:

@@ -46,7 +46,7 @@ from fclcore.text import EncodedDocs
 from methods.fedet.client import FedETClient, FedETConfig
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ECFG = EnhancerConfig(hidden=32, bottleneck=8, blocks=2)
 TASKS = [(0, 1), (2, 3)]
 GROUP_OF = {0: 0, 1: 0, 2: 2, 3: 2}  # group 1 stays empty: graph group ids must be the client's indices

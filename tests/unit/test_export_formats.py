@@ -14,7 +14,7 @@ from export.publish import ExportError, int8_path_for
 from fclcore.made_spec import MadeConfig, init_params
 from fclcore.served import ImageClassifierServed, ServedModel, TextGroupsServed, TextTasksServed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_formats_match_the_served_classes():

@@ -11,6 +11,7 @@ import time
 import zlib
 
 import numpy as np
+import pytest
 
 from aggregator.service import AggregatorService, Incoming
 from fclcore import topics
@@ -163,6 +164,7 @@ def test_decoder_never_crashes() -> None:
     assert outcomes["error"] > N_DECODER * 0.7, outcomes  # the generator does produce damage
 
 
+@pytest.mark.e2e  # 45,000 messages through the aggregator service (8 s): out of the inner loop
 def test_message_handler_rejects_without_side_effects(tmp_path) -> None:
     logging.getLogger("aggregator").setLevel(logging.ERROR)
     service = _service(tmp_path)

@@ -98,7 +98,7 @@ def test_the_daemon_process_never_imports_onnx(tmp_path):
     code = textwrap.dedent(
         f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
         import numpy as np
         from pathlib import Path
         import edge_client.daemon  # noqa: F401  (what the daemon imports)

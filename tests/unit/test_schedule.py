@@ -46,6 +46,7 @@ def test_a_malformed_place_is_refused(meta) -> None:
         RoundPlace.from_meta(meta, 1)
 
 
+@pytest.mark.e2e  # a whole federation, in process
 def test_uneven_tasks_through_the_services(tmp_path, repo_root) -> None:
     """Tasks of 3 then 1 rounds, in process: the continual metrics read each task's last round."""
     import json

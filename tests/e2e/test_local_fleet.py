@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fcl_edge.broker import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs/local-fleet.md"
 SERVICES = ("mosquitto ", "fcl aggregator ", "fcl client ")  # run in their own terminal: started, not awaited
 

@@ -72,6 +72,7 @@ def test_server_half_imports_no_device_code(name: str) -> None:
 SLOW_PRESETS = {"fedet-replay", "fedet-finetune", "fedweit-cnn"}
 
 
+@pytest.mark.e2e  # a whole federation per method (1-35 s each): out of the inner loop
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PRESETS else n for n in NAMES])
 def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_path, repo_root) -> None:
     from edge_client.state import learner_from_state, served_from_state

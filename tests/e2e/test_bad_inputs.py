@@ -17,7 +17,7 @@ import pytest
 
 from fcl_edge.broker import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "configs/scenarios/quickstart.yaml")
 TINY = [
     "--set",

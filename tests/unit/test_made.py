@@ -382,4 +382,4 @@ def test_made_spec_does_not_import_torch() -> None:
     code = (
         "import sys, fclcore.made_spec as s; s.made_masks(s.MadeConfig(5, (8,)), 0); assert 'torch' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

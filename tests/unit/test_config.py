@@ -17,7 +17,7 @@ from fclcore.schema import (
     TasksSpec,
 )
 
-QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "scenarios" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "scenarios" / "quickstart.yaml"
 
 # A minimal valid scenario; every bad case below differs from it in one place.
 BASE = "federation:\n  name: t\nclients: 2\ntasks:\n  shared: [[0], [1]]\n"

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LABELS = [[3, 0, 4], [1, 2]]  # task 0: 3 labels, task 1: 2 labels (+ one -inf column)
 NAMES = ["business", "entertainment", "politics", "sport", "tech"]
 TEXTS = [

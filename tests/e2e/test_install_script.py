@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "install-client.sh"
 UNIT = Path("etc/systemd/system/fcl-client.service")
 WANTS = Path("etc/systemd/system/multi-user.target.wants/fcl-client.service")

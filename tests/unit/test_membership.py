@@ -18,7 +18,7 @@ from fclcore.errors import ConfigError
 from fclcore.membership import Membership, preset
 
 C4 = ["c1", "c2", "c3", "c4"]
-QUICKSTART = Path(__file__).resolve().parent.parent / "configs/scenarios/quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs/scenarios/quickstart.yaml"
 
 
 @pytest.mark.parametrize(
@@ -248,6 +248,7 @@ def test_simulate_rejects_a_bad_membership_naming_the_scenario(overrides: list[s
     assert str(info.value).startswith(f"{QUICKSTART}: ") and message in str(info.value), str(info.value)
 
 
+@pytest.mark.e2e  # a whole federation, in process
 def test_simulate_in_process_starts_late_devices_when_their_task_comes(tmp_path: Path, monkeypatch) -> None:
     from aggregator.service import AggregatorService
     from fcl_edge.simulate import simulate

