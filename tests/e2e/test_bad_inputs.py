@@ -7,6 +7,7 @@ How long each row takes is measured by ``benchmarks/bench_bad_inputs.py`` agains
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +32,9 @@ TINY = [
 ]
 MAX_STDERR_LINES = 3
 HANG_S = 60  # a row still running then is hung, not slow
+# argparse wraps help at $COLUMNS (a terminal's width, the caller's): every run gets one width,
+# wide enough that no line of a help text wraps (a hyphenated method name would wrap at its hyphen)
+FIXED_WIDTH = {**os.environ, "COLUMNS": "1000"}
 
 
 @dataclass(frozen=True)
@@ -171,11 +175,13 @@ def run_case(name: str, work: Path, attempt: int = 0) -> tuple[subprocess.Comple
     started = time.monotonic()
     if case.shell is not None:
         script = f"set -o pipefail; {case.shell.format(**fill)}"
-        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=HANG_S)
+        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=HANG_S, env=FIXED_WIDTH)
     else:
         argv = [a.format(**fill) for a in case.argv]
         cmd = [sys.executable, "-m", "fcl_edge.cli", *argv]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=HANG_S, stdin=subprocess.DEVNULL, env=FIXED_WIDTH
+        )
     return result, time.monotonic() - started
 
 
@@ -236,7 +242,11 @@ def test_simulate_help_lists_exactly_the_registered_methods() -> None:
     import methods
 
     result = subprocess.run(
-        [sys.executable, "-m", "fcl_edge.cli", "simulate", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "fcl_edge.cli", "simulate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=FIXED_WIDTH,
     )
-    listed = " ".join(result.stdout.split("methods (federation.method):", 1)[1].split())
-    assert listed.split(", ") == methods.names()
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("methods (federation.method): ")]
+    assert line.removeprefix("methods (federation.method): ").split(", ") == methods.names()

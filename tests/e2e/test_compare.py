@@ -76,3 +76,14 @@ def test_a_bad_compare_list_fails_before_any_run(compare: str, says: str, tmp_pa
     result = run_fcl("simulate", str(repo_root / QUICKSTART), "--out", str(out), "--set", f"compare={compare}")
     assert result.returncode == 2 and says in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize("method", ["fedavg", "ngfl"])
+def test_the_quickstart_runs_one_method_alone(method: str, tmp_path: Path, repo_root: Path) -> None:
+    """The quickstart's advice for one method alone: ConFedMADE's options stay in its own
+    ``method_options`` entry, so a method without them (NGFL) runs too."""
+    out = tmp_path / "one"
+    only = ["--set", "compare=[]", "--set", f"federation.method={method}"]
+    result = run_fcl("simulate", str(repo_root / QUICKSTART), "--out", str(out), "--in-process", *only, *TINY)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "summary.json").read_text())["method"] == method

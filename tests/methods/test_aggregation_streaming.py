@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 
@@ -12,6 +10,7 @@ import methods  # noqa: F401  (registers every method)
 from fclcore.aggregation import RunningSum, weighted_average
 from fclcore.codec import SparseTensor
 from fclcore.method import REGISTRY
+from fclcore.strategy import Strategy
 
 # ----------------------------------------------------------------- helpers
 
@@ -158,38 +157,21 @@ def test_a_result_needs_updates_and_the_same_tensors():
 # ----------------------------------------------------------------- which methods stream
 
 
-STREAMING = {  # a weighted sum on the server (plus bookkeeping at close)
-    "fedavg",
-    "fedprox",
-    "fedcurv",
-    "fedcl-finetune",
-    "fedcl-cumulative-replay",
-    "offline",
-    "confedmade",
-    "fedweit-made",
-    "fedweit-made-star",
-    "fedseit",
-    "fedweit-cnn",
-    "ngfl",
-    "ngfl-global",
-    "ngfl-sa-tf",
-    "ngfl-self",
-    "ngfl-ta-pf",
-    "ngfl-ta-tf",
-}
-
-
-def _strategy_class(spec):
-    module, _, name = spec.strategy.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def test_the_methods_that_stream_are_the_sum_shaped_ones():
-    """Server distillation (FedET) and server-side training (FIL-VER) need every update: batch."""
-    streams = {name for name, spec in REGISTRY.items() if _strategy_class(spec).streams}
-    assert streams == STREAMING, sorted(streams)
-    batch = set(REGISTRY) - streams
-    assert {"fedet", "fedet-finetune", "filver", "filver-nosst"} <= batch, sorted(batch)
+    """Every registered method, read from the registry: one streams exactly when its server step
+    is a weighted sum; server distillation (FedET) and server-side training (FIL-VER), the
+    methods whose strategy declares ``server_torch``, need every update: batch.  A streaming
+    strategy implements ``fold``; a batch one its own ``aggregate``."""
+    streams = {name for name, spec in REGISTRY.items() if spec.strategy_class().streams}
+    assert streams == {name for name, spec in REGISTRY.items() if not spec.server_torch}, sorted(streams)
+    assert {"fedavg", "confedmade", "fedseit", "ngfl"} <= streams  # one of each package's sums
+    assert not {"fedet", "fedet-finetune", "filver", "filver-nosst"} & streams
+    for name, spec in REGISTRY.items():
+        cls = spec.strategy_class()
+        if name in streams:
+            assert cls.fold is not Strategy.fold, f"{name} streams without a fold"
+        else:
+            assert cls.aggregate is not Strategy.aggregate, f"{name} neither streams nor aggregates"
 
 
 # ----------------------------------------------------------------- a streaming strategy
