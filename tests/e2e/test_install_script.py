@@ -70,12 +70,16 @@ def test_install_then_uninstall_in_a_fake_root(tmp_path):
     assert not (root / "etc/fcl-edge").exists()
 
 
-def test_dry_run_changes_nothing(tmp_path):
-    root, venv = tmp_path / "root", tmp_path / "venv"
+def test_dry_run_changes_nothing(tmp_path, monkeypatch):
+    root, venv, tmp = tmp_path / "root", tmp_path / "venv", tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # where a staged copy of the checkout would go
     done = install("--root", str(root), "--prefix", str(venv), "--no-systemd", "--dry-run", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "+ " in done.stdout and "-m venv" in done.stdout and "fcl-client.service" in done.stdout
+    assert "would stage a clean copy" in done.stdout and "virtualenvs" in done.stdout
     assert not root.exists() and not venv.exists()
+    assert list(tmp.iterdir()) == []  # nothing staged: no copy of the checkout (nor of a .venv in it)
 
 
 def test_uninstall_refuses_to_remove_what_is_not_a_venv(tmp_path):
