@@ -46,8 +46,6 @@ def test_every_round_completes_and_files_follow_the_contract(quickstart_run):
     out, events, summary, _, result = quickstart_run
     tasks, rounds = summary["tasks"], summary["rounds"]
     assert (summary["method"], summary["clients"], tasks, rounds) == ("fedavg", 3, 2, 2 * ROUNDS_PER_TASK)
-    for key in ("up_total", "down_total", "dense_fp32_up_total"):
-        assert summary["bytes"][key] > 0
     for key in ("avg_nll", "forgetting", "base_nll", "new_nll"):
         assert key in summary["final"]
     assert set(summary["final"]["per_client"]) == set(summary["client_ids"])
@@ -63,7 +61,9 @@ def test_every_round_completes_and_files_follow_the_contract(quickstart_run):
         assert e["task"] == e["round"] // ROUNDS_PER_TASK
         assert e["status"] == "accepted"
         assert 0 < e["payload_up"] < e["bytes_up"] and 0 < e["payload_down"] < e["bytes_down"]
-    assert summary["bytes"]["up_total"] == sum(e["bytes_up"] for e in per_round)
+    for total, key in (("up_total", "bytes_up"), ("dense_fp32_up_total", "dense_fp32_up")):
+        assert summary["bytes"][total] == sum(e[key] for e in per_round) > 0, total  # metrics.jsonl's sums
+    assert summary["bytes"]["down_total"] >= sum(e["bytes_down"] for e in per_round) > 0
     assert "round" in result.stdout and "mean NLL" in result.stdout
 
 
