@@ -4,6 +4,7 @@ recorded and none contains a training sample, nor any vector equal to one."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -130,7 +131,13 @@ def test_signed_run_rejects_forgeries_and_leaks_no_sample(mosquitto, tmp_path: P
     rejected = summary["rejected"]
     assert rejected.get("signature", 0) >= 2, rejected
     assert rejected.get("duplicate", 0) + rejected.get("replay", 0) + rejected.get("late", 0) >= 2, rejected
-    assert summary["final"]["avg_nll"] is not None
+    # the rejected frames changed nothing: the numbers of an undisturbed in-process run of the same scenario
+    from fcl_edge.simulate import simulate
+
+    assert simulate(str(scenario), str(tmp_path / "undisturbed"), overrides=overrides, in_process=True) == 0
+    undisturbed = json.loads((tmp_path / "undisturbed" / "summary.json").read_text())["final"]
+    assert summary["final"]["avg_nll"] == undisturbed["avg_nll"] < 64 * math.log(2)  # below a coin flip per pixel
+    assert summary["final"]["per_client"] == undisturbed["per_client"]
 
     # privacy guard: the clients' own training rows, as float32 bytes
     p = plan(str(scenario), overrides)
