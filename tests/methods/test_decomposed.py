@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import autograd_penalty
+from support import builders
 
 from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
@@ -17,7 +18,7 @@ from fclcore.masked_upload import pack, unpack
 from fclcore.models.decomposed_made import DecomposedMADE
 from fclcore.orders import upload_order
 from fclcore.schedule import TaskSchedule
-from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
+from fclcore.schema import FederationSpec, ModelSpec
 from fclcore.strategy import Update
 from methods import learner_for, strategy_for
 from methods.confedmade.decomposed_learner import DecomposedLearner
@@ -27,15 +28,7 @@ D = 10
 
 
 def _fed(method: str = "confedmade", **options) -> FederationSpec:
-    return FederationSpec(
-        name="t",
-        method=method,
-        num_tasks=3,
-        rounds_per_task=2,
-        model=ModelSpec(hidden_sizes=[24], num_orders=3, mask_seed=3),
-        train=TrainSpec(batch_size=8, lr=0.01),
-        options={"order_per": "round", "keep_units": 0.5, **options},
-    )
+    return builders.federation_spec(method=method, options=options)
 
 
 def _made(fed: FederationSpec) -> MadeConfig:
@@ -121,8 +114,7 @@ def _learner(client: int, fed: FederationSpec, strategy: DecomposedStrategy) -> 
 
 def _update(client: str, rnd: int, tensors: dict, strategy: DecomposedStrategy, n: int = 40) -> Update:
     """Through the codec, as on the wire, then the aggregator's normaliser."""
-    frame = decode(encode(Frame(Header(Kind.UPDATE, "t", rnd, 0, client, 1), {"n_samples": n}, tensors), "float16"))
-    return Update(client, frame, n, 0, 0, strategy.normalize(frame))
+    return builders.update(client, tensors, rnd=rnd, n_samples=n, strategy=strategy, wire_dtype="float16")
 
 
 @pytest.mark.parametrize("rnd", [0, 1, 4])

@@ -13,11 +13,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from support.builders import federation_spec
 
 from fclcore.codec import Frame, Header, Kind, decode, encode
 from fclcore.data import Dataset
 from fclcore.schedule import TaskSchedule
-from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
+from fclcore.schema import FederationSpec
 from fclcore.strategy import Update
 from methods import learner_for, strategy_for
 from methods.confedmade.kbstore import KnowledgeStore, MissingKnowledge
@@ -27,15 +28,7 @@ D, CLIENTS, TASKS = 10, 3, 4
 
 
 def _fed(**options) -> FederationSpec:
-    return FederationSpec(
-        name="t",
-        method="confedmade",
-        num_tasks=TASKS,
-        rounds_per_task=1,
-        model=ModelSpec(hidden_sizes=[24], num_orders=3, mask_seed=3),
-        train=TrainSpec(batch_size=8, lr=0.01),
-        options={"order_per": "round", "keep_units": 0.5, "kb_threshold": 0.01, **options},
-    )
+    return federation_spec(num_tasks=TASKS, rounds_per_task=1, options={"kb_threshold": 0.01, **options})
 
 
 def _data(seed: int, n: int = 40) -> Dataset:
