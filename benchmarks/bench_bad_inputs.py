@@ -1,7 +1,7 @@
 """How long each row of the bad-input table takes to fail (issue 21: "each in a few seconds").
 
 The rows, the files they point at and the way each is run are those of
-``tests/test_bad_inputs.py`` (imported, not copied); the test checks exit codes and messages,
+``tests/e2e/test_bad_inputs.py`` (imported, not copied); the test checks exit codes and messages,
 this measures time.  Each row runs ``--repeat`` times as a subprocess, as a user would run it;
 each run must exit with the row's code, and the median is compared with the row's budget
 (``Case.seconds``: 8 s for a row that fails before any training, 20 s for the two tiny

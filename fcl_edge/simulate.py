@@ -26,7 +26,7 @@ import methods
 from fcl_edge.broker import free_port, probe_broker
 from fcl_edge.compare import run_compare
 from fcl_edge.rundir import RUN_ENTRIES, prepare_out
-from fclcore.config import ConfigError, load_config, to_dict
+from fclcore.config import ConfigError, from_dict, load_config, to_dict
 from fclcore.data import (
     DataError,
     Dataset,
@@ -77,11 +77,8 @@ class Plan:
 def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     """Load and check everything up front, so a bad scenario fails before any process starts."""
     sc = load_config(Scenario, scenario_path, overrides)
-    if sc.federation.task_rounds is not None:  # one entry per task: the task count, until the tasks say otherwise
-        sc = dataclasses.replace(
-            sc, federation=dataclasses.replace(sc.federation, num_tasks=len(sc.federation.task_rounds))
-        )
-    spec, options, fed = methods.resolve(sc.federation, scenario_path)
+    _check_method_options(sc, scenario_path)
+    spec, options, fed = methods.resolve(sc.run_federation(), scenario_path)
     sc = dataclasses.replace(sc, federation=fed)
     pool_ids = None
     domains = sc.tasks.domains  # domain-incremental: grayscale images, rotated / permuted per task
@@ -138,6 +135,16 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
         raise ConfigError(f"{scenario_path}: data: {exc}") from None
     sc = _expand_membership(sc, scenario_path)
     return Plan(sc, [[list(t) for t in c] for c in client_tasks], int(train.x.shape[1]), test_tasks, pool_ids)
+
+
+def _check_method_options(sc: Scenario, scenario_path: str) -> None:
+    """Every ``method_options`` entry names a registered method and only options it has, checked
+    whichever method this run is (a misspelled entry would otherwise be ignored until it runs)."""
+    for name, raw in sc.method_options.items():
+        if name not in methods.names():
+            known = ", ".join(methods.names())
+            raise ConfigError(f"{scenario_path}: method_options: unknown method {name!r} (expected one of: {known})")
+        from_dict(methods.lookup(name).options, raw, scenario_path, f"method_options.{name}")
 
 
 def _check_arrivals(sc: Scenario, spec: methods.MethodSpec, scenario_path: str) -> None:

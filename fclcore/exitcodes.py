@@ -1,6 +1,6 @@
 """Numbered exit codes of every ``fcl`` command, documented in one place (README links here).
 
-The user-facing table is docs/exit-codes.md; tests/test_units.py fails if a member is missing
+The user-facing table is docs/exit-codes.md; tests/unit/test_units.py fails if a member is missing
 there, and the systemd units refer to BAD_INPUT and INTERRUPTED by number.
 """
 

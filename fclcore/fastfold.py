@@ -9,7 +9,7 @@ index list) and do both adds in one pass; ``RunningSum`` stages up to ``MAX_PEND
 updates and folds them tile by tile, so each tile of the sums is loaded from memory once for
 all of them instead of once per update.  Per element, the additions happen in the order
 the updates were added, with the same float64 products as NumPy's, so the sums are bit for
-bit those of the NumPy path (``tests/test_fastfold.py``).
+bit those of the NumPy path (``tests/unit/test_fastfold.py``).
 
 The kernels need numba (``pip install fcl-edge[fast]``); without it, or with
 ``FCL_EDGE_NUMBA=0`` in the environment, ``kernels()`` is None and ``RunningSum`` folds

@@ -7,7 +7,7 @@ class machinery.
 ``firmware_notes/memory.md``).  These classes keep the same parameter groups, state and
 ``state_dict`` layout and call torch's functional updates (``torch.optim.adam.adam``,
 ``torch.optim.sgd.sgd``) with the arguments ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` pass,
-so a step is bit-for-bit torch's (``tests/test_optim.py`` checks it) and a checkpoint written
+so a step is bit-for-bit torch's (``tests/unit/test_optim.py`` checks it) and a checkpoint written
 by either loads into the other.
 
 Only what the learners use is here: no closures, no amsgrad, no sparse gradients, no
@@ -72,7 +72,7 @@ class Optimizer:
         """Inside, a backward pass updates each parameter as soon as it has accumulated the
         parameter's gradient, and drops that gradient: the gradients of a model are never all
         held at once.  Every parameter's update reads only its own gradient and state, so the
-        values are bit-for-bit those of ``backward()`` then ``step()`` (``tests/test_optim.py``).
+        values are bit-for-bit those of ``backward()`` then ``step()`` (``tests/unit/test_optim.py``).
         A node that saved a parameter for its own backward and runs after the update would
         make autograd raise (the saved tensor's version changed), never compute with new
         values.  The hooks go when the block ends."""

@@ -12,7 +12,7 @@ every round announcement, so devices never need to be reconfigured to change a r
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
@@ -543,10 +543,15 @@ class Scenario:
     # ``fcl simulate`` runs the scenario once per method listed, each into OUT/<method>, and
     # prints one comparison table; empty or absent: one run of federation.method
     compare: Optional[list[str]] = None
+    # method name -> that method's own federation.options in this scenario, so that one scenario
+    # can compare (or run alone) methods whose options differ; see ``run_federation``
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.clients < 1:
             raise ValueError(f"clients: expected >= 1, got {self.clients}")
+        for name in self.method_options:
+            validate_id(name, "method_options: method name")
         for name in self.compare or ():
             validate_id(name, "compare: method name")
         if self.compare and len(set(self.compare)) != len(self.compare):
@@ -555,3 +560,13 @@ class Scenario:
             raise ValueError(
                 f"tasks.per_client: expected {self.clients} client sequences, got {len(self.tasks.per_client)}"
             )
+
+    def run_federation(self) -> FederationSpec:
+        """The federation one run of ``federation.method`` gets: that method's ``method_options``
+        with ``federation.options`` (shared by every method, and what ``--set federation.options.K=V``
+        sets) laid over them; with ``task_rounds``, one task per entry (until the tasks say otherwise)."""
+        fed = self.federation
+        if fed.task_rounds is not None:
+            fed = replace(fed, num_tasks=len(fed.task_rounds))
+        own = self.method_options.get(fed.method)
+        return replace(fed, options={**own, **fed.options}) if own else fed

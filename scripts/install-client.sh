@@ -129,10 +129,17 @@ install_package() {
   local pip=("$PREFIX/bin/python" -m pip install --disable-pip-version-check)
   [ -z "$TORCH_SPEC" ] || run "${pip[@]}" "$TORCH_SPEC"
   if [ -d "$SOURCE" ]; then
-    # From a clean copy: a stale build/ in the checkout would leak old modules into the install.
-    STAGE=$(mktemp -d)
-    tar -C "$SOURCE" --exclude=./build --exclude=./dist --exclude=./.git --exclude=./runs \
-      --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$STAGE" -xf -
+    # From a clean copy: a stale build/ in the checkout would leak old modules into the install;
+    # virtualenvs (.venv, venv, any folder holding a pyvenv.cfg) are left out, and a dry run stages nothing.
+    if [ "$DRY_RUN" = 1 ]; then
+      say "would stage a clean copy of $SOURCE (without build, dist, .git, runs, virtualenvs)"
+      STAGE="<staged copy of $SOURCE>"
+    else
+      STAGE=$(mktemp -d)
+      tar -C "$SOURCE" --exclude=./build --exclude=./dist --exclude=./.git --exclude=./runs \
+        --exclude=./.venv --exclude=./venv --exclude-tag-all=pyvenv.cfg \
+        --exclude='*.egg-info' --exclude=__pycache__ -cf - . | tar -C "$STAGE" -xf -
+    fi
     run "${pip[@]}" "${STAGE}[$EXTRAS]"
   else
     run "${pip[@]}" "${SOURCE}[$EXTRAS]"

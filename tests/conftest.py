@@ -13,6 +13,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from support.mosquitto import Mosquitto
 
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
+# Fixtures that start a broker or a whole fleet: a test asking for one is end-to-end wherever it lives.
+E2E_FIXTURES = {"mosquitto", "quickstart_reference"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark end-to-end tests ``e2e``, so ``-m "not e2e and not slow"`` is the fast inner loop."""
+    for item in items:
+        if E2E_DIR in Path(item.path).resolve().parents or E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
 
 @pytest.fixture
 def mosquitto(tmp_path: Path):

@@ -1,0 +1,132 @@
+"""End to end: the quickstart scenario through a real Mosquitto, with an independent byte count.
+
+The broker URL handed to `fcl simulate` points at a counting relay in front of Mosquitto,
+so every PUBLISH byte of every participant is counted by code that shares nothing with
+the toolkit's meter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_fcl
+from support.mqtt_counter import MqttCounter
+
+ROUNDS_PER_TASK = 5
+FED = "quickstart"
+
+
+@pytest.fixture
+def quickstart_run(mosquitto, tmp_path: Path, repo_root: Path):
+    counter = MqttCounter(mosquitto.port)
+    out = tmp_path / "run"
+    result = run_fcl(
+        "simulate",
+        str(repo_root / "configs/scenarios/quickstart.yaml"),
+        "--out",
+        str(out),
+        "--broker",
+        f"mqtt://127.0.0.1:{counter.port}",
+        "--set",
+        f"federation.rounds_per_task={ROUNDS_PER_TASK}",
+        "--set",
+        "compare=[]",
+    )
+    logs = "".join(p.read_text() for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{logs}"
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    yield out, events, summary, counter, result
+    counter.close()
+
+
+def test_every_round_completes_and_files_follow_the_contract(quickstart_run):
+    out, events, summary, _, result = quickstart_run
+    tasks, rounds = summary["tasks"], summary["rounds"]
+    assert (summary["method"], summary["clients"], tasks, rounds) == ("fedavg", 3, 2, 2 * ROUNDS_PER_TASK)
+    for key in ("avg_nll", "forgetting", "base_nll", "new_nll"):
+        assert key in summary["final"]
+    assert set(summary["final"]["per_client"]) == set(summary["client_ids"])
+
+    closed = [e for e in events if e["event"] == "round"]
+    assert [e["round"] for e in closed] == list(range(rounds))
+    assert all(e["accepted"] == 3 for e in closed)
+    per_round = [e for e in events if e["event"] == "round_client"]
+    assert {(e["round"], e["client"]) for e in per_round} == {
+        (r, c) for r in range(rounds) for c in summary["client_ids"]
+    }
+    for e in per_round:
+        assert e["task"] == e["round"] // ROUNDS_PER_TASK
+        assert e["status"] == "accepted"
+        assert 0 < e["payload_up"] < e["bytes_up"] and 0 < e["payload_down"] < e["bytes_down"]
+    for total, key in (("up_total", "bytes_up"), ("dense_fp32_up_total", "dense_fp32_up")):
+        assert summary["bytes"][total] == sum(e[key] for e in per_round) > 0, total  # metrics.jsonl's sums
+    assert summary["bytes"]["down_total"] >= sum(e["bytes_down"] for e in per_round) > 0
+    assert "round" in result.stdout and "mean NLL" in result.stdout
+
+
+def test_held_out_nll_falls_within_each_task(quickstart_run):
+    _, events, summary, _, _ = quickstart_run
+    mean_nll = {e["round"]: e["mean_nll"] for e in events if e["event"] == "round_summary"}
+    for task in range(summary["tasks"]):
+        first, last = task * ROUNDS_PER_TASK, (task + 1) * ROUNDS_PER_TASK - 1
+        assert mean_nll[last] < mean_nll[first] - 1.0, (task, mean_nll)
+
+
+def test_metered_bytes_match_an_independent_count(quickstart_run):
+    out, events, summary, counter, _ = quickstart_run
+    for cid in summary["client_ids"]:
+        wire = json.loads((out / "clients" / cid / "wire.json").read_text())
+        mqtt_id = f"fcl-{FED}-{cid}"
+        # the device's meter equals the relay's parse of its TCP stream, both directions
+        assert wire["up"]["bytes"] == counter.publish_bytes(mqtt_id, "up") > 0
+        assert wire["down"]["bytes"] == counter.publish_bytes(mqtt_id, "down") > 0
+        # the aggregator's per-round records equal what the device metered for those rounds
+        rows = [e for e in events if e["event"] == "round_client" and e["client"] == cid]
+        updates = {k: v for k, v in wire["by_tag"].items() if k.startswith("up:update:")}
+        assert {int(k.rsplit(":", 1)[1]): v["bytes"] for k, v in updates.items()} == {
+            e["round"]: e["bytes_up"] for e in rows
+        }
+        assert {int(r): b for r, b in wire["round_bytes_down"].items()} == {e["round"]: e["bytes_down"] for e in rows}
+    agg = summary["meter"]
+    assert agg["up"]["bytes"] == counter.publish_bytes(f"fcl-{FED}-aggregator", "up")
+    assert agg["down"]["bytes"] == counter.publish_bytes(f"fcl-{FED}-aggregator", "down")
+
+
+def test_served_models_answer_without_torch_and_match_the_final_evaluation(quickstart_run, tmp_path):
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from fclcore.data import load_digits
+
+    out, _, summary, _, _ = quickstart_run
+    _, test = load_digits(seed=0)
+    task1 = test.x[np.isin(test.y, [5, 6, 7, 8, 9])]  # the quickstart's second task
+    np.save(tmp_path / "task1.npy", task1)
+    blocked = "import sys; sys.modules['torch'] = None; from fcl_edge.cli import main; sys.exit(main())"
+    for cid in summary["client_ids"]:
+        model = out / "clients" / cid / "model.onnx"
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                blocked,
+                "infer",
+                str(model),
+                "--op",
+                "loglik",
+                "--input",
+                str(tmp_path / "task1.npy"),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr
+        answer = json.loads(result.stdout)
+        assert answer["model"]["task"] == 1 and answer["n"] == len(task1)
+        final_nll = summary["final"]["per_client"][cid]["nll_matrix"][1][1]
+        assert -answer["mean_log_likelihood"] == pytest.approx(final_nll, abs=2e-3)
