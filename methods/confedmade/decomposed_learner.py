@@ -166,7 +166,7 @@ class DecomposedLearner(MadeLearner):
         hold = contextlib.nullcontext()
         if self.hold and self.opts.order_per == "round":
             # one MADE mask all round: the hold over the round ends where a per-step hold would
-            # (the forward is masked, eq. 6's terms elementwise; tests/test_decomposed.py)
+            # (the forward is masked, eq. 6's terms elementwise; tests/methods/test_decomposed.py)
             self.model.set_order(step_order(self.made, self.opts, rnd, 0))
             hold = self.optimizer.holding_outside(self._held())
         with hold:

@@ -14,7 +14,7 @@ learner: a step allocates only the gradients it returns (about 60 fewer weight-s
 step at the fifth task), so the C heap is not cut into holes that a step's buffers then fault
 in all over (``firmware_notes/memory.md``, third pass).
 
-The gradients are bit-for-bit autograd's (``tests/test_decomposed.py`` compares them): the
+The gradients are bit-for-bit autograd's (``tests/methods/test_decomposed.py`` compares them): the
 same operations in the same order, and where autograd sums several contributions to one
 tensor (dB over the earlier tasks) they are summed in the order its engine runs them, the
 last task's first.

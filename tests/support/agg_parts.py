@@ -1,4 +1,4 @@
-"""Builders for the aggregator's parts tested alone (``tests/test_agg_*.py``): a small FedAvg
+"""Builders for the aggregator's parts tested alone (``tests/unit/test_agg_*.py``): a small FedAvg
 federation and a link that records what is published instead of reaching a broker."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def looks_like_path(token: str) -> bool:
 def _path_tokens(code: str) -> list[str]:
     tokens = []
     for raw in code.split():
-        token = raw.split("=", 1)[-1] if raw.startswith("--") else raw  # --out=runs/x
+        token = raw.split("=", 1)[-1] if re.match(r"(--)?[\w-]+=", raw) else raw  # --out=runs/x, key="a/b"
         token = re.sub(r":\d+$", "", token.strip(_STRIP))  # file.py:123
         if token.startswith("./"):
             token = token[2:]
