@@ -44,6 +44,16 @@ from fclcore.continual import accuracy_metrics, continual_metrics, loss_matrix, 
 MAX_REJECTION_EVENTS = 10_000  # beyond this, rejections are only counted (a flood must not fill the disk)
 
 
+# what ``up_vs_dense`` / ``down_vs_dense`` divide by: every round's exchange with each trained
+# tensor sent whole, in float32, both ways (the FedAvg reference of the run's own method)
+DENSE_REFERENCE = "dense fp32 FedAvg of the tensors the method trains"
+
+
+def share(sent: int, dense: int) -> float | None:
+    """``sent`` as a share of the dense reference, to 4 decimals (None without a reference)."""
+    return round(sent / dense, 4) if dense else None
+
+
 class RunLog:
     def __init__(self, out_dir: str | os.PathLike) -> None:
         self.dir = Path(out_dir)
@@ -210,6 +220,9 @@ class RunLog:
                 "payload_down_total": sum(c["payload_down"] for c in self.bytes.values()),
                 "dense_fp32_up_total": self.dense_fp32_up,
                 "dense_fp32_down_total": self.dense_fp32_down,
+                "reference": DENSE_REFERENCE,
+                "up_vs_dense": share(up, self.dense_fp32_up),
+                "down_vs_dense": share(down, self.dense_fp32_down),
                 "up_by_kind": dict(self.kinds["up"]),
                 "down_by_kind": dict(self.kinds["down"]),
                 "syncs": dict(self.syncs),

@@ -544,6 +544,13 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float,
     return int(ExitCode.OK)
 
 
+def _vs_dense(b: dict) -> str:
+    """The run's bytes against its reference, both ways, as summary.json has them."""
+    if b.get("up_vs_dense") is None or b.get("down_vs_dense") is None:
+        return ""
+    return f"  up / down vs dense: {b['up_vs_dense']:.1%} / {b['down_vs_dense']:.1%} ({b['reference']})"
+
+
 def _print_result(out_dir: Path, summary_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
     final, b = summary.get("final", {}), summary["bytes"]
@@ -557,7 +564,7 @@ def _print_result(out_dir: Path, summary_path: Path) -> None:
     print(
         f"{summary['method']}: {score}  forgetting {final.get('forgetting')}  "
         f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,}"
-        f"  down {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,})"
+        f"  down {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,})" + _vs_dense(b)
     )
     print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
 

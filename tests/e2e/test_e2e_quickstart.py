@@ -65,6 +65,13 @@ def test_every_round_completes_and_files_follow_the_contract(quickstart_run):
         assert summary["bytes"][total] == sum(e[key] for e in per_round) > 0, total  # metrics.jsonl's sums
     assert summary["bytes"]["down_total"] >= sum(e["bytes_down"] for e in per_round) > 0
     assert "round" in result.stdout and "mean NLL" in result.stdout
+    # a single-method run prints its share of the dense reference, the ratio of metrics.jsonl's sums
+    b = summary["bytes"]
+    up_share = sum(e["bytes_up"] for e in per_round) / sum(e["dense_fp32_up"] for e in per_round)
+    assert b["up_vs_dense"] == round(up_share, 4) and b["down_vs_dense"] == round(
+        b["down_total"] / b["dense_fp32_down_total"], 4
+    )
+    assert f"up / down vs dense: {b['up_vs_dense']:.1%} / {b['down_vs_dense']:.1%} ({b['reference']})" in result.stdout
 
 
 def test_held_out_nll_falls_within_each_task(quickstart_run):
