@@ -260,15 +260,26 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--in-process and --broker: choose one")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
-    return simulate(
-        args.scenario,
-        args.out,
-        broker=args.broker,
-        overrides=args.set,
-        timeout=args.timeout,
-        in_process=args.in_process,
-        force=args.force,
-    )
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        return simulate(
+            args.scenario,
+            args.out,
+            broker=args.broker,
+            overrides=args.set,
+            timeout=args.timeout,
+            in_process=args.in_process,
+            force=args.force,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops ``fcl simulate`` as Ctrl-C does: its ``finally`` stops the broker, the
+    aggregator and the devices it started (a second SIGTERM meanwhile is ignored), exit 130."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _aggregator(args: argparse.Namespace) -> int:
