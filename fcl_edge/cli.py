@@ -141,7 +141,11 @@ def _parser() -> argparse.ArgumentParser:
         "up/down, last seen; plus the aggregator and the round in progress. "
         "The password, if the broker needs one, is read from $FCL_MQTT_PASSWORD.",
     )
-    p.add_argument("--broker", required=True, help="mqtt://host:port or mqtts://host:port")
+    p.add_argument(
+        "--broker",
+        default="mqtt://127.0.0.1:1883",
+        help="mqtt://host:port or mqtts://host:port (default: a broker on this machine, mqtt://127.0.0.1:1883)",
+    )
     p.add_argument("--federation", help="only this federation (default: every one on the broker)")
     p.add_argument(
         "--wait",

@@ -58,8 +58,8 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
 
     matplotlib.use("Agg")
     out_dir = Path(out)
+    runs = {name: load_run(path) for name, path in find_runs(paths).items()}  # first: a failed report writes nothing
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = {name: load_run(path) for name, path in find_runs(paths).items()}
     by_metric: dict[str, dict] = defaultdict(dict)
     for name, run in runs.items():
         by_metric[_metric(run[0])][name] = run

@@ -271,6 +271,8 @@ def simulate(
     """Everything that can be checked is checked before any process starts: the scenario, the
     run directory and the broker; a participant that fails stops the others."""
     p = plan(scenario_path, overrides)
+    if broker:  # before anything is written: a broker that is not there leaves no run directory
+        probe_broker(broker)
     if p.scenario.compare:
         return run_compare(
             p.scenario.compare,
@@ -287,8 +289,6 @@ def simulate(
             ),
         )
     out_dir = prepare_out(Path(out), force, RUN_ENTRIES)
-    if broker:
-        probe_broker(broker)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     _start_afresh(out_dir)
     (out_dir / "scenario.yaml").write_text(yaml.safe_dump(to_dict(p.scenario), sort_keys=False))
