@@ -205,7 +205,8 @@ class RoundWork:
             waiting_for_task=None,
         )
         self.notifier.status(f"round {rnd}, task {task}")
-        log.info("round %d task %d: %d samples, train NLL %s", rnd, task, n_samples, meta["train_nll"])
+        trained = "" if meta.get("train_nll") is None else f", train NLL {meta['train_nll']:.4f}"  # classifiers: none
+        log.info("round %d task %d: %d samples%s", rnd, task, n_samples, trained)
 
     def finish(self, frame: Frame) -> None:
         _, previous = places(frame)

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from fcl_edge.compare import headline
 from fcl_edge.figures import finish, save, title_of
 from fcl_edge.traffic import plot_bytes_per_round, plot_cumulative, round_bytes
 
@@ -178,13 +179,14 @@ def _task_accuracy(fleets: dict[str, dict], out_dir: Path) -> Path:
 def _table(runs: dict, out_dir: Path) -> Path:
     fleet_col = any((s.get("fleet") or {}).get("avg_accuracy") is not None for s, _ in runs.values())
     lines = [
-        "| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down "
+        "| run | method | metric | value | forgetting | bytes up | bytes down "
         "| dense fp32 up | dense fp32 down |" + (" fleet acc |" if fleet_col else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else ""),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else ""),
     ]
     for name, (s, _) in runs.items():
         b, f = s["bytes"], s.get("final", {})
-        score = f.get("avg_nll") if "avg_nll" in f else f.get("avg_incremental_accuracy")
+        name_, value, from_fleet = headline(s)
+        score = f"{'fleet ' if from_fleet else ''}{name_} | {value}"
         fleet_acc = (s.get("fleet") or {}).get("avg_accuracy")
         lines.append(
             f"| {name} | {s['method']} | {score} | {f.get('forgetting')} | {b['up_total']:,} | "

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import methods
 from fcl_edge.broker import free_port, probe_broker
-from fcl_edge.compare import run_compare
+from fcl_edge.compare import headline, run_compare
 from fcl_edge.rundir import RUN_ENTRIES, prepare_out
 from fclcore.config import ConfigError, from_dict, load_config, to_dict
 from fclcore.data import (
@@ -455,9 +455,12 @@ def _follow(
     tail = _Tail(out_dir / "metrics.jsonl")
     rounds: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
-    score = "mean acc" if methods.lookup(fed.method).metric == "accuracy" else "mean NLL"
+    accuracy = methods.lookup(fed.method).metric == "accuracy"
+    score = "task acc" if accuracy else "task NLL"
     tqdm.write(
         f"{fed.method} on {fed.name}: {p.scenario.clients} clients, {fed.num_tasks} tasks, {fed.total_rounds} rounds"
+        f"\n(per round: the global model's mean {'accuracy' if accuracy else 'NLL'} over the devices on the test data"
+        " of the round's task, then the bytes that round moved, summed over the devices)"
     )
     tqdm.write(f"{'round':>5} {'task':>4} {score:>9} {'bytes up':>10} {'bytes down':>11}")
     failed: list[str] = []  # the participants that failed on their own, before any was stopped
@@ -553,14 +556,10 @@ def _vs_dense(b: dict) -> str:
 
 def _print_result(out_dir: Path, summary_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
-    final, b = summary.get("final", {}), summary["bytes"]
-    fleet = "avg_accuracy" not in final and "avg_nll" not in final and summary.get("fleet")
-    final = fleet or final  # no device reported at every task end (membership): the fleet's matrix
-    score = ("fleet " if fleet else "") + (
-        f"avg incremental accuracy {final.get('avg_incremental_accuracy')}"
-        if "avg_accuracy" in final
-        else f"avg NLL {final.get('avg_nll')}"
-    )
+    b = summary["bytes"]
+    name, value, from_fleet = headline(summary)
+    final = (summary.get("fleet") if from_fleet else summary.get("final")) or {}
+    score = ("fleet " if from_fleet else "") + f"{name} {value}"
     print(
         f"{summary['method']}: {score}  forgetting {final.get('forgetting')}  "
         f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,}"

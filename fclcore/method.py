@@ -34,6 +34,10 @@ class MethodSpec:
     strategy: str  # "module:Class" of the server half
     learner: str  # "module:Class" of the device half
     metric: Literal["nll", "accuracy"] = "nll"
+    # the ``summary.json`` ``final`` key of the one number its results table and README report
+    # (``HEADLINES`` names it): what ``fcl simulate`` prints and ``compare:`` tables rank by;
+    # "" is avg_nll for NLL methods and avg_incremental_accuracy for accuracy ones
+    headline: str = ""
     served_format: str = "made"  # what the device serves: an ``export`` format name
     server_torch: bool = False  # the strategy trains on the server (imports torch)
     needs_aux_data: bool = False  # the strategy reads ``aux_dir`` (server-side unlabelled data)
@@ -47,6 +51,10 @@ class MethodSpec:
     # round ``rnd``'s aggregation can change, derived from the seed on both sides, so the model
     # delta sends their values without positions (``fclcore.model_sync``); "" for none
     downlink_positions: str = ""
+
+    @property
+    def headline_key(self) -> str:
+        return self.headline or ("avg_nll" if self.metric == "nll" else "avg_incremental_accuracy")
 
     def parse_options(self, raw: Any, source: str = "federation") -> Any:
         """The options dataclass from ``federation.options``; ConfigError naming the key."""
@@ -71,6 +79,12 @@ class MethodSpec:
 
 
 REGISTRY: dict[str, MethodSpec] = {}
+# what each ``headline`` key is called wherever a run's number is printed (docs/metrics.md)
+HEADLINES = {
+    "avg_nll": "avg NLL",
+    "avg_incremental_accuracy": "avg incremental accuracy",
+    "avg_accuracy": "accuracy after the last task",
+}
 
 
 def register(*specs: MethodSpec) -> None:

@@ -64,7 +64,7 @@ def test_every_round_completes_and_files_follow_the_contract(quickstart_run):
     for total, key in (("up_total", "bytes_up"), ("dense_fp32_up_total", "dense_fp32_up")):
         assert summary["bytes"][total] == sum(e[key] for e in per_round) > 0, total  # metrics.jsonl's sums
     assert summary["bytes"]["down_total"] >= sum(e["bytes_down"] for e in per_round) > 0
-    assert "round" in result.stdout and "mean NLL" in result.stdout
+    assert "round" in result.stdout and "task NLL" in result.stdout
     # a single-method run prints its share of the dense reference, the ratio of metrics.jsonl's sums
     b = summary["bytes"]
     up_share = sum(e["bytes_up"] for e in per_round) / sum(e["dense_fp32_up"] for e in per_round)

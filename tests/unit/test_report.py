@@ -40,7 +40,7 @@ def test_report_writes_plots_and_table(tmp_path: Path) -> None:
         data = (tmp_path / "rep" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     table = (tmp_path / "rep" / "report.md").read_text()
-    assert "| a | confedmade | 11.5 |" in table and "| b | fedcl-finetune | 14.5 |" in table
+    assert "| a | confedmade | avg NLL | 11.5 |" in table and "| b | fedcl-finetune | avg NLL | 14.5 |" in table
 
 
 def test_report_plots_accuracy_runs_apart(tmp_path: Path) -> None:
@@ -64,7 +64,7 @@ def test_report_plots_accuracy_runs_apart(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     for name in ("nll_per_task.png", "accuracy_per_task.png"):
         assert (tmp_path / "rep" / name).read_bytes()[:4] == b"\x89PNG", name
-    assert "| fedet | fedet | 0.85 |" in (tmp_path / "rep" / "report.md").read_text()
+    assert "| fedet | fedet | avg incremental accuracy | 0.85 |" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def _fleet_run(path: Path, matrix: list[list[float | None]], avg_accuracy: float) -> None:
