@@ -22,6 +22,7 @@ from aggregator.clients import ClientSet
 from aggregator.inbox import Inbox, Rejection
 from aggregator.metrics import AggregatorMetrics
 from aggregator.partial import Sites
+from aggregator.progress import still_working
 from aggregator.report import RunReport
 from aggregator.runlog import RunLog
 from aggregator.state import StateStore
@@ -149,13 +150,14 @@ class Intake:
     def close(self, rnd: int, received: dict[str, Update], model: Model) -> Model:
         """The round's next global model: from the running sums (streaming) or every update (batch)."""
         updates = [received[c] for c in sorted(received)]  # arrival order must not change the result
-        if not self.strategy.streams:
-            return self.strategy.aggregate(updates, model)
-        running, folded = self.running(rnd, model)
-        if folded != set(received):  # each accepted update went through ``fold`` exactly once
-            raise AssertionError(f"round {rnd}: folded {sorted(folded)}, accepted {sorted(received)}")
-        self.round_sum = None
-        return self.strategy.close(running, updates, model)
+        with still_working(f"round {rnd + 1}: aggregating {len(updates)} update(s) on the server"):
+            if not self.strategy.streams:
+                return self.strategy.aggregate(updates, model)
+            running, folded = self.running(rnd, model)
+            if folded != set(received):  # each accepted update went through ``fold`` exactly once
+                raise AssertionError(f"round {rnd}: folded {sorted(folded)}, accepted {sorted(received)}")
+            self.round_sum = None
+            return self.strategy.close(running, updates, model)
 
     def running(self, rnd: int, model: Model) -> tuple[RunningSum, set[str]]:
         """Round ``rnd``'s running sum and who is in it; a new (empty) one when the round has none yet."""
