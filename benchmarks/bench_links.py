@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -89,7 +90,8 @@ def one_run(scenario: str, method: str, profile: str, rounds: int, work: Path) -
         "rounds": len(closed),
         "completed": done.returncode == 0 and len(closed) == rounds * _tasks(summary) and full,
         "median_round_s": round(statistics.median(durations), 2) if durations else None,
-        "p95_round_s": round(sorted(durations)[max(0, int(0.95 * len(durations)) - 1)], 2) if durations else None,
+        "p95_round_s": _nearest_rank(durations, 0.95),
+        "round_s": durations,
         "bytes_up": summary.get("bytes", {}).get("up_total"),
         "bytes_down": summary.get("bytes", {}).get("down_total"),
         "time_to_target_s": to_target,
@@ -98,6 +100,14 @@ def one_run(scenario: str, method: str, profile: str, rounds: int, work: Path) -
         "exit": done.returncode,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def _nearest_rank(values: list[float], q: float) -> float | None:
+    """The q-quantile by nearest rank (the smallest value with at least q of the values at or below it)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 2)
 
 
 def _tasks(summary: dict) -> int:
