@@ -69,9 +69,9 @@ def model_digest(params: Mapping[str, np.ndarray]) -> str:
     tensor's name, dtype, shape and float32 values, in byte order of the UTF-8 names."""
     digest = hashlib.sha256(_DIGEST_MAGIC + struct.pack("<I", len(params)))
     for raw, name in sorted((n.encode(), n) for n in params):
-        value = np.ascontiguousarray(params[name], dtype="<f4")
+        value = np.asarray(params[name], dtype="<f4")  # (ascontiguousarray would make a scalar 1-D)
         digest.update(struct.pack(f"<H{len(raw)}sBB{value.ndim}I", len(raw), raw, _FLOAT32, value.ndim, *value.shape))
-        digest.update(value.data)
+        digest.update(value.tobytes())
     return digest.hexdigest()
 
 
