@@ -59,6 +59,7 @@ def test_the_signed_vector_fails_with_another_key_or_a_flipped_bit() -> None:
 
 @pytest.mark.parametrize("vector", INVALID, ids=[v["name"] for v in INVALID])
 def test_every_invalid_frame_is_rejected_naming_its_field(vector: dict) -> None:
+    """P-4.1, P-4.5 (NaN, a repeated key), P-4.6, P-5.2, P-5.6, P-5.7."""
     with pytest.raises(CodecError) as err:
         decode(bytes.fromhex(vector["hex"]))
     assert vector["error_field"] in str(err.value).split(": got")[0]
