@@ -6,7 +6,9 @@
 ``frames.json``: frames of every kind, layout and value dtype, a signed one and a derived
 delta, each as hex with its decoded content; ``invalid.json``: frames a decoder must reject,
 with the field its error names; ``model-digest.json``: a model and its protocol 1 hash and
-protocol 2 digest; ``splitmix64.json``: the first outputs of a few SplitMix64 streams.
+protocol 2 digest; ``splitmix64.json``: the first outputs of a few SplitMix64 streams;
+``derived-positions.json``: a MADE with ``mask_rng: splitmix64``, its orders, degrees and the
+derived positions of its first announcements (rule P-7.9).
 Everything here is deterministic: the same bytes on every machine.
 """
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from fclcore.codec import Frame, Header, Kind, SparseTensor, ValueCoding, decode, encode
 from fclcore.crc import crc32
+from fclcore.made_spec import MadeConfig, hidden_degrees, input_order, made_masks, mask_for_param, order_schedule
 from fclcore.model_sync import ModelRef, model_digest, model_hash
 from fclcore.signing import sign
 from fclcore.splitmix import SplitMix64
@@ -271,6 +274,26 @@ def splitmix() -> list[dict]:
     return out
 
 
+MADE = MadeConfig(6, (5, 4), direct=True, natural_order=False, num_orders=3, mask_seed=7, mask_rng="splitmix64")
+
+
+def derived_positions() -> dict:
+    """P-7.9: for announcement r (r >= 1), the masks of order ((r - 1) * 7919) mod num_orders."""
+    made = {k: getattr(MADE, k) for k in ("input_dim", "direct", "natural_order", "num_orders", "mask_seed")}
+    made.update(hidden_sizes=list(MADE.hidden_sizes), connectivity_agnostic=False, mask_rng=MADE.mask_rng)
+    announcements = {}
+    for rnd in (1, 2, 3):
+        masks = made_masks(MADE, order_schedule(MADE, rnd - 1, 0))
+        names = [f"hidden.{i}.weight" for i in range(len(MADE.hidden_sizes))] + ["output.weight", "direct.weight"]
+        announcements[str(rnd)] = {n: mask_for_param(masks, n).astype(int).tolist() for n in names}
+    return {
+        "model": made,
+        "orders": [input_order(MADE, k).tolist() for k in range(MADE.num_orders)],
+        "degrees": [m.tolist() for m in hidden_degrees(MADE)],
+        "positions_by_announcement": announcements,
+    }
+
+
 def documents() -> dict[str, object]:
     model = _model()
     return {
@@ -294,6 +317,7 @@ def documents() -> dict[str, object]:
             "digest": model_digest(model),
         },
         "splitmix64.json": splitmix(),
+        "derived-positions.json": derived_positions(),
     }
 
 

@@ -11,7 +11,8 @@ import pytest
 from edge_client.protocol import RejectedFrame, check_downlink
 from fclcore import topics, transport
 from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
-from fclcore.config import to_dict
+from fclcore.config import from_dict, to_dict
+from fclcore.schema import FederationSpec, ModelSpec
 from tests.support.builders import federation_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,3 +91,13 @@ def test_a_round_announcement_carries_what_the_device_reads() -> None:
         with pytest.raises(RejectedFrame) as err:
             _check(payload)
         assert reason.strip() in str(err.value)
+
+
+def test_mask_rng_is_announced_only_when_it_is_not_the_default() -> None:
+    """P-7.10: a federation on PCG64 announces exactly what protocol 1 devices read."""
+    default, neutral = federation_spec(), federation_spec(model=ModelSpec(hidden_sizes=[8], mask_rng="splitmix64"))
+    assert "mask_rng" not in to_dict(default)["model"]
+    assert to_dict(neutral)["model"]["mask_rng"] == "splitmix64"
+    assert from_dict(FederationSpec, to_dict(neutral), "round message").model.mask_rng == "splitmix64"
+    with pytest.raises(ValueError, match="mask_rng"):
+        ModelSpec(mask_rng="mt19937").made_config(4)

@@ -14,12 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import methods
 from fclcore.codec import CodecError, decode
 from fclcore.crc import crc32
 from fclcore.model_sync import model_digest, model_hash
+from fclcore.schema import ModelSpec
 from fclcore.signing import SignatureError, verify
 from fclcore.splitmix import SplitMix64, mix
 from scripts import protocol_vectors
+from tests.support.builders import federation_spec
 
 VECTORS = Path(__file__).resolve().parents[2] / "docs" / "protocol-vectors"
 FRAMES = json.loads((VECTORS / "frames.json").read_text())
@@ -105,3 +108,39 @@ def test_splitmix64_vectors() -> None:
         assert perm == case["permutation_16"] and sorted(perm) == list(range(16))
     with pytest.raises(ValueError):
         SplitMix64(-1)
+
+
+def _masks_by_the_rule(model: dict, k: int) -> dict[str, np.ndarray]:
+    """P-7.9 as written in docs/protocol.md: orders, degrees and masks from SplitMix64 alone."""
+    d, s = model["input_dim"], model["mask_seed"]
+    k %= model["num_orders"]
+    order = list(range(d)) if k == 0 and model["natural_order"] else SplitMix64(s, 1, k).permutation(d)
+    deg_in = np.empty(d, np.int64)
+    deg_in[order] = np.arange(1, d + 1)
+    stream, low, prev, masks = SplitMix64(s, 0), 1, deg_in, {}
+    for layer, h in enumerate(model["hidden_sizes"]):
+        high = max(low, d - 1)
+        m = np.array([low + stream.below(high - low + 1) for _ in range(h)])
+        masks[f"hidden.{layer}.weight"] = (m[:, None] >= prev[None, :]).astype(int)
+        prev, low = m, int(m.min())
+    masks["output.weight"] = (deg_in[:, None] > prev[None, :]).astype(int)
+    masks["direct.weight"] = (deg_in[:, None] > deg_in[None, :]).astype(int)
+    return masks
+
+
+def test_derived_positions_vector() -> None:
+    """P-7.9: the committed positions follow from the rule's text, and they are what
+    ConFedMADE derives for its announcements in a federation with ``mask_rng: splitmix64``."""
+    doc = json.loads((VECTORS / "derived-positions.json").read_text())
+    model = doc["model"]
+    fed = federation_spec(model=ModelSpec(**{k: v for k, v in model.items() if k != "input_dim"}))
+    derive = methods.positions_for(fed, model["input_dim"], "test")
+    for rnd, positions in doc["positions_by_announcement"].items():
+        u = 0 if model["num_orders"] == 1 else (int(rnd) - 1) * 7919 % model["num_orders"]
+        by_rule = _masks_by_the_rule(model, u)
+        derived = derive(int(rnd) - 1)  # a device derives the announcement of version r from round r - 1
+        assert set(positions) == set(by_rule) == set(derived)
+        for name, mask in positions.items():
+            assert np.array_equal(np.asarray(mask), by_rule[name]), (rnd, name)
+            assert np.array_equal(derived[name], np.asarray(mask, bool)), (rnd, name)
+    assert len({json.dumps(p) for p in doc["positions_by_announcement"].values()}) == 3  # three orders
