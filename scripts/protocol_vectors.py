@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from fclcore.codec import Frame, Header, Kind, SparseTensor, ValueCoding, decode, encode
+from fclcore.config import to_dict
 from fclcore.crc import crc32
 from fclcore.made_spec import MadeConfig, hidden_degrees, input_order, made_masks, mask_for_param, order_schedule
 from fclcore.model_sync import ModelRef, model_digest, model_hash
+from fclcore.schema import FederationSpec, ModelSpec
 from fclcore.signing import sign
 from fclcore.splitmix import SplitMix64
 
@@ -61,8 +63,10 @@ def frames() -> list[tuple[str, str, bytes, list[str]]]:
     """(name, what it shows, payload, rules it exercises)."""
     model = _model()
     ref = ModelRef(4, None, model_hash(model), digest=model_digest(model))
+    fed = FederationSpec(name="fed", method="fedavg", num_tasks=2, rounds_per_task=4, model=ModelSpec(hidden_sizes=[3]))
     round_meta = {
         "run": RUN,
+        "federation": to_dict(fed),
         "clock_us": 1_700_000_000_000_000,
         "input_dim": 4,
         "total_rounds": 8,
