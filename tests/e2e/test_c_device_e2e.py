@@ -96,6 +96,7 @@ class RoundRecorder:
         self.client.disconnect()
 
 
+QUICK = ["compare=[]", "federation.rounds_per_task=3"]
 RUNS = {
     "unsigned-int8": ["federation.wire.value_dtype=int8"],  # 8-bit values both ways: every delta is dense
     # float32 and one input order: the Python devices never change the entries MADE's mask cuts,
@@ -107,7 +108,7 @@ RUNS = {
 @pytest.mark.parametrize("run", list(RUNS))
 def test_the_c_device_completes_a_fedavg_federation(run: str, c_device: Path, mosquitto, tmp_path: Path) -> None:
     """P-2.2, P-2.3, P-6.3, P-7.2, P-7.3, P-11.1, P-11.3, P-12.1, P-12.2 on the wire."""
-    overrides = ["compare=[]", "federation.rounds_per_task=3", *RUNS[run]]
+    overrides = [*QUICK, *RUNS[run]]
     fleet = Fleet(ROOT / "configs/scenarios/quickstart.yaml", tmp_path / "run", mosquitto.url, overrides)
     assert C_CLIENT in fleet.configs
     recorder = RoundRecorder(mosquitto.port, "quickstart")
@@ -152,3 +153,39 @@ def test_the_c_device_completes_a_fedavg_federation(run: str, c_device: Path, mo
     assert announcements and all(len(f.meta["model"]["digest"]) == 64 for f in announcements)
     sparse = any(isinstance(t, SparseTensor) for f in announcements for t in f.tensors.values())
     assert sparse == (run == "signed-sparse")  # there, the C device applied sparse deltas
+
+
+def test_a_restarted_c_device_fetches_the_full_model_and_finishes(c_device: Path, mosquitto, tmp_path: Path) -> None:
+    """P-2.3 (its last will), P-7.3 (holding no model, it fetches model/full before it acts on
+    the announcement), P-11.1: killed after round 1 and started again, it keeps no state, yet
+    every round ends with one accepted update from it and the run finishes."""
+    fleet = Fleet(ROOT / "configs/scenarios/quickstart.yaml", tmp_path / "run", mosquitto.url, QUICK)
+    command = [str(c_device), "--host", "127.0.0.1", "--port", str(mosquitto.port)]
+    command += ["--federation", "quickstart", "--client", C_CLIENT, "--timeout", "400"]
+    try:
+        fleet.start("aggregator")
+        for name in fleet.configs:
+            if name not in ("aggregator", C_CLIENT):
+                fleet.start(name)
+        with open(tmp_path / "c-device.1.log", "w") as err:
+            first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+            fleet.wait_for_round(1, timeout=300)
+            first.kill()
+            first.wait(10)
+        with open(tmp_path / "c-device.2.log", "w") as err:
+            second = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
+            codes = fleet.wait(timeout=420)
+            out, _ = second.communicate(timeout=60)
+    finally:
+        fleet.stop()
+    logs = fleet.logs() + "\n--- c-device (restarted)\n" + (tmp_path / "c-device.2.log").read_text()[-3000:]
+    assert second.returncode == 0 and set(codes.values()) == {0}, (codes, logs)
+    counts = dict(item.split("=") for item in out.split())
+    assert int(counts["full_fetches"]) == 1 and int(counts["updates"]) >= 1, out
+    # the full model (for the first round it answers), a delta for each later round, the FINISH
+    assert int(counts["verified"]) == int(counts["updates"]) + 1, out
+    rounds = fleet.plan.scenario.federation.total_rounds
+    accepted = collections.Counter(
+        e["round"] for e in fleet.events("round_client") if e["client"] == C_CLIENT and e["status"] == "accepted"
+    )
+    assert accepted == {r: 1 for r in range(rounds)}, accepted
