@@ -188,7 +188,7 @@ static void on_round_frame(const uint8_t *buf, size_t n) {
     char err[512];
     if (frame_decode(buf, n, &f, err, sizeof err)) { drop(0, err); frame_free(&f); return; }
     const json *run = json_get(f.meta, "run"), *clock = json_get(f.meta, "clock_us"), *model_ref = json_get(f.meta, "model");
-    int64_t clock_us;
+    int64_t clock_us, total;
     if (strcmp(f.client, "aggregator") || strcmp(f.federation, D.fed)) drop(1, f.client); /* P-4.3 */
     else if (f.kind != K_ROUND && f.kind != K_FINISH && f.kind != K_REQUEST && f.kind != K_MODEL) drop(2, KIND_NAMES[f.kind]);
     else if (!run || run->type != J_STR || strlen(run->text) != 25) drop(3, "no run id");
@@ -203,6 +203,10 @@ static void on_round_frame(const uint8_t *buf, size_t n) {
     } else if (f.kind == K_FINISH && json_get(f.meta, "failed")) {
         logf_("the aggregator ended the run as failed");
         D.exit_code = 7;
+    } else if (f.kind == K_FINISH && (!json_int(json_get(f.meta, "total_rounds"), &total) || total != f.round)) {
+        drop(5, "not the end of the last round");
+    } else if (f.kind == K_MODEL && strcmp(run->text, D.run)) {
+        drop(3, "a model of another run");
     } else if (f.kind == K_MODEL) {
         if (take_model(&f, model_ref) && D.parked) { /* the parked announcement goes on */
             uint8_t *p = D.parked;
