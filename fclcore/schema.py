@@ -141,6 +141,12 @@ class ModelSpec:
     num_orders: int = 1  # > 1: order-agnostic training over a cycle of seeded orders
     mask_seed: int = 0
     connectivity_agnostic: bool = False  # with num_orders > 1: each order also redraws hidden degrees
+    # orders and degrees from NumPy's PCG64 or from SplitMix64 (protocol 2: docs/protocol.md P-7.9),
+    # which a device in any language derives; left out of ``to_dict`` at its default, so a
+    # federation that does not set it announces what protocol 1 devices read
+    mask_rng: Literal["pcg64", "splitmix64"] = "pcg64"
+
+    omit_when_default = ("mask_rng",)
 
     def __post_init__(self) -> None:
         if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
@@ -157,6 +163,7 @@ class ModelSpec:
             num_orders=self.num_orders,
             mask_seed=self.mask_seed,
             connectivity_agnostic=self.connectivity_agnostic,
+            mask_rng=self.mask_rng,
         )
 
 

@@ -232,6 +232,7 @@ BAD = [
         CLIENT + "broker: {url: 'mqtt://host:port'}\n",
         ["broker", "url", "bad port", "mqtt://host:port"],
     ),
+    # docs/protocol.md P-2.4
     ("broker-keepalive", AggregatorConfig, AGG + "broker: {keepalive_s: 1}\n", ["broker", "keepalive_s", ">= 5"]),
     (
         "broker-reconnect",
