@@ -3,7 +3,8 @@ deploy/prometheus/ configuration (its target port templated) and scrapes an aggr
 short quickstart run over Mosquitto with separate daemon processes; then its HTTP API must give
 every per-device and learning series with the right labels and plausible values, every PromQL
 expression of the Grafana dashboard must return data, and every alert rule must load, find its
-series, and stay quiet on this healthy run."""
+series, and stay quiet on this healthy run.  The device's own view (``fcl ctl status``) gives the
+same facts."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 import yaml
+from conftest import run_fcl
 from support.fleet import QUICK_SCENARIO, Fleet
 from support.mosquitto import free_port
 from support.prometheus import DEPLOY, PrometheusProcess
@@ -55,7 +57,8 @@ def _reject_one(broker_port: int) -> None:
 
 @pytest.fixture
 def run(mosquitto, tmp_path, repo_root):
-    """(Prometheus, the run's fleet, a unix time late in the run when every series is there)."""
+    """(Prometheus, the run's fleet, a unix time late in the run when every series is there,
+    ``fcl ctl status`` of client-0 after round 3)."""
     port = free_port()
     prom = PrometheusProcess(tmp_path / "prometheus", port).start()
     fleet = Fleet(repo_root / QUICK_SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES, {"metrics_port": port})
@@ -66,11 +69,14 @@ def run(mosquitto, tmp_path, repo_root):
         fleet.start_all()
         fleet.wait_for_round(1)
         _reject_one(mosquitto.port)
+        fleet.wait_for_round(3)
+        state = Path(yaml.safe_load(fleet.configs["client-0"][1].read_text())["out_dir"]) / "state"
+        device_view = run_fcl("ctl", str(state / "control.sock"), "status")
         assert set(fleet.wait(300).values()) == {0}, fleet.logs()
         (last,) = [e for e in fleet.events("round") if e["round"] == ROUNDS - 1]
         at = last["last_update_t"]  # the last round's updates are in; rounds before it were scraped
         time.sleep(2)  # Prometheus's samples up to ``at`` are queryable
-        yield prom, fleet, at
+        yield prom, fleet, at, device_view
     finally:
         fleet.stop()
         prom.stop()
@@ -81,7 +87,7 @@ def _by_device(prom: PrometheusProcess, expr: str, at: float) -> dict[str, float
 
 
 def test_prometheus_sees_the_fleet_and_every_shipped_expression_returns_data(run) -> None:
-    prom, fleet, at = run
+    prom, fleet, at, device_view = run
     sel = f'{{federation="{FED}"}}'
 
     # every per-device series, labelled by federation and device, for each device (no GPU here)
@@ -124,6 +130,15 @@ def test_prometheus_sees_the_fleet_and_every_shipped_expression_returns_data(run
     (average,) = prom.query(f"fcl_learning_average{sel}", at)
     (forgetting,) = prom.query(f"fcl_learning_forgetting{sel}", at)
     assert average["value"] == pytest.approx(tasks["0"], abs=5) and abs(forgetting["value"]) < 50
+
+    # the device's own view (its control socket) says what its series say
+    assert device_view.returncode == 0, device_view.stderr
+    health = json.loads(device_view.stdout)["health"]
+    assert health["budget_mb"] == BUDGET_MB and health["daemon"] == daemon_version() and health["resyncs"] == 0
+    assert 20 < health["peak_mb"] < BUDGET_MB and health["cpu_s"] > 0 and health["up"]["update"] > 0
+    assert health["down"]["round"] > 0
+    retained = json.loads(device_view.stdout)["retained_status"]
+    assert retained["health"]["budget_mb"] == BUDGET_MB and retained["round"] >= 2
 
     for expr in dashboard_exprs():
         assert prom.query(expr, at), f"dashboard expression returns nothing: {expr}"
