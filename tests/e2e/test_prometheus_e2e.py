@@ -4,7 +4,7 @@ short quickstart run over Mosquitto with separate daemon processes; then its HTT
 every per-device and learning series with the right labels and plausible values, every PromQL
 expression of the Grafana dashboard must return data, and every alert rule must load, find its
 series, and stay quiet on this healthy run.  The device's own view (``fcl ctl status``) gives the
-same facts."""
+same facts, and so does its retained status (``fcl status --device``)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _reject_one(broker_port: int) -> None:
 @pytest.fixture
 def run(mosquitto, tmp_path, repo_root):
     """(Prometheus, the run's fleet, a unix time late in the run when every series is there,
-    ``fcl ctl status`` of client-0 after round 3)."""
+    ``fcl ctl status`` of client-0 and ``fcl status --device client-1`` after round 3)."""
     port = free_port()
     prom = PrometheusProcess(tmp_path / "prometheus", port).start()
     fleet = Fleet(repo_root / QUICK_SCENARIO, tmp_path / "run", mosquitto.url, OVERRIDES, {"metrics_port": port})
@@ -72,11 +72,12 @@ def run(mosquitto, tmp_path, repo_root):
         fleet.wait_for_round(3)
         state = Path(yaml.safe_load(fleet.configs["client-0"][1].read_text())["out_dir"]) / "state"
         device_view = run_fcl("ctl", str(state / "control.sock"), "status")
+        retained_view = run_fcl("status", "--broker", mosquitto.url, "--federation", FED, "--device", "client-1")
         assert set(fleet.wait(300).values()) == {0}, fleet.logs()
         (last,) = [e for e in fleet.events("round") if e["round"] == ROUNDS - 1]
         at = last["last_update_t"]  # the last round's updates are in; rounds before it were scraped
         time.sleep(2)  # Prometheus's samples up to ``at`` are queryable
-        yield prom, fleet, at, device_view
+        yield prom, fleet, at, (device_view, retained_view)
     finally:
         fleet.stop()
         prom.stop()
@@ -87,7 +88,7 @@ def _by_device(prom: PrometheusProcess, expr: str, at: float) -> dict[str, float
 
 
 def test_prometheus_sees_the_fleet_and_every_shipped_expression_returns_data(run) -> None:
-    prom, fleet, at, device_view = run
+    prom, fleet, at, (device_view, retained_view) = run
     sel = f'{{federation="{FED}"}}'
 
     # every per-device series, labelled by federation and device, for each device (no GPU here)
@@ -139,6 +140,11 @@ def test_prometheus_sees_the_fleet_and_every_shipped_expression_returns_data(run
     assert health["down"]["round"] > 0
     retained = json.loads(device_view.stdout)["retained_status"]
     assert retained["health"]["budget_mb"] == BUDGET_MB and retained["round"] >= 2
+    assert retained_view.returncode == 0, retained_view.stderr
+    lines = retained_view.stdout.splitlines()
+    assert lines[0].startswith(f"client-1 of {FED}: online, task 0, round ") and "of a 4096.0 MiB budget" in lines[1]
+    assert re.search(r"bytes up: [\d,]+ \(status [\d,]+, update [\d,]+\)", retained_view.stdout), lines
+    assert f"daemon {daemon_version()}" in retained_view.stdout
 
     for expr in dashboard_exprs():
         assert prom.query(expr, at), f"dashboard expression returns nothing: {expr}"
