@@ -16,7 +16,7 @@ and the table of records is copied under a lock.
 
 from __future__ import annotations
 
-import math
+import operator
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,23 +73,19 @@ PER_DEVICE = (
 )
 
 
-def _value(record: DeviceRecord, attr: str, lag: int) -> float | int | None:
+def _values(records: list[DeviceRecord], attr: str, lags: list[int]) -> list:
+    """One family's values in ``records``' order (None: no sample); every number is finite, as
+    ``read_health`` checked it."""
     if attr == "lag":
-        return lag
-    value = getattr(record, attr)
-    if isinstance(value, bool):
-        return int(value)
-    return value * MB if value is not None and attr.endswith("_mb") else value
+        return lags
+    values = list(map(operator.attrgetter(attr), records))
+    if attr.endswith("_mb"):
+        return [None if v is None else v * MB for v in values]
+    return [int(v) for v in values] if attr == "online" else values
 
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _number(value: float | int) -> str:
-    if isinstance(value, int):
-        return str(value)
-    return repr(float(value)) if math.isfinite(value) else ("NaN" if math.isnan(value) else "+Inf")
 
 
 class DeviceBook:
@@ -167,8 +163,8 @@ class DeviceBook:
         out: list[str] = []
         for name, kind, attr, text in PER_DEVICE:
             out.append(f"# HELP {name} {text}\n# TYPE {name} {kind}\n")
-            samples = ((r.labels, _value(r, attr, lag)) for r, lag in zip(records, lags))
-            out.append("".join(f"{name}{{{labels}}} {_number(v)}\n" for labels, v in samples if v is not None))
+            values = _values(records, attr, lags)
+            out.append("".join([f"{name}{{{r.labels}}} {v}\n" for r, v in zip(records, values) if v is not None]))
         out.append(self._bytes(records))
         out.append(self._rejections(records))
         out.append(self._info(records))

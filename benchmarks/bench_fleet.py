@@ -194,7 +194,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             if any(p.poll() is not None for p in (*aggregators.values(), *workers)):
                 break
             time.sleep(0.1)
-        scrape = time_scrapes(args.metrics_port, args.scrape) if args.scrape and "FINISH" in watcher.seen else None
+        scraped = args.scrape and "FINISH" in watcher.seen and aggregators["root"].poll() is None
+        scrape = time_scrapes(args.metrics_port, args.scrape, aggregators["root"].pid) if scraped else None
         peaks = {name: peak_rss_mb(p.pid) for name, p in aggregators.items()}
         agg_cpu = {name: cpu_seconds(p.pid) for name, p in aggregators.items() if p.poll() is None}
         broker_cpu = sum(cpu_seconds(b.proc.pid) for b in brokers)
@@ -210,12 +211,13 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     )
 
 
-def time_scrapes(port: int, n: int) -> dict:
-    """Seconds per GET of the whole /metrics page, plain and gzipped (as Prometheus asks), and
+def time_scrapes(port: int, n: int, pid: int) -> dict:
+    """Seconds per GET of the whole /metrics page, plain and gzipped (as Prometheus asks), the
+    aggregator's CPU seconds per GET (``pid``: its process; barely moved by other load), and
     what the page holds."""
     out: dict = {"scrapes": n, "loadavg": [round(x, 2) for x in os.getloadavg()]}
     for name, headers in (("plain", {}), ("gzip", {"Accept-Encoding": "gzip"})):
-        times = []
+        times, cpu = [], cpu_seconds(pid)
         for _ in range(n):
             request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
             started = time.perf_counter()
@@ -223,6 +225,7 @@ def time_scrapes(port: int, n: int) -> dict:
                 body = response.read()
             times.append(time.perf_counter() - started)
         out[f"{name}_s_median"], out[f"{name}_s_max"] = round(statistics.median(times), 4), round(max(times), 4)
+        out[f"{name}_cpu_s"] = round((cpu_seconds(pid) - cpu) / n, 4)
         out[f"{name}_bytes"] = len(body)
         if name == "plain":
             lines = [line for line in body.decode().splitlines() if line and not line.startswith("#")]
@@ -432,15 +435,16 @@ def markdown(report: dict) -> str:
             "Prometheus scrapes of the aggregator after the round closed (`--scrape N`; seconds per GET of "
             "/metrics, median / max of N):",
             "",
-            "| devices | series (per-device) | page bytes (gzip) | plain s | gzip s | load avg at scrape |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| devices | series (per-device) | page bytes (gzip) | plain s | gzip s | aggregator CPU s per scrape "
+            "(plain, gzip) | load avg at scrape |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in scraped:
             sc = r["scrape"]
             lines.append(
                 f"| {r['devices']:,} | {sc['series']:,} ({sc['device_series']:,}) | {sc['plain_bytes']:,} "
                 f"({sc['gzip_bytes']:,}) | {sc['plain_s_median']} / {sc['plain_s_max']} | {sc['gzip_s_median']} / "
-                f"{sc['gzip_s_max']} | {sc['loadavg'][0]} |"
+                f"{sc['gzip_s_max']} | {sc.get('plain_cpu_s')}, {sc.get('gzip_cpu_s')} | {sc['loadavg'][0]} |"
             )
     return "\n".join(lines) + "\n"
 

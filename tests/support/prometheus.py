@@ -15,7 +15,7 @@ from pathlib import Path
 from support.mosquitto import free_port
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
-SHIPPED_TARGET = "127.0.0.1:9466"  # the target in the shipped prometheus.yml (configs/services/aggregator.yaml)
+SHIPPED_TARGET = "127.0.0.1:9108"  # the target in the shipped prometheus.yml (configs/services/aggregator.yaml)
 
 
 def binary(name: str) -> str:

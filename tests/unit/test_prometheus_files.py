@@ -36,10 +36,10 @@ def test_promtool_accepts_the_shipped_files(args) -> None:
 
 
 def test_the_templated_config_is_valid_too(tmp_path) -> None:
-    (tmp_path / "prometheus.yml").write_text(shipped_config(19466, "1s"))
+    (tmp_path / "prometheus.yml").write_text(shipped_config(19108, "1s"))
     (tmp_path / "fcl-alerts.yml").write_text((DEPLOY / "fcl-alerts.yml").read_text())
     done = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
-    assert done.returncode == 0 and "127.0.0.1:19466" in (tmp_path / "prometheus.yml").read_text(), done.stdout
+    assert done.returncode == 0 and "127.0.0.1:19108" in (tmp_path / "prometheus.yml").read_text(), done.stdout
 
 
 def test_every_alert_is_unit_tested_and_the_tests_pass() -> None:
