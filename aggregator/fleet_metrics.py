@@ -1,5 +1,5 @@
 """Per-device Prometheus series: what the aggregator knows of each device, and what each device
-says of itself in its retained status (``edge_client.health``).
+says of itself in its retained status (``fclcore.health``).
 
 Labels are bounded: ``federation`` and ``device`` on every series (a device is tracked only
 once it is enrolled or waiting to enroll, so at most ``max_devices``), plus ``direction`` and
@@ -37,7 +37,7 @@ MB = 2**20
 class DeviceRecord:
     labels: str  # 'federation="f",device="d"', escaped once
     online: bool = False
-    last_seen: float = 0.0  # unix seconds of its last status or accepted update
+    last_seen: int = 0  # unix time (whole seconds) of its last status or accepted update
     participated: int = 0
     missed: int = 0
     last_up: int = 0  # packet bytes of its last closed round
@@ -79,8 +79,8 @@ def _values(records: list[DeviceRecord], attr: str, lags: list[int]) -> list:
     if attr == "lag":
         return lags
     values = list(map(operator.attrgetter(attr), records))
-    if attr.endswith("_mb"):
-        return [None if v is None else v * MB for v in values]
+    if attr.endswith("_mb"):  # whole bytes: an int prints five times faster than a float
+        return [None if v is None else int(v * MB) for v in values]
     return [int(v) for v in values] if attr == "online" else values
 
 
@@ -119,7 +119,7 @@ class DeviceBook:
         record = self.track(device)
         if record is None:
             return
-        record.online, record.last_seen = status["state"] == "online", time.time()
+        record.online, record.last_seen = status["state"] == "online", int(time.time())
         for name, value in read_health(status.get("health")).items():
             setattr(record, name, value)
         task, protocol = status.get("task"), read_protocol(status.get("protocol"))
@@ -132,7 +132,7 @@ class DeviceBook:
         """An update of round ``rnd`` was accepted."""
         record = self.track(device)
         if record is not None:
-            record.last_seen, record.last_round = time.time(), max(record.last_round, rnd)
+            record.last_seen, record.last_round = int(time.time()), max(record.last_round, rnd)
 
     def round_closed(self, device: str, replied: bool, up: int, down: int, up_kinds: dict, down_kinds: dict) -> None:
         record = self.track(device)

@@ -37,7 +37,7 @@ def dashboard_exprs() -> list[str]:
     """Every target's PromQL, with the dashboard's variables set as Grafana would set them."""
     panels = json.loads(DASHBOARD.read_text())["panels"]
     exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
-    return [e.replace("$federation", FED).replace("$__rate_interval", "10s") for e in exprs]
+    return [e.replace("$federation", FED).replace("$__rate_interval", "20s") for e in exprs]
 
 
 def rule_exprs() -> dict[str, str]:
@@ -101,7 +101,7 @@ def test_prometheus_sees_the_fleet_and_every_shipped_expression_returns_data(run
     for device in DEVICES:
         assert value["fcl_device_online"][device] == 1
         assert at - 30 < value["fcl_device_last_seen_timestamp_seconds"][device] <= at + 1
-        assert done - 2 <= value["fcl_device_rounds_participated_total"][device] <= ROUNDS
+        assert done - 5 <= value["fcl_device_rounds_participated_total"][device] <= ROUNDS
         assert value["fcl_device_rounds_missed_total"][device] == 0
         assert value["fcl_device_last_round_up_bytes"][device] > 1000
         assert value["fcl_device_last_round_down_bytes"][device] > 1000

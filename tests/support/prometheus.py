@@ -32,12 +32,14 @@ def shipped_config(target_port: int, interval: str) -> str:
     for old in (SHIPPED_TARGET, "scrape_interval: 15s", "evaluation_interval: 15s", "scrape_timeout: 10s"):
         if text.count(old) != 1:
             raise AssertionError(f"deploy/prometheus/prometheus.yml: expected one {old!r} to template")
-    text = text.replace(SHIPPED_TARGET, f"127.0.0.1:{target_port}").replace("scrape_timeout: 10s", "scrape_timeout: 1s")
-    return text.replace("interval: 15s", f"interval: {interval}")
+    text = text.replace(SHIPPED_TARGET, f"127.0.0.1:{target_port}")
+    return text.replace("scrape_timeout: 10s", f"scrape_timeout: {interval}").replace(
+        "interval: 15s", f"interval: {interval}"
+    )
 
 
 class PrometheusProcess:
-    def __init__(self, work: Path, target_port: int, interval: str = "1s") -> None:
+    def __init__(self, work: Path, target_port: int, interval: str = "2s") -> None:
         self.work = work
         work.mkdir(parents=True, exist_ok=True)
         (work / "prometheus.yml").write_text(shipped_config(target_port, interval))
