@@ -40,7 +40,7 @@ def device_facts(payload: bytes) -> dict:
             "down": _kinds(health.get("down")),
             "daemon": _short(health.get("daemon")),
         },
-        "other": {k: _short(v) for k, v in list(raw.items())[:MAX_OTHER] if k not in STATUS_FIELDS and _short(k)},
+        "other": _others(raw),
         "problem": status.problem,
     }
 
@@ -85,6 +85,16 @@ def device_status(
     else:
         print_device(device, federation, facts, now, out)
     return True
+
+
+def _others(raw: dict) -> dict:
+    """The status fields this view does not know (a newer protocol's), with a value it can show."""
+    out = {}
+    for key, value in list(raw.items())[:MAX_OTHER]:
+        shown = _short(value)
+        if key not in STATUS_FIELDS and _short(key) and shown is not None:
+            out[key] = shown
+    return out
 
 
 def _number(value: Any) -> float | None:

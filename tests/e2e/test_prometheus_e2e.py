@@ -73,6 +73,7 @@ def run(mosquitto, tmp_path, repo_root):
         state = Path(yaml.safe_load(fleet.configs["client-0"][1].read_text())["out_dir"]) / "state"
         device_view = run_fcl("ctl", str(state / "control.sock"), "status")
         retained_view = run_fcl("status", "--broker", mosquitto.url, "--federation", FED, "--device", "client-1")
+        (tmp_path / "device_view.txt").write_text(retained_view.stdout)  # what docs/monitoring.md shows
         assert set(fleet.wait(300).values()) == {0}, fleet.logs()
         (last,) = [e for e in fleet.events("round") if e["round"] == ROUNDS - 1]
         at = last["last_update_t"]  # the last round's updates are in; rounds before it were scraped
@@ -142,7 +143,8 @@ def test_prometheus_sees_the_fleet_and_every_shipped_expression_returns_data(run
     assert retained["health"]["budget_mb"] == BUDGET_MB and retained["round"] >= 2
     assert retained_view.returncode == 0, retained_view.stderr
     lines = retained_view.stdout.splitlines()
-    assert lines[0].startswith(f"client-1 of {FED}: online, task 0, round ") and "of a 4096.0 MiB budget" in lines[1]
+    assert re.match(rf"client-1 of {FED}: online, task [01], round \d+, last seen", lines[0]), lines
+    assert "of a 4096.0 MiB budget" in lines[1]
     assert re.search(r"bytes up: [\d,]+ \(status [\d,]+, update [\d,]+\)", retained_view.stdout), lines
     assert f"daemon {daemon_version()}" in retained_view.stdout
 
