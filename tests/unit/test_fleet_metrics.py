@@ -223,3 +223,20 @@ def test_the_devices_health_is_a_few_hundred_bytes_and_reads_back() -> None:
         "resyncs": 4,
         "version": daemon_version(),
     }
+
+
+def test_a_failed_run_is_served_while_the_endpoint_lingers_and_sigterm_cuts_it_short() -> None:
+    import threading
+
+    stop = threading.Event()
+    metrics = AggregatorMetrics("home", port=0, linger_s=30, stop=stop)
+    metrics.run_failed()
+    closer = threading.Thread(target=metrics.close)
+    closer.start()
+    time.sleep(0.3)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10) as response:
+        values = {s.name: s.value for s in samples(response.read().decode())}
+    assert values["fcl_run_failed"] == 1 and closer.is_alive()  # still serving, 30 s to go
+    stop.set()
+    closer.join(5)
+    assert not closer.is_alive() and metrics.port is None
