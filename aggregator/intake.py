@@ -132,6 +132,7 @@ class Intake:
             if journal:
                 self.store.journal(rnd, update.client, payload, update.packet_bytes)
             self.report.arrived()
+            self.metrics.devices.update(update.client, rnd)
         if "eval" in update.frame.meta:
             self.runlog.evaluation(update.client, update.frame.meta["eval"])
         received[update.client] = update
@@ -168,6 +169,8 @@ class Intake:
     def reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)
         self.metrics.rejected(rejection.reason)
+        if rejection.client is not None and self._tracked(rejection.client):
+            self.metrics.devices.rejected(rejection.client, rejection.reason)
         self.runlog.rejected(
             rejection.reason, rejection.detail, topic=topic, client=rejection.client, open_round=open_round
         )
@@ -184,6 +187,13 @@ class Intake:
             )
             return
         self.clients.on_status(who, status["state"])  # any state but "online" ("retired" too): offline
+        if self._tracked(who):
+            self.metrics.devices.status(who, status)
         if status["state"] != "online":
             log.info("client %s is %s", who, status["state"])
         self.metrics.clients_online(len(self.clients.online & set(self.clients.enrolled)))
+
+    def _tracked(self, client: str) -> bool:
+        """Whether ``client`` has per-device series: enrolled, enrolling, or tracked before (so a
+        stream of made-up ids cannot grow them)."""
+        return client in self.clients or client in self.clients.waiting or self.metrics.devices.get(client) is not None

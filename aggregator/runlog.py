@@ -182,6 +182,19 @@ class RunLog:
         self.write("round_summary", round=rnd, task=task, **{f"mean_{metric}": mean}, clients=len(reports))
         return mean
 
+    def round_means(self, rnd: int) -> tuple[str, dict[int, float]] | None:
+        """(metric, task -> mean over clients) of the evaluations of the model after ``rnd``:
+        every task some client scored (mid-task rounds score the current task only)."""
+        reports = [e[rnd] for e in self.evals.values() if rnd in e]
+        if not reports:
+            return None
+        metric, sums = eval_metric(reports[0]), defaultdict(list)
+        for report in reports:
+            for task, value in enumerate(report.get(metric, ())):
+                if value is not None:
+                    sums[task].append(value)
+        return metric, {task: round(float(np.mean(v)), 4) for task, v in sorted(sums.items())}
+
     def summary(
         self,
         *,
@@ -231,7 +244,7 @@ class RunLog:
             "rejected": dict(self.rejections),
             "rejected_by_client": {c: n for c, n in sorted(self.client_rejections.items()) if n},
             "final": {**mean_metrics(per_client), "per_client": per_client},
-            "fleet": self._fleet(clients, task_ends),
+            "fleet": self.fleet_scores(clients, task_ends),
             **extra,
         }
         tmp = self.dir / "summary.json.tmp"
@@ -250,7 +263,7 @@ class RunLog:
             rows.append([np.nan if v is None else v for v in report[metric]])
         return metric, loss_matrix(rows)
 
-    def _fleet(self, clients: list[str], task_ends: list[int]) -> dict | None:
+    def fleet_scores(self, clients: list[str], task_ends: list[int]) -> dict | None:
         """The continual metrics of the fleet's matrix: row t, per test task, the mean over the
         clients that reported an evaluation after ``task_ends[t]`` (None if nobody ever did)."""
         rows, counts, metric = [], [], None

@@ -176,12 +176,15 @@ class ClientDaemon:
             "waiting_for_task": waiting[0].header.task if waiting else None,
             "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
             "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")},
+            "health": self.stats.health(self.work.sync_report(), self.link.meter.snapshot(), self.cfg.memory_budget_mb),
+            "retained_status": dict(self.link.status_fields),  # health; protocol fields where the daemon sets them
         }
 
     def _handle(self, topic: str, payload: bytes, size: int) -> bool:
         """Act on one downlink message; True when the run is finished."""
         if not payload:
             return False  # a deleted retained message
+        self.stats.downlink(topic, size)
         if topic == topics.status_topic(self.cfg.federation, topics.AGGREGATOR_ID):
             self.watch.on_status(payload)
             return False

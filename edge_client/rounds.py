@@ -203,6 +203,7 @@ class RoundWork:
             bytes_up=meter["up"]["bytes"],
             bytes_down=meter["down"]["bytes"],
             waiting_for_task=None,
+            health=self.stats.health(self.sync_report(), meter, self.cfg.memory_budget_mb),
         )
         self.notifier.status(f"round {rnd}, task {task}")
         trained = "" if meta.get("train_nll") is None else f", train NLL {meta['train_nll']:.4f}"  # classifiers: none

@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+from fclcore.health import device_health, meter_kinds
 from fclcore.procmem import peak_rss_mb, rss_mb
 from fclcore.transport import parse_status
 
@@ -61,6 +62,7 @@ class RoundStats:
         # (task start, training, upload); the rest of cpu_s is I/O and background threads
         self.cpu_phases: dict[int, dict[str, float]] = {}
         self.rss_mb: dict[int, list[float | None]] = {}  # [RSS, peak RSS] in MiB after each round
+        self.down_kinds: dict[str, int] = {}  # PUBLISH bytes received, by topic kind (round, model, knowledge, ...)
 
     def drop(self, exc: Exception, topic: str | None = None) -> None:
         """Every downlink message this device drops is counted here, by reason (its updates
@@ -68,6 +70,19 @@ class RoundStats:
         reason = str(exc).split(":", 1)[0]
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         log.warning("dropped downlink message%s: %s", f" on {topic}" if topic else "", exc)
+
+    def downlink(self, topic: str, size: int) -> None:
+        """Count a received message by its topic's kind (``fcl/<fed>/<kind>/...``)."""
+        parts = topic.split("/", 3)
+        kind = parts[2] if len(parts) > 2 else "other"
+        self.down_kinds[kind] = self.down_kinds.get(kind, 0) + size
+
+    def health(self, syncs: dict[str, int], meter: dict, budget_mb: float | None) -> dict:
+        """The status's ``health`` field (``fclcore.health``): memory, the last round's CPU,
+        resyncs, this device's own byte meter by kind, its version."""
+        cpu = list(self.cpu_s.values())  # a copy: the control socket's thread asks too
+        up = meter_kinds(meter.get("by_tag", {}), "up")
+        return device_health(cpu[-1] if cpu else None, syncs, up, dict(self.down_kinds), budget_mb)
 
     def round_done(self, rnd: int, cpu_s: float, eval_cpu: float, train_cpu: float) -> None:
         self.cpu_s[rnd] = round(cpu_s, 4)

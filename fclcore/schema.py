@@ -293,6 +293,7 @@ class AggregatorConfig:
     keys_dir: Optional[str] = None  # <client>.key per device: when set, every update must be signed
     metrics_port: Optional[int] = None  # Prometheus endpoint (needs the "service" extra); None: off
     metrics_addr: str = "127.0.0.1"
+    metrics_linger_s: float = 0.0  # the endpoint stays up this long after the run ends (not on SIGTERM)
     aux_dir: Optional[str] = None  # server-side unlabelled data for methods that read it (FedET: .txt files)
     enrollment: Literal["closed", "open"] = "closed"  # open: a device that comes online enrolls (next round)
     max_clients: int = 10_000  # enrolled devices at most
@@ -313,6 +314,8 @@ class AggregatorConfig:
             raise ValueError("expected_clients: duplicate client ids")
         if not self.max_clock_skew_s > 0:
             raise ValueError(f"max_clock_skew_s: expected a positive number of seconds, got {self.max_clock_skew_s}")
+        if not 0 <= self.metrics_linger_s <= 3600:
+            raise ValueError(f"metrics_linger_s: expected 0 to 3600 seconds, got {self.metrics_linger_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected a TCP port in [0, 65535], got {self.metrics_port}")
 
@@ -528,11 +531,14 @@ class ClientConfig:
     allow_embedding_upload: bool = False  # privacy opt-in: this device may upload embeddings of its data
     on_new_run: Literal["join", "refuse"] = "join"  # a newer run of the federation: start over in it, or exit 8
     aggregator_timeout_s: float = 300.0  # no aggregator this long: say so in the status and the log (never exit)
+    memory_budget_mb: Optional[float] = None  # told in the status: dashboards and alerts compare peak RSS with it
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
         if not self.aggregator_timeout_s > 0:
             raise ValueError(f"aggregator_timeout_s: expected a positive number, got {self.aggregator_timeout_s}")
+        if self.memory_budget_mb is not None and not 0 < self.memory_budget_mb < 2**30:
+            raise ValueError(f"memory_budget_mb: expected a positive number of MiB, got {self.memory_budget_mb}")
         validate_id(self.federation, "federation")
         if (self.data is None) == (self.data_dir is None):
             raise ValueError("data, data_dir: expected exactly one (a dataset shard, or a task directory)")
