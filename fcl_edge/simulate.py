@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
 
 import numpy as np
 import yaml
@@ -25,6 +26,7 @@ from tqdm import tqdm
 import methods
 from fcl_edge.broker import free_port, probe_broker
 from fcl_edge.compare import headline, run_compare
+from fcl_edge.links import Links, check_can_shape, profiles_of
 from fcl_edge.rundir import RUN_ENTRIES, prepare_out
 from fclcore.config import ConfigError, from_dict, load_config, to_dict
 from fclcore.data import (
@@ -271,6 +273,11 @@ def simulate(
     """Everything that can be checked is checked before any process starts: the scenario, the
     run directory and the broker; a participant that fails stops the others."""
     p = plan(scenario_path, overrides)
+    if p.scenario.links:  # shaped links: checked before anything starts
+        if in_process:
+            raise ConfigError("links: shaped links need a process per device; drop --in-process")
+        profiles_of(p.scenario.links, p.client_ids)
+        check_can_shape()
     if broker:  # before anything is written: a broker that is not there leaves no run directory
         probe_broker(broker)
     if p.scenario.compare:
@@ -295,21 +302,41 @@ def simulate(
     if in_process:
         return _simulate_in_process(p, out_dir, timeout)
     broker_proc, url = _start_broker(broker, out_dir)
-    procs = {}
+    procs, shaped = {}, None
     try:
-        configs = write_configs(p, out_dir, url)
+        shaped = _shaped_links(p, url)
+        configs = write_configs(p, out_dir, url, shaped.url if shaped else None)
+        wrap = shaped.wrap if shaped else None
         late = _late_starts(p)
-        procs = {name: _spawn(name, kind, path, out_dir) for name, (kind, path) in configs.items() if name not in late}
+        procs = {
+            name: _spawn(name, kind, path, out_dir, wrap=wrap)
+            for name, (kind, path) in configs.items()
+            if name not in late
+        }
         starts = {
-            name: (after, lambda n=name, k=configs[name][0], c=configs[name][1]: _spawn(n, k, c, out_dir))
+            name: (after, lambda n=name, k=configs[name][0], c=configs[name][1]: _spawn(n, k, c, out_dir, wrap=wrap))
             for name, after in late.items()
         }
         return _follow(p, out_dir, procs, timeout, starts)
     finally:
         for proc in procs.values():
             _stop(proc)
+        if shaped is not None:
+            shaped.close()
         if broker_proc is not None:
             _stop(broker_proc)
+
+
+def _shaped_links(p: Plan, url: str) -> Links | None:
+    """The devices' links (``links:``): a namespace and a relay per shaped device, or None."""
+    profiles = profiles_of(p.scenario.links, p.client_ids)
+    if not profiles:
+        return None
+    where = urlsplit(url)
+    links = Links(profiles, where.port or 1883, p.scenario.federation.seed)
+    for client, profile in sorted(profiles.items()):
+        log.info("%s: behind a %s link (%s)", client, profile.name, profile.describe)
+    return links
 
 
 def _only(method: str) -> list[str]:
@@ -365,7 +392,11 @@ def _start_broker(broker: str | None, out_dir: Path) -> tuple[subprocess.Popen |
     return proc, f"mqtt://127.0.0.1:{port}"
 
 
-def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path]]:
+def write_configs(
+    p: Plan, out_dir: Path, url: str, client_url: Callable[[str, str], str] | None = None
+) -> dict[str, tuple[str, Path]]:
+    """Every participant's config file; ``client_url(client, url)`` is the broker URL a device
+    uses when it differs from the aggregator's (a shaped link's relay)."""
     fed = p.scenario.federation
     cfg_dir = out_dir / "configs"
     cfg_dir.mkdir(exist_ok=True)
@@ -409,7 +440,7 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
             client_id=cid,
             federation=fed.name,
             data=data,
-            broker=broker,
+            broker=broker if client_url is None else BrokerSpec(url=client_url(cid, url)),
             out_dir=str(out_dir / "clients" / cid),
             key_file=str(keys_dir / f"{cid}.key") if keys_dir else None,
             allow_embedding_upload=p.scenario.allow_embedding_upload,
@@ -435,8 +466,18 @@ def _write_aux_texts(p: Plan, aux_dir: Path) -> str:
     return str(aux_dir)
 
 
-def _spawn(name: str, kind: str, config: Path | None, out_dir: Path, extra: Sequence[str] = ()) -> subprocess.Popen:
+def _spawn(
+    name: str,
+    kind: str,
+    config: Path | None,
+    out_dir: Path,
+    extra: Sequence[str] = (),
+    wrap: Callable[[str, list[str]], list[str]] | None = None,
+) -> subprocess.Popen:
+    """``fcl KIND --config CONFIG`` logging to ``logs/NAME.log``; ``wrap`` puts a shaped device
+    in its network namespace."""
     cmd = [sys.executable, "-m", "fcl_edge.cli", kind, *(["--config", str(config)] if config else []), *extra]
+    cmd = wrap(name, cmd) if wrap else cmd
     logfile = open(out_dir / "logs" / f"{name}.log", "w")
     return subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

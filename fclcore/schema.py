@@ -559,6 +559,9 @@ class Scenario:
     # method name -> that method's own federation.options in this scenario, so that one scenario
     # can compare (or run alone) methods whose options differ; see ``run_federation``
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # client id (or "default") -> the link it sits behind: a profile of fcl_edge/links.py, e.g.
+    # "lte-m" or "lte-m@60/120" (online 60 s, offline 120 s); docs/links.md.  None: loopback
+    links: Optional[dict[str, str]] = None
 
     def __post_init__(self) -> None:
         if self.clients < 1:
