@@ -7,7 +7,7 @@ aggregator and one process per device over the embedded broker) twice per seed: 
 wire's compression off (``off``: no sparsification either way, float32 values) and with the
 method's defaults.  Written: ``benchmarks/results/wire_all.json`` (per method its reference,
 ``off`` and ``default`` as seed means of ``up_ratio`` / ``down_ratio``, the bytes over the
-dense fp32 reference as ``summary.json`` has them, and of the final ``metric``; each run's
+dense fp32 reference as ``summary.json`` has them, and of its ``metric``; each run's
 figures, with the run-level share of the devices' bytes and what no record accounts for)
 and ``wire_all.md``, the table.
 
@@ -65,7 +65,7 @@ def plan_runs(config: dict, name: str) -> dict:
         "scenario": entry["scenario"],
         "off": [*base, *config.get("uncompressed", []), *entry.get("uncompressed", [])],
         "default": base,
-        "metric": entry.get("metric", "avg_nll" if spec.metric == "nll" else "avg_accuracy"),
+        "metric": entry.get("metric", "final.avg_nll" if spec.metric == "nll" else "final.avg_accuracy"),
     }
 
 
@@ -88,12 +88,18 @@ def figures(summary: dict, metric: str) -> dict:
     return {
         "up_ratio": b["up_vs_dense"],
         "down_ratio": b["down_vs_dense"],
-        "metric": summary["final"].get(metric),
+        "metric": metric_value(summary, metric),
         "up_bytes": b["up_total"],
         "down_bytes": b["down_total"],
         "run_level_share": run.get("share"),
         "unattributed": run.get("unattributed"),
     }
+
+
+def metric_value(summary: dict, path: str) -> float | None:
+    """``path`` (``block.key``, e.g. ``final.avg_nll``, ``fleet.avg_accuracy``) in summary.json."""
+    block, _, key = path.partition(".")
+    return (summary.get(block) or {}).get(key)
 
 
 def seed_mean(runs: list[dict], metric_name: str) -> dict:

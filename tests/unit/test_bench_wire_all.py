@@ -29,10 +29,16 @@ def test_every_package_is_benchmarked_by_default_and_configured() -> None:
 
 def test_the_off_run_differs_from_the_default_only_by_its_wire_settings() -> None:
     runs = bench.plan_runs(CONFIG, "ngfl")
-    assert runs["scenario"] == "configs/scenarios/mnist_ngfl.yaml" and runs["metric"] == "avg_accuracy"
+    assert runs["scenario"] == "configs/scenarios/mnist_ngfl.yaml" and runs["metric"] == "fleet.avg_accuracy"
     assert runs["default"][:2] == ["federation.method=ngfl", "compare=[]"]
     assert runs["off"] == [*runs["default"], *OFF]
-    assert bench.plan_runs(CONFIG, "confedmade")["metric"] == "avg_nll"
+    assert bench.plan_runs(CONFIG, "confedmade")["metric"] == "final.avg_nll"
+    summary = {"final": {"avg_nll": 20.5}, "fleet": {"avg_accuracy": 0.3}}
+    assert (
+        bench.metric_value(summary, "final.avg_nll") == 20.5
+        and bench.metric_value(summary, "fleet.avg_accuracy") == 0.3
+    )
+    assert bench.metric_value({"final": {}}, "fleet.avg_accuracy") is None
 
 
 def test_a_method_without_an_entry_runs_its_example_at_smoke_size() -> None:
