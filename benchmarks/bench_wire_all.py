@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -163,21 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds or list(config.get("seeds", [0]))
     for name in names:
         plan_runs(config, name)  # an unknown name fails before anything runs
-    results = {}
+    results, start, load = {}, time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as work:
         for name in names:
             results[name] = bench_method(config, name, seeds, args.overrides, Path(work), args.in_process)
     table = markdown(results)
     print("\n" + table)
     command = shlex.join(["python", *sys.argv])
-    report = {"methods": results, "machine": machine_info(), "command": command, "config": str(args.config)}
+    wall = {"wall_s": round(time.monotonic() - start), "load_avg_1min": [round(load, 2), round(os.getloadavg()[0], 2)]}
+    report = {"methods": results, "machine": {**machine_info(), **wall}, "command": command, "config": str(args.config)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(
         f"# Bytes on the wire per method: compression off and the defaults\n\n`{command}`\n\n"
-        "Seed means; up / down vs dense: the run's MQTT PUBLISH bytes over its dense fp32 reference "
-        "(`summary.json` `bytes.up_vs_dense`, `down_vs_dense`); metric: `final` of `summary.json`; "
-        "run-level share: the devices' bytes no round row counts (statuses, EVAL, FINISH, ...).\n\n"
+        f"{report['machine']['cpu_count']} CPUs, {wall['wall_s'] / 60:.0f} min wall clock, load average "
+        f"{wall['load_avg_1min'][0]} at the start and {wall['load_avg_1min'][1]} at the end.  Seed means; up / down "
+        "vs dense: the run's MQTT PUBLISH bytes over its dense fp32 reference (`summary.json` "
+        "`bytes.up_vs_dense`, `down_vs_dense`); metric: the `summary.json` figure named; run-level share: "
+        "the devices' bytes no round row counts (statuses, EVAL, FINISH, ...).\n\n"
         f"{table}\n"
     )
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
