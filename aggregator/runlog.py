@@ -21,6 +21,9 @@ Event kinds written to metrics.jsonl (field ``event``):
 * ``membership`` — with a membership table: a client ``retired`` when a task started, or
   ``enrolled`` (a late client's first round in a roster).
 
+``fcl simulate`` appends one ``run_level`` line per device once every participant has exited:
+the bytes of its meter no ``round_client`` row counts, by kind (``fcl_edge.attribution``).
+
 ``summary.json`` has ``final`` (the mean of per-client continual metrics, over clients with a
 report at every task end) and ``fleet``: the continual metrics of one matrix whose row t is,
 per test task, the mean over every client that reported after task t (so devices that

@@ -29,6 +29,7 @@ from edge_client.control import ControlServer
 from edge_client.data import load_client_data
 from edge_client.frames import ClientFrames
 from edge_client.learning import DeviceLearner
+from edge_client.ledger import downlink_tag
 from edge_client.modelsync import ModelSync
 from edge_client.protocol import RejectedFrame, check_downlink, membership_state, places, run_of
 from edge_client.rounds import RoundWork
@@ -46,7 +47,7 @@ from fclcore.runid import is_newer
 from fclcore.schema import ClientConfig, FederationSpec
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import read_key
-from fclcore.transport import MqttLink, TransportError
+from fclcore.transport import MqttLink, TransportError, WireMeter
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
@@ -93,6 +94,7 @@ class ClientDaemon:
             status_topic=topics.status_topic(cfg.federation, cfg.client_id),
             subscriptions=list(self.subscribed),
             on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())),
+            meter=WireMeter(classify=downlink_tag(self.subscribed[2])),  # every byte received is named
         )
         # subscribed to only while a task's own frame names entries this device no longer holds
         full_topic = topics.knowledge_full_topic(cfg.federation, cfg.client_id)

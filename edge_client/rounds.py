@@ -145,7 +145,7 @@ class RoundWork:
             self.pending = (frame, size)
             return False  # the round waits for the full frame
         own = self.frames.round_bytes(frame.header.round, frame.header.task, new_task)
-        self.stats.bytes_down[frame.header.round] = size + own
+        self.stats.ledger.counted(frame.header.round, size, own)
         self.round(frame)
         return False
 
@@ -185,6 +185,7 @@ class RoundWork:
             **learner.report(place),
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
+        self.stats.ledger.reported(rnd, sync)
         payload = self.uplink.frame(Kind.UPDATE, rnd, task, meta, tensors, device.fed.value_coding)
         if learner.reads_upload:  # error feedback: what coding lost stays in the learner (checkpointed next)
             learner.uploaded(self.uplink.decoded_tensors(payload))

@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+from edge_client.ledger import RoundLedger
 from fclcore.health import device_health, meter_kinds
 from fclcore.procmem import peak_rss_mb, rss_mb
 from fclcore.transport import parse_status
@@ -56,7 +57,7 @@ class AggregatorWatch:
 class RoundStats:
     def __init__(self) -> None:
         self.rejected: dict[str, int] = {}  # downlink messages dropped, by reason
-        self.bytes_down: dict[int, int] = {}  # PUBLISH bytes of each round's announcement
+        self.ledger = RoundLedger()  # what each round's row counts of the bytes received; the rest is run-level
         self.cpu_s: dict[int, float] = {}  # CPU seconds this process spent on each round
         # this thread's CPU seconds per round by phase: "eval" (the held-out report), "train"
         # (task start, training, upload); the rest of cpu_s is I/O and background threads
@@ -91,7 +92,8 @@ class RoundStats:
 
     def write(self, out_dir: Path, client_id: str, model_syncs: dict, frame_syncs: dict, child_mb: float, meter: dict):
         """``out_dir/wire.json`` (atomically), with the resyncs (the model's, the device's own
-        frames': key ``knowledge_syncs``), the export child's peak RSS and the link's meter."""
+        frames': key ``knowledge_syncs``), the export child's peak RSS, the link's meter and the
+        bytes no round row counts (``run_level``, ``edge_client.ledger``)."""
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = out_dir / "wire.json.tmp"
         tmp.write_text(
@@ -99,7 +101,8 @@ class RoundStats:
                 {
                     "client": client_id,
                     "rejected": self.rejected,
-                    "round_bytes_down": self.bytes_down,
+                    "round_bytes_down": self.ledger.bytes_down(),
+                    "run_level": self.ledger.run_level(meter),
                     "model_syncs": model_syncs,
                     "knowledge_syncs": frame_syncs,
                     "round_cpu_s": self.cpu_s,

@@ -24,6 +24,7 @@ import yaml
 from tqdm import tqdm
 
 import methods
+from fcl_edge.attribution import attribute
 from fcl_edge.broker import free_port, probe_broker
 from fcl_edge.compare import headline, run_compare
 from fcl_edge.links import Links, check_can_shape, profiles_of
@@ -568,6 +569,8 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float,
             codes[name] = None
     summary_path = out_dir / "summary.json"
     if summary_path.exists() and not failed:
+        if all(code == 0 for code in codes.values()):  # every device has written its meter
+            attribute(out_dir)
         _print_result(out_dir, summary_path)
     if failed:
         first = failed[0]
@@ -606,6 +609,11 @@ def _print_result(out_dir: Path, summary_path: Path) -> None:
         f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,}"
         f"  down {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,})" + _vs_dense(b)
     )
+    if run := b.get("run_level"):
+        print(
+            f"run-level bytes (no round row counts them: status, EVAL, FINISH, re-sends, ...): up "
+            f"{run['up_total']:,}  down {run['down_total']:,}  ({run['share']:.1%} of the devices' bytes)"
+        )
     print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
 
 
