@@ -12,6 +12,9 @@ import pytest
 
 import methods
 from aggregator.state import fingerprint
+from edge_client.protocol import check_downlink
+from fclcore import topics
+from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
 from fclcore.config import from_dict, load_config, to_dict
 from fclcore.method import register
 from fclcore.schema import FederationSpec, Scenario, WireSpec
@@ -81,3 +84,20 @@ def test_a_method_must_declare_a_dtype_the_codec_writes() -> None:
     with pytest.raises(ValueError, match="value_dtype 'int4'"):
         register(spec)
     assert "fedavg-int4" not in methods.names()
+
+
+@pytest.mark.parametrize("method", ["confedmade", "fedavg"])
+def test_a_device_reads_a_round_message_without_a_dtype_as_the_aggregator_would(method: str) -> None:
+    """``check_downlink`` hands the device the resolved federation: even a message that left
+    the dtype out (null) is read with the method's, never with none."""
+    federation = to_dict(_fed(method))
+    assert federation["wire"]["value_dtype"] is None
+    meta = {
+        "run": "000000000000000a-00000001",
+        "federation": federation,
+        "input_dim": 64,
+        "schedule": {"task": 0, "task_start": True, "task_end": False},
+    }
+    payload = encode(Frame(Header(Kind.ROUND, "wd", 0, 0, topics.AGGREGATOR_ID, 1), meta, {}))
+    _, fed = check_downlink(payload, "wd", CodecLimits(), lambda h: True, None, 64, None)
+    assert fed.wire.value_dtype == CHOSEN[method] and fed.value_coding.dtype == CHOSEN[method]
