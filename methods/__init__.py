@@ -46,7 +46,8 @@ def describe(name: str) -> str:
     spec = lookup(name, "--help-method")
     lines = [
         f"{spec.name}: {spec.summary}",
-        f"package methods/{spec.package}; metric {spec.metric}; serves {spec.served_format}",
+        f"package methods/{spec.package}; metric {spec.metric}; serves {spec.served_format}; "
+        f"wire values {spec.value_dtype} unless federation.wire.value_dtype says",
         f"example: fcl simulate {spec.example_scenario} --out runs/{spec.name} --set federation.method={spec.name}",
         "",
         "federation.options:",

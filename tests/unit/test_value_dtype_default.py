@@ -101,3 +101,8 @@ def test_a_device_reads_a_round_message_without_a_dtype_as_the_aggregator_would(
     payload = encode(Frame(Header(Kind.ROUND, "wd", 0, 0, topics.AGGREGATOR_ID, 1), meta, {}))
     _, fed = check_downlink(payload, "wd", CodecLimits(), lambda h: True, None, 64, None)
     assert fed.wire.value_dtype == CHOSEN[method] and fed.value_coding.dtype == CHOSEN[method]
+
+
+def test_help_method_says_the_methods_dtype() -> None:
+    assert "wire values int8 unless federation.wire.value_dtype says" in methods.describe("confedmade")
+    assert "wire values float32 unless" in methods.describe("fedavg")
