@@ -92,9 +92,10 @@ class RunReport:
         frames published for it), and the mean evaluation of the round before."""
         bytes_before = byte_totals(self.runlog.bytes)
         dense_fp32 = self.strategy.dense_fp32_bytes  # a property that sums the model's shapes: once, not per row
+        full = self.strategy.full_finetune_fp32_bytes
         for client in roster:
             frame = frames.get(client, (0, 0))
-            self._client_row(rnd, task, client, received.get(client), sent, frame, dense_fp32)
+            self._client_row(rnd, task, client, received.get(client), sent, frame, dense_fp32, full)
         self.runlog.write(
             "round",
             round=rnd,
@@ -170,8 +171,14 @@ class RunReport:
         sent: Announced,
         frame: tuple[int, int],
         dense_fp32: int,
+        full_finetune: int | None,
     ) -> None:
         meta = update.frame.meta if update else {}
+        references = (
+            {}
+            if full_finetune is None
+            else {"full_finetune_fp32_up": full_finetune if update else 0, "full_finetune_fp32_down": full_finetune}
+        )
         frame_bytes, frame_payload = frame
         sync = self._new_syncs(client, meta.get("sync")) if update else {}  # fetched since its last report
         sync_bytes = sync.pop("bytes", 0)
@@ -197,6 +204,7 @@ class RunReport:
             payload_down=sent.payload_bytes + frame_payload + sync_bytes,
             dense_fp32_up=dense_fp32 if update else 0,
             dense_fp32_down=dense_fp32,
+            **references,
             up_kinds=up_kinds,
             down_kinds=down_kinds,
             **({"sync": sync} if sync else {}),

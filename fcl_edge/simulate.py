@@ -609,6 +609,11 @@ def _print_result(out_dir: Path, summary_path: Path) -> None:
         f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,}"
         f"  down {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,})" + _vs_dense(b)
     )
+    if b.get("up_vs_full_finetune") is not None and b.get("down_vs_full_finetune") is not None:
+        print(
+            f"{summary['method']}: up / down vs full fine-tuning: {b['up_vs_full_finetune']:.2%} / "
+            f"{b['down_vs_full_finetune']:.2%} ({b['reference_full_finetune']})"
+        )
     if run := b.get("run_level"):
         print(
             f"run-level bytes (no round row counts them: status, EVAL, FINISH, re-sends, ...): up "

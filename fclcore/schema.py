@@ -204,7 +204,10 @@ class WireSpec:
     """How tensor values travel, in every direction (updates, round downlinks, knowledge).
     int8 is block-scaled 8-bit (codec v2; error bound in ``fclcore.codec``)."""
 
-    value_dtype: Literal["float32", "float16", "int8"] = "float32"
+    # None: the method's choice (``MethodSpec.value_dtype``), filled in by ``methods.resolve``
+    # before anything is sent or hashed: announcements and fingerprints always carry a concrete
+    # dtype (so a float32 method's JSON is what it was when float32 was the federation default)
+    value_dtype: Optional[Literal["float32", "float16", "int8"]] = None
     max_frame_mb: float = 64.0  # frames above this are rejected on both sides
     int8_block: int = 64  # int8: consecutive values that share one float32 scale
     int8_rounding: Literal["nearest", "stochastic"] = "nearest"  # int8: stochastic is unbiased, seeded
@@ -268,6 +271,8 @@ class FederationSpec:
     @property
     def value_coding(self) -> ValueCoding:
         """What the runtimes pass to ``codec.encode``; stochastic int8 rounding is seeded from ``seed``."""
+        if self.wire.value_dtype is None:
+            raise ValueError("federation.wire.value_dtype: unset; methods.resolve fills in the method's choice")
         return ValueCoding(self.wire.value_dtype, self.wire.int8_block, self.wire.int8_rounding, self.seed)
 
     @property
