@@ -25,13 +25,14 @@ from aggregator.downlink import ModelDownlink
 from aggregator.inbox import Inbox
 from aggregator.intake import Intake
 from aggregator.metrics import AggregatorMetrics
+from aggregator.nacks import Nacks
 from aggregator.outbox import Outbox
 from aggregator.partial import Sites
 from aggregator.report import RunReport
 from aggregator.runlog import RunLog
 from aggregator.state import StateStore, fingerprint
 from fclcore import fastfold, topics
-from fclcore.codec import CodecLimits, Kind
+from fclcore.codec import SPOKEN, CodecLimits, Kind
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
@@ -127,6 +128,7 @@ class AggregatorService:
             self.runlog,
             self.metrics,
             self.report,
+            Nacks(self.link.publish, self.fed.name, self.run_id, SPOKEN),
         )
         self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence)
         self.announcer = Announcer(

@@ -30,6 +30,7 @@ from edge_client.data import load_client_data
 from edge_client.frames import ClientFrames
 from edge_client.learning import DeviceLearner
 from edge_client.modelsync import ModelSync
+from edge_client.nacks import NackLog
 from edge_client.protocol import RejectedFrame, check_downlink, membership_state, places, run_of
 from edge_client.rounds import RoundWork
 from edge_client.serving import ServedModelWriter
@@ -82,10 +83,12 @@ class ClientDaemon:
         self.control = ControlServer(
             self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path
         )
+        self.nack_topic = topics.nack_topic(cfg.federation, cfg.client_id)  # why a frame of ours was dropped
         self.subscribed = (  # exact topics: a message on any other was misrouted by the broker
             topics.round_topic(cfg.federation),
             topics.knowledge_topic(cfg.federation, cfg.client_id),
             topics.status_topic(cfg.federation, topics.AGGREGATOR_ID),
+            self.nack_topic,
         )
         self.link = link_factory(
             cfg.broker,
@@ -101,6 +104,7 @@ class ClientDaemon:
         self.uplink = Uplink(cfg.federation, cfg.client_id, self.link, key, self.limits, self.stop)
         self.stats = RoundStats()
         self.watch = AggregatorWatch(self.link, cfg.aggregator_timeout_s)
+        self.nacks = NackLog(self.link)
         torch.set_num_threads(cfg.threads)
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
@@ -176,6 +180,7 @@ class ClientDaemon:
             "waiting_for_task": waiting[0].header.task if waiting else None,
             "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
             "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")},
+            "last_nack": self.nacks.last,
         }
 
     def _handle(self, topic: str, payload: bytes, size: int) -> bool:
@@ -185,6 +190,9 @@ class ClientDaemon:
         if topic == topics.status_topic(self.cfg.federation, topics.AGGREGATOR_ID):
             self.watch.on_status(payload)
             return False
+        if topic == self.nack_topic:
+            self._on_nack(payload)
+            return False
         try:
             if topic not in self.subscribed and topic not in self.sync.topics and topic != self.frames.full_topic:
                 raise RejectedFrame(f"topic: {topic} is not a topic this device subscribed to")
@@ -192,6 +200,15 @@ class ClientDaemon:
         except RejectedFrame as exc:
             self.stats.drop(exc, topic)
             return False
+
+    def _on_nack(self, payload: bytes) -> None:
+        """Why the aggregator dropped a frame of this device; an update whose number it does not
+        take is renumbered, checkpointed and sent again at once (P-SEQ-6)."""
+        nack = self.nacks.take(payload, self.device.run_id)
+        if nack is not None and self.uplink.renumber(nack):
+            self.work.checkpoint(self.uplink.unacked)
+            self.uplink.send(self.uplink.unacked, f"renumbered:{nack['round']}")
+            self.uplink.sent_at = time.monotonic()
 
     def _check(self, payload: bytes) -> tuple[Frame, FederationSpec | None]:
         device = self.device
@@ -236,7 +253,6 @@ class ClientDaemon:
             ended = self._meet_run(frame, run)
             if ended:
                 return True
-        self.uplink.note_clock(frame)
         if kind is Kind.FINISH and (frame.meta.get("failed") is not None or frame.header.round != fed.total_rounds):
             return self._finish_early(frame, fed)
         state = membership_state(fed, self.cfg.client_id, frame.header.task)
