@@ -42,6 +42,7 @@ STATUS_FIELDS: dict[str, str] = {
     "bytes_down": "int: MQTT PUBLISH bytes it received since it started (WireMeter down.bytes)",
     "version": "str: fcl-edge version",
     "expected": "list of str (aggregator): the devices of the round in progress; those with no status show as absent",
+    "nack": "object (client): the last NACK: why the aggregator dropped a frame of this device (docs/protocol.md)",
 }
 MAX_EXPECTED = 10_000  # ids in an aggregator's ``expected`` list; a longer list is garbage
 MAX_STATUS_BYTES = 64 * 1024  # a status is a few hundred bytes; anything huge is garbage
@@ -65,6 +66,7 @@ class MemberStatus:
     last_seen: float | None = None  # status_time, except for 'dead' (the will is written at connect)
     problem: str | None = None
     expected: list[str] | None = None  # the aggregator's: the devices of the round in progress
+    nack: str | None = None  # a client's last NACK, as one line
 
 
 @dataclass
@@ -127,7 +129,18 @@ def read_status(who: str, payload: bytes) -> MemberStatus:
         last_seen=None if state == "dead" else status_time,
         problem=None if state else "state is not a short printable word",
         expected=_ids(raw.get("expected")),
+        nack=nack_line(raw.get("nack")),
     )
+
+
+def nack_line(value: Any) -> str | None:
+    """A device's last NACK (``edge_client.nacks``) as one printable line, or None."""
+    if not isinstance(value, dict) or _word(value.get("reason")) is None:
+        return None
+    kind, rnd, detail = _word(value.get("kind")), _count(value.get("round")), value.get("detail")
+    what = f"{kind} round {rnd}" if kind and rnd is not None else "a frame"
+    text = detail[:120] if isinstance(detail, str) and detail.isprintable() else UNKNOWN
+    return f"{what} dropped: {value['reason']}: {text}"
 
 
 def _ids(value: Any) -> list[str] | None:
@@ -357,6 +370,9 @@ def print_table(views: dict[str, FederationView], now: float, out: TextIO) -> No
             )
         for problem in view.problems + [f"{s.who}: {s.problem}" for s in view.clients.values() if s.problem]:
             print(f"  note: {problem}", file=out)
+        for who, s in sorted(view.clients.items()):
+            if s.nack:
+                print(f"  last nack: {who}: {s.nack}", file=out)
 
 
 def status(options: BrokerOptions, federation: str | None, wait_s: float, as_json: bool, out: TextIO) -> None:
