@@ -98,7 +98,7 @@ def test_frames_are_signed_when_the_device_has_a_key() -> None:
 @pytest.mark.parametrize(
     ("rnd", "arrival", "resent"),
     [(4, 10.0, True), (3, 10.0, False), (4, 1.0, False)],  # its round / another round / asked before it was sent
-)
+)  # docs/protocol.md P-NACK-5: only a later round acknowledges an update; it stays until then
 def test_the_last_update_is_sent_again_only_for_its_round_and_after_it_went_out(rnd, arrival, resent) -> None:
     up, link = uplink()
     up.unacked, up.sent_at = b"update", 5.0

@@ -198,7 +198,7 @@ def test_future_round(rnd):
     assert r.late is False
 
 
-def test_duplicate():
+def test_duplicate():  # docs/protocol.md P-SEQ-3
     r = rejected(check(payload(), received={"a"}), "duplicate")
     assert r.client == "a"
 

@@ -166,6 +166,7 @@ def test_a_device_logs_each_nack_once_and_shows_the_last_in_its_status(caplog) -
         "detail": "sequence 9, last accepted 12?",
     }
     assert log.take(json.dumps({**GOOD, "run": "0006f1c2a3b4c5d6-00000000"}).encode(), RUN) is None  # another run
+    assert parse_nack(json.dumps({**GOOD, "nack": 2, "hint": {"a": 1}}).encode())["reason"] == "replay"  # P-VER-4
 
 
 def test_fcl_status_shows_a_devices_last_nack() -> None:

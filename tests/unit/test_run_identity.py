@@ -162,14 +162,28 @@ def test_device_sequences_count_from_the_runs_start_not_any_clock(fleet) -> None
     assert d.store.load().sequence == started_us(service.run_id) + 1  # checkpointed before it was sent
 
 
+def test_a_device_does_not_check_the_aggregators_numbers(fleet) -> None:
+    """P-SEQ-8: a downlink frame of the device's run is acted on whatever its number (here
+    round 1 numbered below round 0, as by an aggregator whose counter was not committed)."""
+    broker, agg_cfg, client_cfg, tmp = fleet
+    run = frames(*aggregator(broker, agg_cfg, tmp / "agg"))
+    d = daemon(broker, client_cfg, tmp / "device")
+    handle(d, run["round0"])
+    topic, payload = run["round1"]
+    frame = decode(payload)
+    lower = Frame(dataclasses.replace(frame.header, sequence=1), frame.meta, frame.tensors)
+    handle(d, (topic, encode(lower)))
+    assert d.device.done_round == 1 and d.stats.rejected == {}
+
+
 def _update(seq: int) -> bytes:
     header = Header(Kind.UPDATE, "f", 0, 0, "c", seq)
     return encode(Frame(header, {"n_samples": 1}, {"w": np.ones(2, np.float32)}))
 
 
 def test_the_inbox_never_accepts_a_sequence_past_its_window() -> None:
-    """P-SEQ-4: at most SEQUENCE_WINDOW past the mark (or the run's floor), checked before
-    anything else, so a forged frame moves nothing; the window slides with the mark."""
+    """P-SEQ-3, P-SEQ-4: above the run's floor, at most SEQUENCE_WINDOW past the mark (or the
+    floor), checked before anything else, so a forged frame moves nothing; the window slides."""
     start = 1_700_000_000_000_000
     inbox = Inbox("f", {"c"}, lambda frame: dict(frame.tensors), 1, min_seq=start - 30_000_000)
     forged = inbox.check("c", _update(start + 31 * 365 * 86400 * 10**6), 100, 0, set())
@@ -178,7 +192,7 @@ def test_the_inbox_never_accepts_a_sequence_past_its_window() -> None:
     edge = inbox.check("c", _update(inbox.min_seq + SEQUENCE_WINDOW + 1), 100, 0, set())
     assert isinstance(edge, Rejection) and edge.reason == "sequence"
     assert isinstance(inbox.check("c", _update(start + 1), 100, 0, set()), Update)  # the forged frame moved nothing
-    later = start + 1 + SEQUENCE_WINDOW  # exactly the window past the mark: a clock-numbered device days later
+    later = start + 1 + SEQUENCE_WINDOW  # exactly the window past the mark: a clock-numbered device (P-SEQ-7)
     assert isinstance(inbox.check("c", _update(later), 100, 0, set()), Update)
     assert inbox.last_seq["c"] == later
 
