@@ -32,6 +32,7 @@ from aggregator.report import RunReport
 from aggregator.runlog import RunLog
 from aggregator.state import StateStore, fingerprint
 from fclcore import fastfold, topics
+from fclcore.capabilities import aggregator_capabilities
 from fclcore.codec import SPOKEN, CodecLimits, Kind
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
@@ -117,6 +118,7 @@ class AggregatorService:
             subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
             on_message=lambda t, p, n: self.intake.put(t, p, n),
         )
+        self.link.status_fields.update(aggregator_capabilities())  # P-VER-6
         self.report = RunReport(self.strategy, self.runlog, self.metrics, self.link, self.fed, self.limits)
         self.intake = Intake(
             self.fed.name,

@@ -39,6 +39,7 @@ from edge_client.status import AggregatorWatch, RoundStats
 from edge_client.taskdir import TaskDirectory
 from edge_client.uplink import Uplink
 from fclcore import topics
+from fclcore.capabilities import device_capabilities
 from fclcore.codec import CodecLimits, Frame, Kind
 from fclcore.config import ConfigError
 from fclcore.exitcodes import ExitCode
@@ -125,7 +126,9 @@ class ClientDaemon:
     def run(self) -> ExitCode:
         """Serve until the run finishes or ``stop`` is set (SIGTERM): a stop waits for the
         round in hand to be checkpointed and sent, then says "stopped" and disconnects."""
-        self.link.status_fields.update(role="client", task=self.device.task, round=self.device.done_round)
+        self.link.status_fields.update(
+            role="client", task=self.device.task, round=self.device.done_round, **device_capabilities()
+        )
         try:
             self.link.start()
         except TransportError as exc:
