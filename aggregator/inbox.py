@@ -3,11 +3,11 @@
 A bad message becomes a ``Rejection`` (a reason string that is logged and counted), never
 an exception in the round loop.  Checks, in order: the sender is an expected client; its
 signature (when device keys are configured); codec validity (size, version, checksum,
-finiteness, index ranges); the sequence number against the last one accepted from that device
-in this run (replays; more than ``SEQUENCE_WINDOW`` ahead of it is never accepted, so no single
-frame can push the mark out of a device's reach); federation, sender, kind and round in the
-header; duplicates; the metadata
-the round loop relies on; tensor names and shapes (the strategy's ``normalize``); and the
+finiteness, index ranges); the sequence window (more than ``SEQUENCE_WINDOW`` past the
+device's mark is never accepted, so no single frame can push the mark out of a device's reach);
+federation, sender, kind and round in the header; the sequence against the run's floor and the
+last one accepted from that device in this run (replays); duplicates; the metadata the round
+loop relies on; tensor names and shapes (the strategy's ``normalize``); and the
 update's L2 distance to the global model (``max_update_norm``).
 
 No wall clock takes part (docs/protocol.md, "Sequences and clocks"): a device numbers its frames

@@ -1068,7 +1068,10 @@ def markdown(res: dict) -> str:
         )
     landed = [f"{kind}: {json.dumps(f['landed'])}" for kind, f in res["by_fault"].items() if f.get("landed")]
     if landed:
-        lines += ["", "Where the device kills landed (relative to the device's update crossing the broker):"]
+        lines += [
+            "",
+            "Where the device faults (kills, clock steps) landed, relative to its update crossing the broker:",
+        ]
         lines += [f"- {x}" for x in landed]
     lines += ["", "## Failing schedules", ""]
     if not res["failing"]:
