@@ -363,6 +363,8 @@ def print_table(views: dict[str, FederationView], now: float, out: TextIO) -> No
             f"federation {name}: aggregator {agg}; {_round_line(view)}; {online}/{len(view.clients)} clients online",
             file=out,
         )
+        if (versions := protocol_line(view.clients)) != "":
+            print(f"  devices by {versions}", file=out)
         rows = [header] + [
             (
                 who,
@@ -383,8 +385,6 @@ def print_table(views: dict[str, FederationView], now: float, out: TextIO) -> No
             )
         for problem in view.problems + [f"{s.who}: {s.problem}" for s in view.clients.values() if s.problem]:
             print(f"  note: {problem}", file=out)
-        if (versions := protocol_line(view.clients)) != "":
-            print(f"  devices by {versions}", file=out)
         for who, s in sorted(view.clients.items()):
             if s.nack:
                 print(f"  last nack: {who}: {s.nack}", file=out)
