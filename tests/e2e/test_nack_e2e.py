@@ -83,6 +83,7 @@ def test_a_device_that_lost_its_checkpoint_reads_its_nack_renumbers_and_the_run_
     status = watcher.to(topics.status_topic(FED, "client-0"))[-1]  # its last status, "stopped" at the end
     assert status["nack"]["reason"] == "replay" and status["nack"]["round"] == nacks[-1]["round"]
     assert status["protocol"] == 2 and status["decodes"]["frames"] == [1, 2]  # P-VER-5
+    assert run.clients["client-0"].service.status_snapshot()["last_nack"]["mark"] == nacks[-1]["mark"]  # fcl ctl
     agg_status = watcher.to(topics.status_topic(FED, topics.AGGREGATOR_ID))[-1]
     assert (agg_status["protocol"], agg_status["accepts"]) == (2, [1, 2])  # P-VER-6
     rejected = json.loads((run.out / "summary.json").read_text())["rejected"]
