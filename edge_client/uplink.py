@@ -22,7 +22,6 @@ from fclcore.runid import started_us
 from fclcore.signing import sign, verify
 
 log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
-RENUMBER = ("replay", "sequence")  # NACK reasons that mean: this number is not one the aggregator takes
 FINAL_SEND_S = 60.0  # how long the final evaluation is retried across broker outages
 
 
@@ -47,17 +46,20 @@ class Uplink:
         return self._signed(payload)
 
     def renumber(self, nack: dict) -> bool:
-        """After a NACK that says the unacknowledged update's number is behind the device's mark
-        (its checkpoint was lost or older) or beyond the window: give it the number after the
-        mark, every other byte the same (P-SEQ-6).  True when it was renumbered (the caller
+        """After a NACK that says the unacknowledged update's number is at or behind the device's
+        mark (its checkpoint was lost or older) or beyond the window: give it the number after
+        the mark, every other byte the same (P-SEQ-6).  True when it was renumbered (the caller
         checkpoints and sends it)."""
-        mark = nack.get("mark")
-        if self.unacked is None or nack.get("reason") not in RENUMBER or not isinstance(mark, int):
+        mark, reason = nack.get("mark"), nack.get("reason")
+        if self.unacked is None or not isinstance(mark, int):
             return False
         header = decode(self._plain(self.unacked), self.limits, lambda h: False).header
         named = (nack.get("kind"), nack.get("round"), nack.get("sequence"))
         if (header.kind.name, header.round, header.sequence) != named:
             return False  # not this device's update (a replayed or forged frame under its name)
+        behind = reason in ("replay", "duplicate") and header.sequence <= mark  # "duplicate": the mark's number
+        if not (behind or reason == "sequence"):
+            return False
         self.sequence = mark + 1  # numbers above the mark were never accepted: none is a replay
         log.warning("the aggregator's mark for this device is %d: update for round %d renumbered", mark, header.round)
         self.unacked = self._signed(with_sequence(self._plain(self.unacked), self.sequence))

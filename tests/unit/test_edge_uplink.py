@@ -71,7 +71,7 @@ def _nack(header, reason: str, mark: int) -> dict:
 
 
 @pytest.mark.parametrize("key", [None, KEY], ids=["unsigned", "signed"])
-@pytest.mark.parametrize("reason", ["replay", "sequence"])
+@pytest.mark.parametrize("reason", ["replay", "sequence", "duplicate"])  # duplicate: numbered as the mark
 def test_a_nack_naming_the_unacked_update_renumbers_it_and_nothing_else(key, reason) -> None:
     """P-SEQ-6: renumbered to mark + 1, every other byte of the frame the same (int8 values too)."""
     up, _ = uplink(key)
@@ -79,9 +79,14 @@ def test_a_nack_naming_the_unacked_update_renumbers_it_and_nothing_else(key, rea
     up.unacked = up.frame(Kind.UPDATE, 2, 0, {"n_samples": 5}, {"w": values}, "int8", RUN)
     plain = verify(up.unacked, key) if key else up.unacked
     header = decode(plain).header
-    mark = started_us(RUN) + 1000
-    for other in ({**_nack(header, reason, mark), "sequence": header.sequence + 1}, _nack(header, "content", mark)):
-        assert up.renumber(other) is False  # another frame (a forged one under this name), or another reason
+    mark = header.sequence if reason == "duplicate" else started_us(RUN) + 1000  # duplicate: its number is the mark
+    others = (
+        {**_nack(header, reason, mark), "sequence": header.sequence + 1},  # another frame (a forgery in its name)
+        _nack(header, "content", mark),  # a reason a new number does not cure
+        _nack(header, "duplicate", header.sequence - 1),  # a second update for the round: above the mark
+    )
+    for other in others:
+        assert up.renumber(other) is False
     assert up.renumber(_nack(header, reason, mark)) is True
     again = verify(up.unacked, key) if key else up.unacked
     assert decode(again).header.sequence == mark + 1 == up.sequence

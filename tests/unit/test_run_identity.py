@@ -176,6 +176,27 @@ def test_a_device_does_not_check_the_aggregators_numbers(fleet) -> None:
     assert d.device.done_round == 1 and d.stats.rejected == {}
 
 
+@pytest.mark.parametrize("reason", ["replay", "duplicate"])
+def test_a_nack_at_the_mark_renumbers_checkpoints_and_resends_the_update(fleet, reason) -> None:
+    """P-SEQ-6 through the daemon: a fresh device whose first number is its mark (``duplicate``)
+    or below it (``replay``) sends the update again as mark + 1, checkpointed first."""
+    broker, agg_cfg, client_cfg, tmp = fleet
+    service, sent = aggregator(broker, agg_cfg, tmp / "agg")
+    run = frames(service, sent)
+    d = daemon(broker, client_cfg, tmp / "device")
+    handle(d, run["round0"])
+    header = decode(d.uplink.unacked).header
+    mark = header.sequence + (5 if reason == "replay" else 0)
+    published: list[tuple[str, bytes]] = []
+    d.link.publish = lambda topic, payload, retain=False, tag=None: published.append((topic, payload))
+    nack = {"run": service.run_id, "round": 0, "kind": "UPDATE", "sequence": header.sequence, "reason": reason}
+    handle(d, (d.nack_topic, json.dumps({**nack, "detail": "d", "mark": mark}).encode()))
+    updates = [p for t, p in published if t == topics.update_topic(client_cfg.federation, client_cfg.client_id)]
+    assert len(updates) == 1 and decode(updates[0]).header.sequence == mark + 1
+    assert d.store.load().sequence == mark + 1 and d.store.load().unacked == updates[0]
+    assert d.status_snapshot()["last_nack"]["reason"] == reason
+
+
 def _update(seq: int) -> bytes:
     header = Header(Kind.UPDATE, "f", 0, 0, "c", seq)
     return encode(Frame(header, {"n_samples": 1}, {"w": np.ones(2, np.float32)}))
