@@ -21,6 +21,7 @@ import numpy as np
 from aggregator.clients import ClientSet
 from aggregator.inbox import Inbox, Rejection
 from aggregator.metrics import AggregatorMetrics
+from aggregator.nacks import Nacks
 from aggregator.partial import Sites
 from aggregator.progress import still_working
 from aggregator.report import RunReport
@@ -55,7 +56,9 @@ class Intake:
         runlog: RunLog,
         metrics: AggregatorMetrics,
         report: RunReport,
+        nacks: Nacks | None = None,
     ) -> None:
+        """``nacks``: where a dropped frame's sender is told why (None: nobody is)."""
         self.federation = federation
         self.strategy = strategy
         self.schedule = strategy.schedule
@@ -66,6 +69,7 @@ class Intake:
         self.runlog = runlog
         self.metrics = metrics
         self.report = report
+        self.nacks = nacks
         self.queue: queue.Queue[Incoming] = queue.Queue()
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
@@ -174,6 +178,8 @@ class Intake:
         self.runlog.rejected(
             rejection.reason, rejection.detail, topic=topic, client=rejection.client, open_round=open_round
         )
+        if self.nacks is not None and topics.parse_update_topic(self.federation, topic) is not None:
+            self.nacks.send(rejection, open_round)  # P-NACK-1: every dropped frame, rate limits permitting
 
     def _on_status(self, who: str, payload: bytes, open_round: int) -> None:
         if who == topics.AGGREGATOR_ID or not payload:

@@ -25,13 +25,15 @@ from aggregator.downlink import ModelDownlink
 from aggregator.inbox import Inbox
 from aggregator.intake import Intake
 from aggregator.metrics import AggregatorMetrics
+from aggregator.nacks import Nacks
 from aggregator.outbox import Outbox
 from aggregator.partial import Sites
 from aggregator.report import RunReport
 from aggregator.runlog import RunLog
 from aggregator.state import StateStore, fingerprint
 from fclcore import fastfold, topics
-from fclcore.codec import CodecLimits, Kind
+from fclcore.capabilities import aggregator_capabilities
+from fclcore.codec import SPOKEN, CodecLimits, Kind
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
@@ -119,6 +121,7 @@ class AggregatorService:
             subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
             on_message=lambda t, p, n: self.intake.put(t, p, n),
         )
+        self.link.status_fields.update(aggregator_capabilities())  # P-VER-6
         self.report = RunReport(self.strategy, self.runlog, self.metrics, self.link, self.fed, self.limits)
         self.intake = Intake(
             self.fed.name,
@@ -130,6 +133,7 @@ class AggregatorService:
             self.runlog,
             self.metrics,
             self.report,
+            Nacks(self.link.publish, self.fed.name, self.run_id, SPOKEN),
         )
         self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence)
         self.announcer = Announcer(

@@ -21,6 +21,15 @@ every second, a free loopback port), and injects one kind of fault at seeded poi
                         consistent header with a sequence ~31 years ahead, an older sequence than
                         the device's last accepted one (taken from this run or an earlier run,
                         with other tensors), and verbatim replays of frames already accepted
+  device_clock_training one device's wall clock steps by +3600 s or -3600 s while it trains a
+                        round (as a Raspberry Pi's does when NTP first syncs after boot)
+  device_clock_upload   the same step just before or just after its update crosses the broker
+  aggregator_clock      the aggregator's wall clock steps by -120 s or +3600 s at a random point
+                        of a round (or of the final evaluation)
+
+In the clock schedules every process runs under benchmarks/clock_shim.py, which adds the
+number of seconds in a file of the schedule's folder to ``time.time`` / ``time.time_ns``;
+only the stepped process's file changes (monotonic clocks stay, as with a real step).
 
 A quarter of the device kills are permanent (the device stays dead during rounds 1..R-2): with
 a quorum of 1.0 finishing is then impossible, and the documented ending is the aggregator
@@ -97,7 +106,12 @@ KINDS = (
     "stale_retained",
     "duplicate_delayed",
     "forged_replayed",
+    "device_clock_training",
+    "device_clock_upload",
+    "aggregator_clock",
 )
+CLOCK_KINDS = ("device_clock_training", "device_clock_upload", "aggregator_clock")
+CLOCK_SHIM = ROOT / "benchmarks" / "clock_shim.py"
 SCENARIO = ROOT / "configs/scenarios/quickstart.yaml"
 # 2 tasks x 2 rounds; a round that misses an update asks for it again every second and gives up
 # after 2 attempts of 8 s (a killed device restarts in ~3-5 s, so 16 s is ample).
@@ -163,6 +177,19 @@ def make_schedule(kind: str, seed: int, rounds: int, clients: list[str], **force
         else:
             p["when"] = rng.choice(("before", "after"))
             p["lead_s"] = round(rng.uniform(0.0, 0.05), 3)  # "before": this long before the reference upload
+    elif kind in ("device_clock_training", "device_clock_upload"):
+        p["client"] = rng.choice(clients)
+        p["round"] = rng.randint(0, rounds - 1)
+        p["step_s"] = rng.choice((3600, -3600))
+        if kind == "device_clock_training":
+            p["frac"] = round(rng.uniform(0.05, 0.7), 3)  # of the reference's training time
+        else:
+            p["when"] = rng.choice(("before", "after"))
+            p["lead_s"] = round(rng.uniform(0.0, 0.05), 3)
+    elif kind == "aggregator_clock":
+        p["round"] = rng.randint(0, rounds)  # rounds: the final evaluation
+        p["frac"] = round(rng.uniform(0.0, 1.0), 3)
+        p["step_s"] = rng.choice((-120, 3600))
     elif kind == "stale_retained":
         p["old"] = rng.choice(("finished", "aborted"))
         p["abort_round"] = rng.randint(0, rounds - 1)
@@ -316,8 +343,9 @@ class Wire:
 class Procs:
     """The aggregator and device processes of one run directory, started as on a fleet."""
 
-    def __init__(self, p: Plan, out: Path, url: str) -> None:
-        self.out = out
+    def __init__(self, p: Plan, out: Path, url: str, clocks: Path | None = None) -> None:
+        """``clocks``: run every process under the clock shim, its offset in ``clocks/<name>.offset``."""
+        self.out, self.clocks = out, clocks
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.configs = write_configs(p, out, url)
         for _, path in self.configs.values():  # reconnect quickly after a broker restart
@@ -335,14 +363,28 @@ class Procs:
     def start(self, name: str) -> None:
         kind, path = self.configs[name]
         self.starts[name] += 1
+        command = [sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(path)]
+        if self.clocks is not None:
+            command[1:3] = [str(CLOCK_SHIM), str(self.clock_file(name))]
         with open(self.out / "logs" / f"{name}.{self.starts[name]}.log", "w") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(path)],
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=ROOT,
             )
+
+    def clock_file(self, name: str) -> Path:
+        return self.clocks / f"{name}.offset"
+
+    def step_clock(self, name: str, seconds: float) -> None:
+        """Step ``name``'s wall clock by ``seconds`` (the shim reads the file within 20 ms)."""
+        path = self.clock_file(name)
+        offset = float(path.read_text()) if path.exists() else 0.0
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{offset + seconds}\n")
+        os.replace(tmp, path)
 
     def kill(self, name: str) -> bool:
         """SIGKILL (no handler runs, nothing is flushed); False if it had exited already."""
@@ -545,7 +587,10 @@ class Chaos:
             else:
                 self.broker.start()
             self.wire = Wire(self.broker.port, self.fed)
-            self.procs = Procs(self.p, self.folder / "run", self.broker.url)
+            clocks = self.folder / "clocks" if self.s.kind in CLOCK_KINDS else None
+            if clocks is not None:
+                clocks.mkdir(parents=True)
+            self.procs = Procs(self.p, self.folder / "run", self.broker.url, clocks)
             self._install_hooks()
             self._start()
             self._faults()
@@ -643,6 +688,10 @@ class Chaos:
             self._kill_device_training()
         elif kind == "device_kill_upload":
             self._kill_device_upload()
+        elif kind in ("device_clock_training", "device_clock_upload"):
+            self._step_device_clock()
+        elif kind == "aggregator_clock":
+            self._step_aggregator_clock()
 
     def _at(self, rnd: int, offset: float) -> float | None:
         """Wait until ``offset`` s after round ``rnd``'s announcement; when it was announced, or None."""
@@ -740,6 +789,37 @@ class Chaos:
         time.sleep(self.s.params["down_s"])
         self.procs.start(client)
         self.note(f"{client} restarted after {self.s.params['down_s']} s")
+
+    # -- clock steps ------------------------------------------------------------------------
+    def _step_device_clock(self) -> None:
+        pr = self.s.params
+        client, rnd = pr["client"], pr["round"]
+        if self.s.kind == "device_clock_training" or pr["when"] == "before":
+            train_s = self.ref.train_s.get((rnd, client), 0.3)
+            offset = pr["frac"] * train_s if "frac" in pr else max(0.0, train_s - pr["lead_s"])
+            if self._at(rnd, offset) is None:
+                return
+            with self.wire.lock:
+                uploaded = (rnd, client, Kind.UPDATE) in self.wire.updates
+            landed = "after-upload" if uploaded else "before-upload"
+            where = "after its upload" if uploaded else "before its upload (training or checkpointing)"
+        else:
+            crossed = self.wire.wait(lambda: self.wire.updates.get((rnd, client, Kind.UPDATE)), self.left())
+            if crossed is None:
+                self.note(f"{client}'s update for round {rnd} never seen: clock not stepped")
+                return
+            landed, where = "after-upload", "as its update crossed the broker"
+        self.procs.step_clock(client, pr["step_s"])
+        self.result.landed.append(landed)
+        self.note(f"{client}'s wall clock stepped {pr['step_s']:+d} s in round {rnd}, {where}")
+
+    def _step_aggregator_clock(self) -> None:
+        pr = self.s.params
+        if self._at(pr["round"], pr["frac"] * self.ref.round_s.get(pr["round"], 1.0)) is None:
+            return
+        where = f"round {self.wire.last_announced()} open" if pr["round"] < self.rounds else "final evaluation"
+        self.procs.step_clock("aggregator", pr["step_s"])
+        self.note(f"aggregator's wall clock stepped {pr['step_s']:+d} s ({where})")
 
     # -- injected frames (paho's thread) -----------------------------------------------------
     def _install_hooks(self) -> None:
@@ -988,7 +1068,10 @@ def markdown(res: dict) -> str:
         )
     landed = [f"{kind}: {json.dumps(f['landed'])}" for kind, f in res["by_fault"].items() if f.get("landed")]
     if landed:
-        lines += ["", "Where the device kills landed (relative to the device's update crossing the broker):"]
+        lines += [
+            "",
+            "Where the device faults (kills, clock steps) landed, relative to its update crossing the broker:",
+        ]
         lines += [f"- {x}" for x in landed]
     lines += ["", "## Failing schedules", ""]
     if not res["failing"]:

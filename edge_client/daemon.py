@@ -31,6 +31,7 @@ from edge_client.frames import ClientFrames
 from edge_client.learning import DeviceLearner
 from edge_client.ledger import downlink_tag
 from edge_client.modelsync import ModelSync
+from edge_client.nacks import NackLog
 from edge_client.protocol import RejectedFrame, check_downlink, membership_state, places, run_of
 from edge_client.rounds import RoundWork
 from edge_client.serving import ServedModelWriter
@@ -39,6 +40,7 @@ from edge_client.status import AggregatorWatch, RoundStats
 from edge_client.taskdir import TaskDirectory
 from edge_client.uplink import Uplink
 from fclcore import topics
+from fclcore.capabilities import device_capabilities
 from fclcore.codec import CodecLimits, Frame, Kind
 from fclcore.config import ConfigError
 from fclcore.exitcodes import ExitCode
@@ -83,10 +85,12 @@ class ClientDaemon:
         self.control = ControlServer(
             self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path
         )
+        self.nack_topic = topics.nack_topic(cfg.federation, cfg.client_id)  # why a frame of ours was dropped
         self.subscribed = (  # exact topics: a message on any other was misrouted by the broker
             topics.round_topic(cfg.federation),
             topics.knowledge_topic(cfg.federation, cfg.client_id),
             topics.status_topic(cfg.federation, topics.AGGREGATOR_ID),
+            self.nack_topic,
         )
         self.link = link_factory(
             cfg.broker,
@@ -103,6 +107,7 @@ class ClientDaemon:
         self.uplink = Uplink(cfg.federation, cfg.client_id, self.link, key, self.limits, self.stop)
         self.stats = RoundStats()
         self.watch = AggregatorWatch(self.link, cfg.aggregator_timeout_s)
+        self.nacks = NackLog(self.link)
         torch.set_num_threads(cfg.threads)
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
@@ -123,7 +128,9 @@ class ClientDaemon:
     def run(self) -> ExitCode:
         """Serve until the run finishes or ``stop`` is set (SIGTERM): a stop waits for the
         round in hand to be checkpointed and sent, then says "stopped" and disconnects."""
-        self.link.status_fields.update(role="client", task=self.device.task, round=self.device.done_round)
+        self.link.status_fields.update(
+            role="client", task=self.device.task, round=self.device.done_round, **device_capabilities()
+        )
         try:
             self.link.start()
         except TransportError as exc:
@@ -180,6 +187,7 @@ class ClientDaemon:
             "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")},
             "health": self.stats.health(self.work.sync_report(), self.link.meter.snapshot(), self.cfg.memory_budget_mb),
             "retained_status": dict(self.link.status_fields),  # health; protocol fields where the daemon sets them
+            "last_nack": self.nacks.last,
         }
 
     def _handle(self, topic: str, payload: bytes, size: int) -> bool:
@@ -190,6 +198,9 @@ class ClientDaemon:
         if topic == topics.status_topic(self.cfg.federation, topics.AGGREGATOR_ID):
             self.watch.on_status(payload)
             return False
+        if topic == self.nack_topic:
+            self._on_nack(payload)
+            return False
         try:
             if topic not in self.subscribed and topic not in self.sync.topics and topic != self.frames.full_topic:
                 raise RejectedFrame(f"topic: {topic} is not a topic this device subscribed to")
@@ -197,6 +208,15 @@ class ClientDaemon:
         except RejectedFrame as exc:
             self.stats.drop(exc, topic)
             return False
+
+    def _on_nack(self, payload: bytes) -> None:
+        """Why the aggregator dropped a frame of this device; an update whose number it does not
+        take is renumbered, checkpointed and sent again at once (P-SEQ-6)."""
+        nack = self.nacks.take(payload, self.device.run_id)
+        if nack is not None and self.uplink.renumber(nack):
+            self.work.checkpoint(self.uplink.unacked)
+            self.uplink.send(self.uplink.unacked, f"renumbered:{nack['round']}")
+            self.uplink.sent_at = time.monotonic()
 
     def _check(self, payload: bytes) -> tuple[Frame, FederationSpec | None]:
         device = self.device
@@ -241,7 +261,6 @@ class ClientDaemon:
             ended = self._meet_run(frame, run)
             if ended:
                 return True
-        self.uplink.note_clock(frame)
         if kind is Kind.FINISH and (frame.meta.get("failed") is not None or frame.header.round != fed.total_rounds):
             return self._finish_early(frame, fed)
         state = membership_state(fed, self.cfg.client_id, frame.header.task)

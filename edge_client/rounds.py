@@ -186,7 +186,7 @@ class RoundWork:
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
         self.stats.ledger.reported(rnd, sync)
-        payload = self.uplink.frame(Kind.UPDATE, rnd, task, meta, tensors, device.fed.value_coding)
+        payload = self.uplink.frame(Kind.UPDATE, rnd, task, meta, tensors, device.fed.value_coding, device.run_id)
         if learner.reads_upload:  # error feedback: what coding lost stays in the learner (checkpointed next)
             learner.uploaded(self.uplink.decoded_tensors(payload))
         device.done_round, self.uplink.unacked = rnd, payload
@@ -216,7 +216,7 @@ class RoundWork:
         served = self.served(after_round=frame.header.round - 1, previous=previous, task_ended=True)
         meta = {**({"eval": report} if report is not None else {}), "rejected": dict(self.stats.rejected)}
         rnd, task = frame.header.round, frame.header.task
-        payload = self.uplink.frame(Kind.EVAL, rnd, task, meta, {}, self.device.fed.value_coding)
+        payload = self.uplink.frame(Kind.EVAL, rnd, task, meta, {}, self.device.fed.value_coding, self.device.run_id)
         self.uplink.deliver(payload, f"eval:{rnd}")
         self.writer.submit(served)
         self.writer.wait()  # the final model is in service before the daemon exits

@@ -63,7 +63,8 @@ Nearest rounding (default): |x - q(x)| <= s / 2.  Stochastic rounding (``roundin
 "stochastic"``): |x - q(x)| < s and E[q(x)] = x; its random stream is seeded from
 ``ValueCoding.seed``, the header (kind, federation, round, task, client) and the tensor
 name, never from global RNG state, so a re-run (or a re-send of the same update) writes the
-same bytes.  The sequence number is left out on purpose: devices take it from a clock.
+same bytes.  The sequence number is left out on purpose: a device may renumber a frame
+(``with_sequence``) and the values must stay the same.
 Both bounds are on the exact product code * s; the decoder then rounds it to float32
 once (at most half a float32 ulp of the value more).
 """
@@ -88,6 +89,7 @@ from fclcore.errors import BadInput
 MAGIC = b"FCLW"
 VERSION = 1  # what a frame without int8 values is written as
 INT8_VERSION = 2  # the version that added dtype 3 (int8 blocks)
+SPOKEN = (VERSION, INT8_VERSION)  # the frame versions ``decode`` reads (a NACK names them)
 
 _HEAD = struct.Struct("<4sBBHIIQ")
 _TENSOR_HEAD = struct.Struct("<BBB")
@@ -372,6 +374,18 @@ def encode(frame: Frame, value_dtype: str | ValueCoding = "float32", limits: Cod
     return b"".join(parts)
 
 
+def with_sequence(data: bytes, sequence: int) -> bytes:
+    """The same frame renumbered: ``sequence`` written into the header and the CRC made again.
+    Every other byte stays (int8 rounding never reads the sequence), so a device can send an
+    update again under a number its aggregator takes (docs/protocol.md, P-SEQ-6)."""
+    head = _HEAD.size
+    if len(data) < head + 4 or data[:4] != MAGIC:
+        _fail("frame", f"{len(data)} bytes", f"a frame starting with {MAGIC!r}")
+    body = bytearray(data[:-4])
+    struct.pack_into("<Q", body, head - 8, _uint(sequence, "header.sequence", _U64_MAX))
+    return bytes(body) + _U32.pack(crc32(body))
+
+
 def _uint(value: Any, where: str, maximum: int) -> int:
     if isinstance(value, bool):
         _fail(where, repr(value), "an integer, not bool")
@@ -629,7 +643,7 @@ def _decode_header(reader: _Reader) -> tuple[Header, int]:
     magic, version, kind, flags, rnd, task, seq = reader.unpack(_HEAD, "header")
     if magic != MAGIC:
         _fail("header.magic", repr(magic), repr(MAGIC))
-    if version not in (VERSION, INT8_VERSION):
+    if version not in SPOKEN:
         _fail("header.version", version, f"{VERSION} or {INT8_VERSION} (supported versions)")
     if kind not in {int(k) for k in Kind}:
         _fail("header.kind", kind, f"one of {[int(k) for k in Kind]}")

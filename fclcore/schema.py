@@ -303,7 +303,8 @@ class AggregatorConfig:
     enrollment: Literal["closed", "open"] = "closed"  # open: a device that comes online enrolls (next round)
     max_clients: int = 10_000  # enrolled devices at most
     drop_after_missed: Optional[int] = None  # a device that missed this many rounds in a row leaves the roster
-    max_clock_skew_s: float = 30.0  # an update's sequence may run this far ahead of the aggregator's clock
+    # how far before the run's start a protocol-1 device (sequences on the aggregator's clock) may number
+    max_clock_skew_s: float = 30.0
     sites: list[str] = field(default_factory=list)  # ids in expected_clients that are site aggregators
 
     def __post_init__(self) -> None:

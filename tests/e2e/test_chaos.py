@@ -78,3 +78,27 @@ def test_one_schedule_per_fault_kind(kind, chaos_plan, reference, tmp_path) -> N
         assert result.injected.get("forged-future", 0) == 2 and result.injected.get("forged-old-sequence", 0) == 2
     if kind == "stale_retained":
         assert any("earlier run killed" in note for note in result.notes), report
+
+
+# docs/protocol.md, P-SEQ-1 to P-SEQ-5: no wall clock orders frames, so a clock that steps mid-run (the
+# process's time.time/time_ns shifted by benchmarks/clock_shim.py) changes nothing: every run
+# finishes with the undisturbed model, and nothing is rejected for its sequence.
+CLOCK_CASES = [
+    ("device_clock_training", {"client": "client-0", "round": 1, "frac": 0.3, "step_s": 3600}),
+    ("device_clock_training", {"client": "client-1", "round": 2, "frac": 0.3, "step_s": -3600}),
+    ("device_clock_upload", {"client": "client-2", "round": 1, "when": "before", "lead_s": 0.02, "step_s": -3600}),
+    ("device_clock_upload", {"client": "client-0", "round": 2, "when": "after", "lead_s": 0.0, "step_s": 3600}),
+    ("aggregator_clock", {"round": 1, "frac": 0.5, "step_s": -120}),
+    ("aggregator_clock", {"round": 2, "frac": 0.5, "step_s": 3600}),
+]
+
+
+@pytest.mark.parametrize(("kind", "force"), CLOCK_CASES, ids=[f"{k}{f['step_s']:+d}" for k, f in CLOCK_CASES])
+def test_a_wall_clock_step_changes_nothing(kind, force, chaos_plan, reference, tmp_path) -> None:
+    schedule = chaos.make_schedule(kind, 11, reference.rounds, reference.clients, **force)
+    result = chaos.run_schedule(schedule, chaos_plan, reference, tmp_path / "chaos", TIMEOUT)
+    report = result.to_json()
+    assert any("wall clock stepped" in note for note in result.notes), report  # the step did happen
+    assert result.outcome == "finished" and result.lost == [] and result.double == [], report
+    assert result.hash_match is True, report
+    assert not {"sequence", "replay"} & set(result.rejected), report

@@ -65,7 +65,7 @@ def test_state_store_commit_and_journal(tmp_path) -> None:
         "fp",
         round=5,
         sequence=9,
-        last_seq={"client-0": 7},
+        last_seq={"client-0": 7},  # docs/protocol.md P-SEQ-3: the marks are committed with each round
         rejections={"codec": 2},
         metrics_offset=1234,
         strategy={"knowledge": []},

@@ -233,7 +233,7 @@ def test_a_frame_checked_without_keeping_its_tensors_is_still_checked_whole():
 
 BAD_FRAMES = {
     "magic": (raw_frame(magic=b"FCLX"), "magic"),
-    "version 0": (raw_frame(version=0), "version"),
+    "version 0": (raw_frame(version=0), "version"),  # docs/protocol.md P-VER-2: versions not decoded
     "version 3": (raw_frame(version=3), "version"),
     "kind 0": (raw_frame(kind=0), "kind"),
     "kind 10": (raw_frame(kind=10), "kind"),
@@ -254,7 +254,7 @@ BAD_FRAMES = {
     "name utf8": (raw_frame(tensors=[rec(name=b"\xfe")]), "name"),
     "layout": (raw_frame(tensors=[rec(layout=3)]), "layout"),
     "dtype 0": (raw_frame(tensors=[rec(dtype=0)]), "dtype"),
-    "dtype 3 (int8) in a v1 frame": (raw_frame(tensors=[rec(dtype=3)]), "needs v2"),
+    "dtype 3 (int8) in a v1 frame": (raw_frame(tensors=[rec(dtype=3)]), "needs v2"),  # P-VER-2
     "dtype 4": (raw_frame(version=2, tensors=[rec(dtype=4)]), "dtype"),
     "ndim": (raw_frame(tensors=[rec(dims=(1,) * 9)]), "ndim"),
     "zero dim": (raw_frame(tensors=[rec(dims=(2, 0), data=b"")]), "dims"),

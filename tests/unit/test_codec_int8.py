@@ -197,6 +197,7 @@ def test_stochastic_stream_depends_on_round_client_kind_tensor_and_seed(change):
 
 
 def test_int8_coding_without_tensors_writes_v1():
+    # docs/protocol.md P-VER-1: the lowest version that carries the frame
     frame = Frame(HEADER, {"a": 1})
     assert encode(frame, NEAREST) == encode(frame, "float32")
     assert encode(frame, NEAREST)[4] == 1

@@ -145,11 +145,12 @@ def test_codec_bad_checksum():
     rejected(check(bytes(data)), "codec")
 
 
-def test_codec_resealed_corruption():
+def test_an_unknown_frame_version_is_refused_naming_the_versions_spoken():
+    """P-VER-3: reason ``version``, and the text names what this aggregator decodes."""
     data = bytearray(payload())
     data[4] = 9  # version, with a valid CRC
-    r = rejected(check(reseal(bytes(data))), "codec")
-    assert "version" in r.detail
+    r = rejected(check(reseal(bytes(data))), "version")
+    assert "version 9" in r.detail and "speaks 1, 2" in r.detail
 
 
 def test_codec_limits_are_applied():
@@ -201,7 +202,7 @@ def test_future_round(rnd):
     assert r.late is False
 
 
-def test_duplicate():
+def test_duplicate():  # docs/protocol.md P-SEQ-3
     r = rejected(check(payload(), received={"a"}), "duplicate")
     assert r.client == "a"
 

@@ -4,7 +4,7 @@ Real aggregator services build the frames (each on a fresh state directory, so e
 of its own) and a real client daemon acts on them over the in-process broker: every message
 kind of another run is dropped and counted; a newer run is joined or refused; a FINISH that
 is not the end of the device's run is dropped; a failed run ends the device with its code.
-The inbox never accepts a sequence far ahead of the aggregator's clock.
+The inbox never accepts a sequence far past a device's mark, and no clock numbers a frame.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aggregator.inbox import Inbox, Rejection
+from aggregator.inbox import SEQUENCE_WINDOW, Inbox, Rejection
 from aggregator.service import AggregatorService
 from edge_client.daemon import ClientDaemon
 from fcl_edge.simulate import plan, write_configs
@@ -26,7 +26,7 @@ from fclcore.codec import Frame, Header, Kind, decode, encode
 from fclcore.config import load_config
 from fclcore.exitcodes import ExitCode
 from fclcore.inproc import InProcessBroker, link_factory
-from fclcore.runid import check_run_id, is_newer, new_run_id
+from fclcore.runid import check_run_id, is_newer, new_run_id, started_us
 from fclcore.schema import AggregatorConfig, ClientConfig
 from fclcore.strategy import Update
 
@@ -150,8 +150,9 @@ def test_a_failed_run_ends_a_device_that_took_part(fleet) -> None:
     assert d.store.load().done_round == 0  # its checkpoint is kept as it was
 
 
-# docs/protocol.md P-12.1
-def test_device_sequences_follow_the_aggregators_clock(fleet) -> None:
+def test_device_sequences_count_from_the_runs_start_not_any_clock(fleet) -> None:
+    """P-SEQ-2: a fresh device numbers its first frame of a run start(run) + 1, whatever the
+    announcement's ``clock_us`` (which protocol-1 devices numbered on) says."""
     broker, agg_cfg, client_cfg, tmp = fleet
     service, sent = aggregator(broker, agg_cfg, tmp / "agg")
     service._announce(Kind.ROUND, 0, 0)
@@ -159,10 +160,44 @@ def test_device_sequences_follow_the_aggregators_clock(fleet) -> None:
     ahead = frame.meta["clock_us"] + 3_600_000_000  # the aggregator's clock is an hour ahead of ours
     frame = Frame(frame.header, {**frame.meta, "clock_us": ahead}, frame.tensors)
     d = daemon(broker, client_cfg, tmp / "device")
-    d.sequence = 2**62  # a checkpoint written while this device's clock was far ahead
     handle(d, (sent[-1][0], encode(frame)))
-    sent_seq = decode(d.uplink.unacked).header.sequence
-    assert ahead <= sent_seq < ahead + 60_000_000
+    assert decode(d.uplink.unacked).header.sequence == started_us(service.run_id) + 1
+    assert d.store.load().sequence == started_us(service.run_id) + 1  # checkpointed before it was sent
+
+
+def test_a_device_does_not_check_the_aggregators_numbers(fleet) -> None:
+    """P-SEQ-8: a downlink frame of the device's run is acted on whatever its number (here
+    round 1 numbered below round 0, as by an aggregator whose counter was not committed)."""
+    broker, agg_cfg, client_cfg, tmp = fleet
+    run = frames(*aggregator(broker, agg_cfg, tmp / "agg"))
+    d = daemon(broker, client_cfg, tmp / "device")
+    handle(d, run["round0"])
+    topic, payload = run["round1"]
+    frame = decode(payload)
+    lower = Frame(dataclasses.replace(frame.header, sequence=1), frame.meta, frame.tensors)
+    handle(d, (topic, encode(lower)))
+    assert d.device.done_round == 1 and d.stats.rejected == {}
+
+
+@pytest.mark.parametrize("reason", ["replay", "duplicate"])
+def test_a_nack_at_the_mark_renumbers_checkpoints_and_resends_the_update(fleet, reason) -> None:
+    """P-SEQ-6 through the daemon: a fresh device whose first number is its mark (``duplicate``)
+    or below it (``replay``) sends the update again as mark + 1, checkpointed first."""
+    broker, agg_cfg, client_cfg, tmp = fleet
+    service, sent = aggregator(broker, agg_cfg, tmp / "agg")
+    run = frames(service, sent)
+    d = daemon(broker, client_cfg, tmp / "device")
+    handle(d, run["round0"])
+    header = decode(d.uplink.unacked).header
+    mark = header.sequence + (5 if reason == "replay" else 0)
+    published: list[tuple[str, bytes]] = []
+    d.link.publish = lambda topic, payload, retain=False, tag=None: published.append((topic, payload))
+    nack = {"run": service.run_id, "round": 0, "kind": "UPDATE", "sequence": header.sequence, "reason": reason}
+    handle(d, (d.nack_topic, json.dumps({**nack, "detail": "d", "mark": mark}).encode()))
+    updates = [p for t, p in published if t == topics.update_topic(client_cfg.federation, client_cfg.client_id)]
+    assert len(updates) == 1 and decode(updates[0]).header.sequence == mark + 1
+    assert d.store.load().sequence == mark + 1 and d.store.load().unacked == updates[0]
+    assert d.status_snapshot()["last_nack"]["reason"] == reason
 
 
 def _update(seq: int) -> bytes:
@@ -170,15 +205,20 @@ def _update(seq: int) -> bytes:
     return encode(Frame(header, {"n_samples": 1}, {"w": np.ones(2, np.float32)}))
 
 
-def test_the_inbox_never_accepts_a_sequence_far_ahead_of_its_clock() -> None:
-    now = 1_700_000_000_000_000
-    inbox = Inbox("f", {"c"}, lambda frame: dict(frame.tensors), 1, max_skew_us=30_000_000, clock_us=lambda: now)
-    forged = inbox.check("c", _update(now + 31 * 365 * 86400 * 10**6), 100, 0, set())
+def test_the_inbox_never_accepts_a_sequence_past_its_window() -> None:
+    """P-SEQ-3, P-SEQ-4: above the run's floor, at most SEQUENCE_WINDOW past the mark (or the
+    floor), checked before anything else, so a forged frame moves nothing; the window slides."""
+    start = 1_700_000_000_000_000
+    inbox = Inbox("f", {"c"}, lambda frame: dict(frame.tensors), 1, min_seq=start - 30_000_000)
+    forged = inbox.check("c", _update(start + 31 * 365 * 86400 * 10**6), 100, 0, set())
     assert isinstance(forged, Rejection) and forged.reason == "sequence" and "c" not in inbox.last_seq
-    assert isinstance(inbox.check("c", _update(now + 31_000_000), 100, 0, set()), Rejection)
-    genuine = inbox.check("c", _update(now - 5), 100, 0, set())
-    assert isinstance(genuine, Update)  # the forged frame moved nothing
-    assert inbox.last_seq["c"] == now - 5
+    assert forged.mark == inbox.min_seq  # what the device's next number must be above (P-SEQ-6)
+    edge = inbox.check("c", _update(inbox.min_seq + SEQUENCE_WINDOW + 1), 100, 0, set())
+    assert isinstance(edge, Rejection) and edge.reason == "sequence"
+    assert isinstance(inbox.check("c", _update(start + 1), 100, 0, set()), Update)  # the forged frame moved nothing
+    later = start + 1 + SEQUENCE_WINDOW  # exactly the window past the mark: a clock-numbered device (P-SEQ-7)
+    assert isinstance(inbox.check("c", _update(later), 100, 0, set()), Update)
+    assert inbox.last_seq["c"] == later
 
 
 # docs/protocol.md P-11.4

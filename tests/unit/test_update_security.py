@@ -44,7 +44,7 @@ def test_inbox_requires_the_topic_clients_signature() -> None:
     assert isinstance(forged, Rejection) and forged.reason == "signature"
 
 
-# docs/protocol.md P-12.2
+# docs/protocol.md P-SEQ-3
 def test_replayed_and_repeated_sequences_are_rejected() -> None:
     inbox = make_inbox()
     first = payload(seq=10)
