@@ -107,7 +107,7 @@ RUNS = {
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_the_c_device_completes_a_fedavg_federation(run: str, c_device: Path, mosquitto, tmp_path: Path) -> None:
-    """P-2.2, P-2.3, P-6.3, P-7.2, P-7.3, P-11.1, P-11.3 and P-SEQ-7 (numbered on the aggregator's clock) on the wire."""
+    """P-2.2, P-2.3, P-6.3, P-7.2, P-7.3, P-11.1, P-11.3, P-SEQ-7 (numbered on the aggregator's clock) on the wire."""
     overrides = [*QUICK, *RUNS[run]]
     fleet = Fleet(ROOT / "configs/scenarios/quickstart.yaml", tmp_path / "run", mosquitto.url, overrides)
     assert C_CLIENT in fleet.configs
