@@ -20,6 +20,7 @@ from typing import Callable, Container, Mapping
 
 import numpy as np
 
+from aggregator.buffered import STALE, Buffer
 from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, Tensor, decode
 from fclcore.signing import SignatureError, verify
 from fclcore.sparsify import DELTA
@@ -57,6 +58,7 @@ class Inbox:
     max_skew_us: int = 30_000_000  # a sequence may run at most this far ahead of this service's clock
     min_seq: int = 0  # no sequence below this: the run's start (minus the skew) on this service's clock
     clock_us: Callable[[], int] = field(default=lambda: time.time_ns() // 1000)
+    buffer: Buffer | None = None  # buffered rounds: updates of recent earlier versions are taken too
 
     def check(
         self,
@@ -132,6 +134,9 @@ class Inbox:
             return Rejection("sender", f"header client {h.client!r} does not match topic client {client!r}", client)
         if h.kind != kind:
             return Rejection("kind", f"kind {h.kind.name}, expected {kind.name}", client)
+        if self.buffer is not None and kind is Kind.UPDATE and h.round < open_round:
+            stale = self.buffer.stale_problem(h.round, open_round)
+            return None if stale is None else Rejection(STALE, stale, client, late=True)
         if h.round != open_round:
             late = h.round < open_round
             what = "closed" if late else "not yet open"

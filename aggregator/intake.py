@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aggregator.buffered import Buffer
 from aggregator.clients import ClientSet
 from aggregator.inbox import Inbox, Rejection
 from aggregator.metrics import AggregatorMetrics
@@ -55,6 +56,7 @@ class Intake:
         runlog: RunLog,
         metrics: AggregatorMetrics,
         report: RunReport,
+        buffer: Buffer | None = None,
     ) -> None:
         self.federation = federation
         self.strategy = strategy
@@ -66,6 +68,7 @@ class Intake:
         self.runlog = runlog
         self.metrics = metrics
         self.report = report
+        self.buffer = buffer  # buffered rounds: each update weighed by its staleness as it is folded
         self.queue: queue.Queue[Incoming] = queue.Queue()
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
@@ -123,7 +126,10 @@ class Intake:
                 if update.client in folded:  # the inbox refuses a second update per round; never fold one
                     raise AssertionError(f"round {rnd}: a second fold for {update.client}")
                 try:
-                    update = self.sites.fold(self.strategy, running, update)
+                    if self.buffer is not None:
+                        update = self.buffer.fold(self.strategy, running, update, rnd)
+                    else:
+                        update = self.sites.fold(self.strategy, running, update)
                     folded.add(update.client)
                 except ValueError as exc:  # the sums are unchanged (RunningSum checks before it adds)
                     why = Rejection("fold", str(exc), update.client)

@@ -51,6 +51,9 @@ class MethodSpec:
     # round ``rnd``'s aggregation can change, derived from the seed on both sides, so the model
     # delta sends their values without positions (``fclcore.model_sync``); "" for none
     downlink_positions: str = ""
+    # the strategy may run ``federation.rounds.mode: buffered`` (FedBuff, docs/buffered.md): its
+    # fold takes each update's weight as given and needs nothing of the version it was trained on
+    buffered: bool = False
 
     @property
     def headline_key(self) -> str:

@@ -29,7 +29,9 @@ _DENSE = "fclbases.fedavg.learner:FedAvgLearner"
 _DECOMPOSED = "methods.confedmade.decomposed_learner:"
 
 
-def _spec(name: str, strategy: str, learner: str, summary: str, positions: str = "") -> MethodSpec:
+def _spec(
+    name: str, strategy: str, learner: str, summary: str, positions: str = "", buffered: bool = False
+) -> MethodSpec:
     return MethodSpec(
         name=name,
         package="confedmade",
@@ -41,6 +43,7 @@ def _spec(name: str, strategy: str, learner: str, summary: str, positions: str =
         summary=summary,
         example_scenario="configs/scenarios/digits_continual.yaml",
         downlink_positions=positions,
+        buffered=buffered,
         smoke_overrides=(
             "federation.model.hidden_sizes=[32]",
             "tasks.shared=[[0, 1], [2, 3]]",
@@ -69,7 +72,7 @@ register(
         _DECOMPOSED + "FedWeITMadeLearner",
         "FedWeIT on MADE, every client with its own MADE masks",
     ),
-    _spec("fedavg", _FEDAVG_STRATEGY, _DENSE, "FedAvg of a plain MADE"),
+    _spec("fedavg", _FEDAVG_STRATEGY, _DENSE, "FedAvg of a plain MADE", buffered=True),
     _spec("fedcl-finetune", _FEDAVG_STRATEGY, _DENSE, "FedAvg fine-tuned task after task"),
     _spec("fedprox", _FEDAVG_STRATEGY, _FEDAVG + "FedProxLearner", "FedProx (proximal term to the global model)"),
     _spec("fedcurv", _FEDAVG_STRATEGY, _FEDAVG + "FedCurvLearner", "federated EWC (diagonal Fisher per task)"),
