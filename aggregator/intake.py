@@ -69,6 +69,7 @@ class Intake:
         self.metrics = metrics
         self.report = report
         self.buffer = buffer  # buffered rounds: each update weighed by its staleness as it is folded
+        self.held: list[tuple[int, Incoming]] = []  # buffered: (version, a device's second update in it)
         self.queue: queue.Queue[Incoming] = queue.Queue()
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
@@ -82,19 +83,25 @@ class Intake:
     ) -> None:
         """Take the next message, waiting up to ``timeout`` s for one, into ``received`` (the
         replies to ``open_round`` so far; ``model``: the global model they are checked against)."""
-        try:
-            item = self.queue.get_nowait()
-        except queue.Empty:
-            self.store.sync()  # the queue ran dry: one fdatasync for what was journaled since the last
+        if self.held and self.held[0][0] < open_round:  # held back from an earlier version: first
+            item = self.held.pop(0)[1]
+        else:
             try:
-                item = self.queue.get(timeout=timeout)
+                item = self.queue.get_nowait()
             except queue.Empty:
-                return
+                self.store.sync()  # the queue ran dry: one fdatasync for what was journaled since the last
+                try:
+                    item = self.queue.get(timeout=timeout)
+                except queue.Empty:
+                    return
         who = topics.parse_status_topic(self.federation, item.topic)
         if who is not None:
             self._on_status(who, item.payload, open_round)
             return
         client = topics.parse_update_topic(self.federation, item.topic)
+        if self.buffer is not None and kind is Kind.UPDATE and client in received:
+            self.held.append((open_round, item))  # one update per device per version: into the next one
+            return
         task = self.schedule.task_of(max(0, open_round))
         if client is not None and client in self.clients and not self.clients.active(client, task):
             why = Rejection("inactive", f"{client} is not active in task {task}", client)

@@ -1,7 +1,8 @@
 """Buffered asynchronous rounds (aggregator.buffered): the open version folds updates of recent
 versions weighted n_samples / sqrt(1 + staleness), refuses older ones as "stale", closes at
-``buffer_k`` updates, and a journal replay folds the same updates to the same model; a method
-that does not declare buffered rounds is refused."""
+``buffer_k`` updates and holds a device's second update for the next version; a journal replay
+folds the same updates to the same model; a method that does not declare buffered rounds is
+refused."""
 
 from __future__ import annotations
 
@@ -99,14 +100,22 @@ def test_updates_of_recent_versions_fold_by_staleness_and_older_ones_are_refused
     restarted.runlog.close()
 
 
-def test_a_second_update_of_a_device_in_one_version_is_a_duplicate(tmp_path: Path) -> None:
+def test_a_devices_second_update_in_one_version_is_held_for_the_next(tmp_path: Path) -> None:
     intake = _intake(tmp_path, Buffer(buffer_k=3, max_staleness=2))
     model = intake.strategy.initial_model()
-    for version in (2, 3):  # trained on version 2, then on 3: one update per device per version
+    for version in (1, 2):  # trained on version 1, then on 2, both sent while version 2 is open
         payload = _update(model, "c0", version, 5, 0.1)
         intake.put(topics.update_topic(FED, "c0"), payload, len(payload) + 20)
-    assert sorted(_take_all(intake, model)) == ["c0"]
-    assert dict(intake.runlog.rejections) == {"duplicate": 1}
+    first: dict = {}
+    while not intake.queue.empty():
+        intake.drain(2, first, 0, model)
+    assert [u.frame.header.round for u in first.values()] == [1] and len(intake.held) == 1
+    second: dict = {}
+    intake.drain(2, second, 0, model)  # still version 2: nothing is taken back
+    assert not second and len(intake.held) == 1
+    intake.drain(3, second, 0, model)  # version 3 takes it first, one version stale
+    assert [u.frame.header.round for u in second.values()] == [2] and not intake.held
+    assert not intake.runlog.rejections
     intake.runlog.close()
 
 
