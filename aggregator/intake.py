@@ -69,7 +69,8 @@ class Intake:
         self.metrics = metrics
         self.report = report
         self.buffer = buffer  # buffered rounds: each update weighed by its staleness as it is folded
-        self.held: list[tuple[int, Incoming]] = []  # buffered: (version, a device's second update in it)
+        # buffered: (version, client, its second update in that version), at most one per client
+        self.held: list[tuple[int, str, Incoming]] = []
         self.queue: queue.Queue[Incoming] = queue.Queue()
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
@@ -84,7 +85,7 @@ class Intake:
         """Take the next message, waiting up to ``timeout`` s for one, into ``received`` (the
         replies to ``open_round`` so far; ``model``: the global model they are checked against)."""
         if self.held and self.held[0][0] < open_round:  # held back from an earlier version: first
-            item = self.held.pop(0)[1]
+            item = self.held.pop(0)[2]
         else:
             try:
                 item = self.queue.get_nowait()
@@ -99,8 +100,8 @@ class Intake:
             self._on_status(who, item.payload, open_round)
             return
         client = topics.parse_update_topic(self.federation, item.topic)
-        if self.buffer is not None and kind is Kind.UPDATE and client in received:
-            self.held.append((open_round, item))  # one update per device per version: into the next one
+        if self.buffer is not None and kind is Kind.UPDATE and client in received and not self._holds(client):
+            self.held.append((open_round, client, item))  # one update per device per version: into the next
             return
         task = self.schedule.task_of(max(0, open_round))
         if client is not None and client in self.clients and not self.clients.active(client, task):
@@ -177,6 +178,9 @@ class Intake:
         if self.round_sum is None or self.round_sum[0] != rnd:
             self.round_sum = (rnd, self.strategy.running_sum(model), set())
         return self.round_sum[1], self.round_sum[2]
+
+    def _holds(self, client: str) -> bool:
+        return any(held == client for _, held, _ in self.held)
 
     def reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)

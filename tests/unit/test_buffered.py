@@ -103,19 +103,20 @@ def test_updates_of_recent_versions_fold_by_staleness_and_older_ones_are_refused
 def test_a_devices_second_update_in_one_version_is_held_for_the_next(tmp_path: Path) -> None:
     intake = _intake(tmp_path, Buffer(buffer_k=3, max_staleness=2))
     model = intake.strategy.initial_model()
-    for version in (1, 2):  # trained on version 1, then on 2, both sent while version 2 is open
+    for version in (1, 2, 2):  # trained on version 1, then on 2 (sent twice), all while version 2 is open
         payload = _update(model, "c0", version, 5, 0.1)
         intake.put(topics.update_topic(FED, "c0"), payload, len(payload) + 20)
     first: dict = {}
     while not intake.queue.empty():
         intake.drain(2, first, 0, model)
     assert [u.frame.header.round for u in first.values()] == [1] and len(intake.held) == 1
+    assert dict(intake.runlog.rejections) == {"duplicate": 1}  # one held per device: a third is refused
     second: dict = {}
     intake.drain(2, second, 0, model)  # still version 2: nothing is taken back
     assert not second and len(intake.held) == 1
     intake.drain(3, second, 0, model)  # version 3 takes it first, one version stale
     assert [u.frame.header.round for u in second.values()] == [2] and not intake.held
-    assert not intake.runlog.rejections
+    assert dict(intake.runlog.rejections) == {"duplicate": 1}
     intake.runlog.close()
 
 
