@@ -264,7 +264,7 @@ class ClientDaemon:
         if kind is Kind.FINISH:
             self.work.finish(frame)
             return True
-        if device.fed.rounds.mode == "buffered" and self._announced_since():
+        if fed.rounds.mode == "buffered" and self._announced_since():
             return False  # buffered rounds: the model is applied, the newest version is trained on
         if self.frames.wanted(frame, device.task, device.done_round):
             self.work.pending = (frame, size)  # the device's own frame is on its way on another topic
