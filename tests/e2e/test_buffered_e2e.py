@@ -2,7 +2,7 @@
 devices, a version published every two updates, so the third device's update always lands in
 a later version, folded with its staleness; one device goes offline (SIGSTOP) for a few
 versions and comes back, or the aggregator is killed mid-run and restarted; the run finishes,
-every version took exactly ``buffer_k`` updates, and no update was folded twice."""
+every version took exactly ``buffer_k`` updates, and no update was folded twice (P-11.5)."""
 
 from __future__ import annotations
 

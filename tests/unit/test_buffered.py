@@ -69,6 +69,7 @@ def test_the_staleness_weight_is_one_over_the_root_of_one_plus_staleness() -> No
 
 
 def test_updates_of_recent_versions_fold_by_staleness_and_older_ones_are_refused_as_stale(tmp_path: Path) -> None:
+    """P-11.5, the aggregator's half."""
     intake = _intake(tmp_path, Buffer(buffer_k=3, max_staleness=2))
     model = intake.strategy.initial_model()
     # (client, version trained on, n_samples, shift): staleness 0, 1, 2, and 3 (beyond the limit)
