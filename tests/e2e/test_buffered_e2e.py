@@ -7,6 +7,7 @@ every version took exactly ``buffer_k`` updates, and no update was folded twice 
 from __future__ import annotations
 
 import collections
+import re
 import time
 
 from support.fleet import Fleet
@@ -43,6 +44,9 @@ def test_a_buffered_fedavg_run_with_a_device_away_finishes_with_each_update_fold
     assert stale, "no update was folded into a later version than the one it trained on"
     assert all(1 <= e["round"] - e["trained_on"] <= 2 for e in stale), stale
     assert any(e["client"] == "client-2" and e["round"] >= 4 for e in accepted)  # it came back and contributed
+    log = (tmp_path / "run/logs/client-2.1.log").read_text()
+    trained = [int(r) for r in re.findall(r"round (\d+) task \d+: \d+ samples", log)]
+    assert set(range(trained[0], trained[-1] + 1)) - set(trained), trained  # back, it trained on the newest only
     final = {e["client"] for e in fleet.events("eval") if e["round"] == VERSIONS - 1}
     assert final == {"client-0", "client-1", "client-2"}  # each device evaluated the last version
     assert "stale" in fleet.summary()["rejected"] or any(e["client"] == "client-2" for e in stale)
