@@ -46,7 +46,10 @@ class Collector:
             self.resend = ResendClock(self.rounds.resend_after_s)
 
     def quorum(self, enrolled: int) -> int:
-        """Updates a round needs: the configured share of the clients enrolled for it, as a count."""
+        """Updates a round needs: the configured share of the clients enrolled for it, as a count
+        (buffered rounds: ``buffer_k``, from whichever devices send them)."""
+        if self.rounds.mode == "buffered":
+            return self.rounds.buffer_k
         return quorum_count(self.rounds.quorum, enrolled)
 
     def wait_online(self, expected: set[str], open_round: int, carried: dict[str, Update], model: Model) -> None:
@@ -81,7 +84,7 @@ class Collector:
         expected = set(roster)
         need = self.quorum(len(expected))
         notice = WaitNotice(f"round {rnd + 1}" if kind is Kind.UPDATE else "final evaluation")
-        while not self.complete(received, expected) and time.monotonic() < deadline and not self.stop.is_set():
+        while not self.complete(received, expected, kind) and time.monotonic() < deadline and not self.stop.is_set():
             self._take(rnd, received, min(POLL_S, max(0.0, deadline - time.monotonic())), model, kind)
             resend.arrived(len(received))
             notice.check(expected - set(received), len(received), need, len(expected))
@@ -92,7 +95,9 @@ class Collector:
         resend.close()
         return received
 
-    def complete(self, received: dict[str, Update], expected: set[str]) -> bool:
+    def complete(self, received: dict[str, Update], expected: set[str], kind: Kind = Kind.UPDATE) -> bool:
+        if self.rounds.mode == "buffered" and kind is Kind.UPDATE:
+            return len(received) >= self.rounds.buffer_k  # the version is published, whoever is still training
         if set(received) >= expected:
             return True
         return len(received) >= self.quorum(len(expected)) and set(received) >= (expected & self.clients.online)

@@ -24,6 +24,7 @@ from typing import Callable, Container, Mapping
 
 import numpy as np
 
+from aggregator.buffered import STALE, Buffer
 from fclcore.codec import MAGIC, SPOKEN, CodecError, CodecLimits, Frame, Header, Kind, SparseTensor, Tensor, decode
 from fclcore.signing import SignatureError, verify
 from fclcore.sparsify import DELTA
@@ -66,6 +67,7 @@ class Inbox:
     min_samples: int = 1  # 0 for methods where a device may have nothing to train in a task (fedet)
     max_skew_us: int = 30_000_000  # how far before the run's start a protocol-1 device's clock may number
     min_seq: int = 0  # no sequence below this: the run's start (minus the skew); a counter starts above it
+    buffer: Buffer | None = None  # buffered rounds: updates of recent earlier versions are taken too
 
     def check(
         self,
@@ -157,6 +159,9 @@ class Inbox:
             return Rejection("sender", f"header client {h.client!r} does not match topic client {client!r}", client)
         if h.kind != kind:
             return Rejection("kind", f"kind {h.kind.name}, expected {kind.name}", client)
+        if self.buffer is not None and kind is Kind.UPDATE and h.round < open_round:
+            stale = self.buffer.stale_problem(h.round, open_round)
+            return None if stale is None else Rejection(STALE, stale, client, late=True)
         if h.round != open_round:
             late = h.round < open_round
             what = "closed" if late else "not yet open"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aggregator.buffered import Buffer
 from aggregator.clients import ClientSet
 from aggregator.inbox import Inbox, Rejection
 from aggregator.metrics import AggregatorMetrics
@@ -57,6 +58,7 @@ class Intake:
         metrics: AggregatorMetrics,
         report: RunReport,
         nacks: Nacks | None = None,
+        buffer: Buffer | None = None,
     ) -> None:
         """``nacks``: where a dropped frame's sender is told why (None: nobody is)."""
         self.federation = federation
@@ -70,6 +72,9 @@ class Intake:
         self.metrics = metrics
         self.report = report
         self.nacks = nacks
+        self.buffer = buffer  # buffered rounds: each update weighed by its staleness as it is folded
+        # buffered: (version, client, its second update in that version), at most one per client
+        self.held: list[tuple[int, str, Incoming]] = []
         self.queue: queue.Queue[Incoming] = queue.Queue()
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
@@ -83,19 +88,25 @@ class Intake:
     ) -> None:
         """Take the next message, waiting up to ``timeout`` s for one, into ``received`` (the
         replies to ``open_round`` so far; ``model``: the global model they are checked against)."""
-        try:
-            item = self.queue.get_nowait()
-        except queue.Empty:
-            self.store.sync()  # the queue ran dry: one fdatasync for what was journaled since the last
+        if self.held and self.held[0][0] < open_round:  # held back from an earlier version: first
+            item = self.held.pop(0)[2]
+        else:
             try:
-                item = self.queue.get(timeout=timeout)
+                item = self.queue.get_nowait()
             except queue.Empty:
-                return
+                self.store.sync()  # the queue ran dry: one fdatasync for what was journaled since the last
+                try:
+                    item = self.queue.get(timeout=timeout)
+                except queue.Empty:
+                    return
         who = topics.parse_status_topic(self.federation, item.topic)
         if who is not None:
             self._on_status(who, item.payload, open_round)
             return
         client = topics.parse_update_topic(self.federation, item.topic)
+        if self.buffer is not None and kind is Kind.UPDATE and client in received and not self._holds(client):
+            self.held.append((open_round, client, item))  # one update per device per version: into the next
+            return
         task = self.schedule.task_of(max(0, open_round))
         if client is not None and client in self.clients and not self.clients.active(client, task):
             why = Rejection("inactive", f"{client} is not active in task {task}", client)
@@ -127,7 +138,10 @@ class Intake:
                 if update.client in folded:  # the inbox refuses a second update per round; never fold one
                     raise AssertionError(f"round {rnd}: a second fold for {update.client}")
                 try:
-                    update = self.sites.fold(self.strategy, running, update)
+                    if self.buffer is not None:
+                        update = self.buffer.fold(self.strategy, running, update, rnd)
+                    else:
+                        update = self.sites.fold(self.strategy, running, update)
                     folded.add(update.client)
                 except ValueError as exc:  # the sums are unchanged (RunningSum checks before it adds)
                     why = Rejection("fold", str(exc), update.client)
@@ -169,6 +183,9 @@ class Intake:
         if self.round_sum is None or self.round_sum[0] != rnd:
             self.round_sum = (rnd, self.strategy.running_sum(model), set())
         return self.round_sum[1], self.round_sum[2]
+
+    def _holds(self, client: str) -> bool:
+        return any(held == client for _, held, _ in self.held)
 
     def reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)

@@ -209,6 +209,7 @@ class RunReport:
             down_kinds=down_kinds,
             **({"sync": sync} if sync else {}),
             status="accepted" if update else "missing",
+            **({"trained_on": update.frame.header.round} if update and update.frame.header.round != rnd else {}),
             n_samples=meta.get("n_samples"),
             train_nll=_number(meta.get("train_nll")),
             rejected_by_client=_counts(meta.get("rejected")),

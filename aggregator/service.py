@@ -17,6 +17,7 @@ from pathlib import Path
 
 import methods
 from aggregator.announcer import Announced, Announcer
+from aggregator.buffered import Buffer
 from aggregator.checkpoints import Checkpoints
 from aggregator.client_frames import ClientFrames
 from aggregator.clients import ClientSet
@@ -82,6 +83,10 @@ class AggregatorService:
             membership=self.membership,
         )
         self.sites = Sites(cfg.sites, self.strategy, self.fed.method)  # senders whose frames are partial sums
+        rounds = self.fed.rounds
+        buffer = Buffer(rounds.buffer_k, rounds.max_staleness) if rounds.mode == "buffered" else None
+        if buffer is not None and cfg.sites:
+            raise ConfigError("aggregator config: sites: buffered rounds take updates from devices only")
         self.inbox = Inbox(
             self.fed.name,
             self.clients,
@@ -92,6 +97,7 @@ class AggregatorService:
             max_update_norm=self.fed.rounds.max_update_norm,
             min_samples=self.strategy.min_samples,
             max_skew_us=int(cfg.max_clock_skew_s * 1e6),
+            buffer=buffer,
         )
         self.runlog = RunLog(cfg.out_dir)
         self.open_round = 0  # the round being run (a failure announcement names it)
@@ -134,6 +140,7 @@ class AggregatorService:
             self.metrics,
             self.report,
             Nacks(self.link.publish, self.fed.name, self.run_id, SPOKEN),
+            buffer,
         )
         self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence)
         self.announcer = Announcer(

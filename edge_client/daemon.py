@@ -288,10 +288,17 @@ class ClientDaemon:
         if kind is Kind.FINISH:
             self.work.finish(frame)
             return True
+        if fed.rounds.mode == "buffered" and self._announced_since():
+            return False  # buffered rounds: the model is applied, the newest version is trained on
         if self.frames.wanted(frame, device.task, device.done_round):
             self.work.pending = (frame, size)  # the device's own frame is on its way on another topic
             return False
         return self.work.handle_round(frame, size)
+
+    def _announced_since(self) -> bool:
+        """A later announcement is queued already (docs/buffered.md)."""
+        with self.queue.mutex:
+            return any(topic == topics.round_topic(self.cfg.federation) for topic, *_ in self.queue.queue)
 
     def _on_own_frame(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
         """A frame sent to this device alone (or the full one it fetched): kept; the round that

@@ -55,6 +55,9 @@ class MethodSpec:
     # ``federation.wire.value_dtype`` when a scenario leaves it unset (``methods.resolve``): what
     # the method's tensors lose little by; baselines keep float32, the dense FedAvg reference
     value_dtype: str = "float32"
+    # the strategy may run ``federation.rounds.mode: buffered`` (FedBuff, docs/buffered.md): its
+    # fold takes each update's weight as given and needs nothing of the version it was trained on
+    buffered: bool = False
 
     @property
     def headline_key(self) -> str:

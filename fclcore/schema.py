@@ -187,8 +187,20 @@ class RoundSpec:
     max_attempts: int = 3  # re-announcements of a round that missed its quorum
     resend_after_s: float = 20.0  # ask clients whose update has not arrived to send it again, this often
     max_update_norm: Optional[float] = None  # reject an update whose L2 distance to the global model is larger
+    # "buffered" (FedBuff, docs/buffered.md): a model version is published every ``buffer_k``
+    # accepted updates, each trained on any of the last ``max_staleness`` versions or the current one
+    mode: Literal["sync", "buffered"] = "sync"
+    buffer_k: int = 2
+    max_staleness: int = 4
+
+    # left out of ``to_dict`` at their defaults: a synchronous federation hashes as before they existed
+    omit_when_default = ("mode", "buffer_k", "max_staleness")
 
     def __post_init__(self) -> None:
+        if self.buffer_k < 1 or self.max_staleness < 0:
+            raise ValueError(
+                f"rounds: expected buffer_k >= 1 and max_staleness >= 0, got {self.buffer_k}, {self.max_staleness}"
+            )
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum: expected a fraction in (0, 1], got {self.quorum}")
         if self.deadline_s <= 0 or self.start_timeout_s <= 0 or self.max_attempts < 1:

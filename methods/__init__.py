@@ -68,6 +68,11 @@ def resolve(fed: FederationSpec, source: str = "federation") -> tuple[MethodSpec
         fed.check_schedule()
     except ValueError as exc:
         raise ConfigError(f"{source}: federation.{exc}") from None
+    if fed.rounds.mode == "buffered" and not spec.buffered:
+        raise ConfigError(f"{source}: federation.rounds.mode: {fed.method} does not support buffered rounds")
+    if fed.rounds.mode == "buffered" and fed.wire.sparsify == "topk":
+        raise ConfigError(f"{source}: federation.rounds.mode: buffered rounds need dense uploads (wire.sparsify)")
+
     wire = dataclasses.replace(fed.wire, value_dtype=fed.wire.value_dtype or spec.value_dtype)
     return spec, options, dataclasses.replace(fed, options=to_dict(options), wire=wire)  # filled: sent and hashed
 

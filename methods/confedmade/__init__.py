@@ -30,7 +30,13 @@ _DECOMPOSED = "methods.confedmade.decomposed_learner:"
 
 
 def _spec(
-    name: str, strategy: str, learner: str, summary: str, positions: str = "", value_dtype: str = "float32"
+    name: str,
+    strategy: str,
+    learner: str,
+    summary: str,
+    positions: str = "",
+    value_dtype: str = "float32",
+    buffered: bool = False,
 ) -> MethodSpec:
     return MethodSpec(
         name=name,
@@ -44,6 +50,7 @@ def _spec(
         example_scenario="configs/scenarios/digits_continual.yaml",
         downlink_positions=positions,
         value_dtype=value_dtype,
+        buffered=buffered,
         smoke_overrides=(
             "federation.model.hidden_sizes=[32]",
             "tasks.shared=[[0, 1], [2, 3]]",
@@ -73,7 +80,7 @@ register(
         _DECOMPOSED + "FedWeITMadeLearner",
         "FedWeIT on MADE, every client with its own MADE masks",
     ),
-    _spec("fedavg", _FEDAVG_STRATEGY, _DENSE, "FedAvg of a plain MADE"),
+    _spec("fedavg", _FEDAVG_STRATEGY, _DENSE, "FedAvg of a plain MADE", buffered=True),
     _spec("fedcl-finetune", _FEDAVG_STRATEGY, _DENSE, "FedAvg fine-tuned task after task"),
     _spec("fedprox", _FEDAVG_STRATEGY, _FEDAVG + "FedProxLearner", "FedProx (proximal term to the global model)"),
     _spec("fedcurv", _FEDAVG_STRATEGY, _FEDAVG + "FedCurvLearner", "federated EWC (diagonal Fisher per task)"),
