@@ -6,8 +6,8 @@ refused."""
 
 from __future__ import annotations
 
+import itertools
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -44,12 +44,15 @@ def _intake(tmp_path: Path, buffer: Buffer) -> Intake:
     report = RunReport(strategy, runlog, metrics, RecordingLink(), fed, CodecLimits())
     sites = Sites([], strategy, fed.method)
     store = StateStore(tmp_path / "state")
-    return Intake(FED, strategy, clients, inbox, sites, store, runlog, metrics, report, buffer)
+    return Intake(FED, strategy, clients, inbox, sites, store, runlog, metrics, report, buffer=buffer)
+
+
+_SEQUENCE = itertools.count(1)
 
 
 def _update(model: dict, client: str, trained_on: int, n_samples: int, shift: float) -> bytes:
     tensors = {k: (v + shift).astype(np.float32) for k, v in model.items()}
-    header = Header(Kind.UPDATE, FED, trained_on, 1, client, time.time_ns() // 1000)
+    header = Header(Kind.UPDATE, FED, trained_on, 1, client, next(_SEQUENCE))  # counted, as devices do (P-SEQ-1)
     return encode(Frame(header, {"n_samples": n_samples}, tensors))
 
 
