@@ -12,8 +12,10 @@ batch order and dropout are seeded by (seed, client, round), so a device restore
 checkpoint continues identically.
 
 Each round the device uploads ``B * sigmoid(m_t)`` on its kept units and merges the average
-back as ``B <- G / sigmoid(m_t)`` on the entries it sent (notes G11); at a task's end, its
-thresholded A_t; with SIT, at a task's first round, the centres of the task's documents.
+back as ``B <- G / sigmoid(m_t)`` on the entries it sent (notes G11), G the model as announced
+(under the default sparse announcements it lags the aggregator's true mean; ``wire``); at a
+task's end, A_t's largest entries (``shared_adaptive``); with SIT, at a task's first round,
+the centres of the task's documents.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from fclcore.masked_upload import MIN_GATE, dense, pack, top_units
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import TextTasksServed
+from fclcore.sparsify import kept_count, top_k
 from methods.fedseit import sit
 from methods.fedseit.config import FedSeITOptions
 from methods.fedseit.model import SPECIAL_IDS, ServedTextCNN, TextCNN, load_embedding
@@ -283,8 +286,7 @@ class FedSeITLearner(Learner):
         if place.task_end:
             kept = []
             for k, conv in zip(self.opts.kernel_sizes, self.model.convs):
-                a = conv.adaptive[self.task].detach().numpy().copy()
-                a[np.abs(a) < self.opts.kb_threshold] = 0.0
+                a = shared_adaptive(conv.adaptive[self.task].detach().numpy(), self.opts)
                 kept.append(a)
                 out[KB_PREFIX + conv_name(k)] = SparseTensor.from_dense(a.reshape(conv.shape[0], -1))
             self.uploaded[self.task] = kept
@@ -393,6 +395,16 @@ class FedSeITLearner(Learner):
             raise ValueError(f"fedseit checkpoint does not fit: {exc}") from None
         self.labels, self.slot_ids = labels, [list(s) for s in meta["slot_ids"]]
         self._cache = {}
+
+
+def shared_adaptive(a: np.ndarray, opts: FedSeITOptions) -> np.ndarray:
+    """What of A_t goes to the knowledge base: its ``kb_density`` largest entries by magnitude,
+    none below ``kb_threshold``; the rest 0.  The device keeps its own A_t whole."""
+    out = np.zeros_like(a)
+    flat = np.where(np.abs(a) < opts.kb_threshold, 0.0, a).reshape(-1)
+    index = top_k(flat, kept_count(flat.size, opts.kb_density))
+    out.reshape(-1)[index] = flat[index]
+    return out
 
 
 class FedWeITCNNLearner(FedSeITLearner):
