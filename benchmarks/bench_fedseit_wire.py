@@ -85,6 +85,8 @@ def run_one(job: tuple) -> tuple:
 
     torch.set_num_threads(1)
     out = Path(args.work) / f"{variant}-s{seed}"
+    if args.reuse and (out / "summary.json").is_file():
+        return variant, seed, {**measure(out, 0.0), "reused": True}
     started = time.perf_counter()
     sets = [*SMALL, *VARIANTS[variant], f"federation.seed={seed}", f"federation.name=bbc-fedseit-{seed}"]
     code = simulate(str(SCENARIO), str(out), overrides=sets, timeout=args.timeout, in_process=True, force=True)
@@ -132,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", default="/tmp/fcl-bench-fedseit-wire", help="where the run directories go")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results directory")
     p.add_argument("--name", default="fedseit_wire", help="results file stem")
+    p.add_argument(
+        "--reuse", action="store_true", help="read a finished run of the same variant and seed in --work instead"
+    )
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.seeds = [int(v) for v in args.seeds.split(",")]
