@@ -12,10 +12,10 @@ batch order and dropout are seeded by (seed, client, round), so a device restore
 checkpoint continues identically.
 
 Each round the device uploads ``B * sigmoid(m_t)`` on its kept units and merges the average
-back as ``B <- G / sigmoid(m_t)`` on the entries it sent (notes G11), G the model as announced
-(under the default sparse announcements it lags the aggregator's true mean; ``wire``); at a
-task's end, A_t's largest entries (``shared_adaptive``); with SIT, at a task's first round,
-the centres of the task's documents.
+back as ``B <- G / sigmoid(m_t)`` on the entries it sent (notes G11) that the announcement
+changed: under the default sparse announcements (``wire``) an entry it left as it was is stale,
+and the device's own value is the newer one; at a task's end, A_t's largest entries
+(``shared_adaptive``); with SIT, at a task's first round, the centres of the task's documents.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class FedSeITLearner(Learner):
         self.slot_ids: list[list[str]] = []  # per task: entry ids in its slots
         self.uploaded: dict[int, list[np.ndarray]] = {}  # own task -> the A it sent (per conv)
         self.sent: dict[str, np.ndarray] = {}  # base name -> entries uploaded last round
+        self.held: dict[str, np.ndarray] = {}  # base name -> the global model as last announced
         self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # end of the previous task
         self._cache: dict[tuple[int, int], tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.values_sent = 0
@@ -95,12 +96,15 @@ class FedSeITLearner(Learner):
                 raise ValueError(f"{name}: NaN or infinite values in the global model")
         for name, d in bases.items():
             g = values[name]
+            before, self.held[name] = self.held.get(name), g.numpy().reshape(d.shape[0], -1).copy()
             if self.task < 0:
                 d.base.copy_(g)  # first contact: the global model is the base
                 continue
             sent = self.sent.get(name)
             if sent is None:
                 continue  # nothing sent yet in this life of the learner: keep the local base
+            if before is not None and before.shape == sent.shape:  # what the announcement left is stale
+                sent = sent & (before.view(np.uint32) != self.held[name].view(np.uint32))
             gate = torch.sigmoid(d.masks[self.task]).clamp_min(MIN_GATE).reshape(d.gate(self.task).shape)
             d.base.copy_(torch.where(torch.from_numpy(sent).reshape(d.shape), g / gate, d.base))
 
@@ -351,6 +355,8 @@ class FedSeITLearner(Learner):
                 arrays[f"foreign/{t}/{j}"] = fa.numpy().copy()
         for name, sent in self.sent.items():
             arrays[f"sent/{name}"] = sent.astype(np.uint8)
+        for name, held in self.held.items():
+            arrays[f"held/{name}"] = held
         for name, (base, adaptive) in self.anchor.items():
             arrays[f"anchor/{name}/base"] = base.numpy().copy()
             for i, a in enumerate(adaptive):
@@ -380,6 +386,7 @@ class FedSeITLearner(Learner):
                 for j in range(len(per_conv)):
                     per_conv[j] = torch.from_numpy(arrays[f"foreign/{t}/{j}"].copy())
             self.sent = {k[len("sent/") :]: v.astype(bool) for k, v in arrays.items() if k.startswith("sent/")}
+            self.held = {k[len("held/") :]: v.copy() for k, v in arrays.items() if k.startswith("held/")}
             self.anchor = {
                 name: (
                     torch.from_numpy(arrays[f"anchor/{name}/base"].copy()),

@@ -3,8 +3,8 @@ of task-adaptive A's keyed by their task's document centres, and each device's s
 
 * Every round: the sample-weighted mean of ``B * sigmoid(m)`` over the devices that sent
   each element (``fclcore.aggregation.weighted_average``), as FedWeIT does (notes G11).  By
-  default that mean is the true model ``W`` (its change from the held model added to ``W``)
-  and the announcement moves the held model towards it by top-k (``wire.COMPRESSION``).
+  default that mean is the true model ``W`` (``W`` where nobody sent) and the announcement
+  moves the held model towards it by top-k (``wire.COMPRESSION``).
 * A task's last round: each device's sparse A_t (its largest entries) becomes entry ``<client>/t<task>``.
 * Slots (the per-client downlink): without SIT, at a task's first round, the previous
   task's entries of up to ``slots`` clients, the device's own first (sent by id: it has
@@ -183,9 +183,12 @@ class FedSeITStrategy(Strategy):
         return without_tensors(update, keep={k: v for k, v in update.tensors.items() if k.startswith(KB_PREFIX)})
 
     def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
-        merged = running.result(current)
-        if self.true is not None:  # W += the mean's change from what devices hold; announce a top-k move
-            merged = {n: self.true.step(n, current[n], merged[n].astype(np.float64) - current[n]) for n in merged}
+        if self.true is None:
+            merged = running.result(current)
+        else:  # W becomes the masked mean (W where nobody sent); devices get a top-k move towards it
+            true = {n: self.true.values.get(n, current[n]) for n in self.shapes}
+            merged = running.result(true)
+            merged = {n: self.true.step(n, current[n], merged[n].astype(np.float64) - true[n]) for n in merged}
         place = self.schedule.place(kept[0].frame.header.round)
         for u in kept:
             if u.parsed is not None and u.parsed.centres is not None:

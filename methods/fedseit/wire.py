@@ -16,11 +16,12 @@ An update carries:
 * metadata ``{"fedseit": {"task": t, "foreign": [ids of the entries in its slots]}}``.
 
 The announced model (``COMPRESSION``; ``fclcore.sparsify``): the aggregator keeps the true
-masked mean ``W`` of the bases (every round ``W += mean(upload - A)`` over the senders of each
-entry, ``A`` the model devices hold) and announces ``A`` moved to ``W`` at the top-k entries of
-``|W - A|``, a sparse delta whose hash devices verify; ``federation.wire.down_sparsify: none``
-announces ``W`` itself.  ``federation.wire.sparsify`` does not apply: the masked base on the
-kept units is this method's uplink compression.
+masked mean ``W`` of the bases (every round the mean of the uploads over the senders of each
+entry, ``W`` where nobody sent) and announces the model devices hold, ``A``, moved to ``W`` at
+the top-k entries of ``|W - A|``: a sparse delta whose hash devices verify.  A device merges
+only the entries the announcement changed (the others are stale; its own value is newer).
+``federation.wire.down_sparsify: none`` announces ``W`` itself.  ``federation.wire.sparsify``
+does not apply: the masked base on the kept units is this method's uplink compression.
 
 Nothing else leaves the device: no documents, no document vectors, no heads, no W_f / W_c
 unless DLS.
