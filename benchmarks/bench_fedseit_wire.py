@@ -56,6 +56,8 @@ VARIANTS = {
     "down0.1-int8": ["federation.wire.down_density=0.1", *INT8],
     "kb0.02-int8": ["federation.options.kb_density=0.02", *INT8],
     "kb0.2-int8": ["federation.options.kb_density=0.2", *INT8],
+    "kb0.3-int8": ["federation.options.kb_density=0.3", *INT8],
+    "kb1-int8": ["federation.options.kb_density=1.0", *INT8],
 }
 
 
