@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from conftest import run_fcl
 from support.listener import Listener
 
@@ -35,6 +36,7 @@ def _run(mosquitto, out: Path, repo_root: Path, *extra: str) -> tuple[dict, list
     return json.loads((out / "summary.json").read_text()), listener.frames
 
 
+@pytest.mark.timeout(900)  # two runs of the smoke scenario; generous for a machine shared with other work
 def test_filver_compressed_both_ways_verifies_and_moves_fewer_bytes_through_mosquitto(mosquitto, tmp_path, repo_root):
     dense, _ = _run(
         mosquitto, tmp_path / "off", repo_root, "federation.wire.sparsify=none", "federation.wire.down_sparsify=none"

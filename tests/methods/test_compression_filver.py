@@ -26,7 +26,8 @@ from fclcore.strategy import Update
 from methods.filver.wire import CLS, COMPRESSION, ENC
 
 P0 = OPTS["phase0_rounds"]
-NAME = "cls.fc2.weight"  # (16, 16): 256 entries, 6 kept at density 0.02, an index list of u16
+NAME = "cls.fc2.weight"  # (16, 16): 256 entries
+SPARSE = {"density": 0.02, "down_density": 0.02}  # 6 of NAME's entries: an index list of u16 (10%: a bitmap)
 
 
 def _fed(**wire):
@@ -51,8 +52,9 @@ def _round(s, learners, rnd: int, params: dict, coding: ValueCoding = ValueCodin
             meta, tensors = downs[f"c{i}"]
             lr.receive_frame(Frame(Header(Kind.KNOWLEDGE, "t", rnd, 0, "aggregator", 1), meta, tensors), rnd)
         n, _ = lr.train_round([data(seed=i)] * (s.schedule.task_of(rnd) + 1), rnd, place(s, rnd))
+        tensors = lr.upload(rnd, place(s, rnd))
         meta = {**lr.report(place(s, rnd)), "allow_embedding_upload": True}
-        payload = encode(frame(f"c{i}", rnd, s.schedule.task_of(rnd), lr.upload(rnd, place(s, rnd)), meta), coding)
+        payload = encode(frame(f"c{i}", rnd, s.schedule.task_of(rnd), tensors, meta), coding)
         got = decode(payload)
         if lr.reads_upload:
             lr.uploaded(got.tensors)
@@ -118,15 +120,16 @@ def _post_phase0(devices: int = 1, **wire):
 
 
 def _good():
-    """c0's real compressed upload of round P0 (the first after phase 0), as bytes."""
-    f, s, (lr,), params = _post_phase0()
+    """c0's real compressed upload of round P0 (the first after phase 0), at density 2%."""
+    f, s, (lr,), params = _post_phase0(**SPARSE)
     downs = s.client_downlinks(P0, ["c0"])
     lr.load_global(params, P0)
     meta, tensors = downs["c0"]
     lr.receive_frame(Frame(Header(Kind.KNOWLEDGE, "t", P0, 0, "aggregator", 1), meta, tensors), P0)
     lr.train_round([data()], P0, place(s, P0))
-    meta = {**lr.report(place(s, P0)), "allow_embedding_upload": True}
-    return s, params, frame("c0", P0, 0, lr.upload(P0, place(s, P0)), meta)
+    tensors = lr.upload(P0, place(s, P0))
+    meta = {**lr.report(place(s, P0)), "allow_embedding_upload": True, "n_samples": 100}
+    return s, params, frame("c0", P0, 0, tensors, meta)
 
 
 def _record_at(payload: bytes, name: str) -> int:
@@ -167,7 +170,7 @@ def test_hostile_compressed_uploads_are_rejected_with_a_counted_reason_and_no_si
     log = RunLog(tmp_path)
     cases = _codec_cases(good)
     dense = good.tensors[NAME + DELTA].to_dense()
-    bound = kept_count(dense.size, COMPRESSION.up_density)
+    bound = kept_count(dense.size, SPARSE["density"])
     over = SparseTensor(dense.shape, np.arange(bound + 1), np.ones(bound + 1, np.float32))
 
     def with_(**tensors) -> bytes:
@@ -198,7 +201,8 @@ def test_hostile_compressed_uploads_are_rejected_with_a_counted_reason_and_no_si
     assert log.rejections == {"codec": 5, "compression": 2, "content": 2}
     assert inbox.last_seq == {} and s.true.values.keys() == before[0].keys()
     assert all(np.array_equal(s.true.values[k], before[0][k]) for k in before[0])
-    assert all(np.array_equal(v, before[1][k]) for k, v in s.buffer.arrays().items()) and s.encoder == before[2]
+    assert all(np.array_equal(v, before[1][k]) for k, v in s.buffer.arrays().items())
+    assert all(np.array_equal(v, before[2][k]) for k, v in s.encoder.items())
     ok = encode(good)
     assert isinstance(inbox.check("c0", ok, len(ok), P0, set()), Update)
 
