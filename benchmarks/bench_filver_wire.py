@@ -86,7 +86,9 @@ def run_one(job: tuple) -> tuple:
     out = Path(work) / tag
     started = time.perf_counter()
     sets = [f"federation.method={METHODS[name]}", f"federation.seed={seed}", *variant_overrides(variant)]
-    if not (reuse and ran_with(out, sets)):
+    if reuse and not ran_with(out, sets):
+        raise SystemExit(f"{tag}: --reuse, but {out} holds no finished run with {sets}")
+    if not reuse:
         code = simulate(
             str(ROOT / "configs" / "scenarios" / SCENARIOS[scenario]),
             str(out),
@@ -211,7 +213,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
     p.add_argument("--work", default="/tmp/fcl-bench-filver-wire", help="where the run directories go")
     p.add_argument(
-        "--reuse", action="store_true", help="read a finished run in --work made with the same settings instead"
+        "--reuse", action="store_true", help="run nothing: read the finished runs in --work made with these settings"
     )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results directory")
     p.add_argument("--name", default="filver_wire", help="results file stem")
