@@ -31,7 +31,7 @@ ENC, CLS = "enc.", "cls."
 EMB_Y, EMB_Z, EMB_MU, EMB_LOG_SIGMA = "emb:y", "emb:z", "emb:mu", "emb:log_sigma"
 FORM_TENSORS = {"z": (EMB_Z,), "stats": (EMB_MU, EMB_LOG_SIGMA)}  # the upload form -> its value tensors
 # the trained tensors' share of entries sent each way per round (measured: docs/filver.md, "Bytes")
-COMPRESSION = Compression(up_density=0.1, down_density=0.1)
+COMPRESSION = Compression(up_density=0.2, down_density=0.2)
 
 
 def image_side(input_dim: int) -> int:
