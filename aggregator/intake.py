@@ -100,7 +100,7 @@ class Intake:
         if isinstance(result, Rejection):
             self.reject(item.topic, result, open_round)
             return
-        self.accept(result, open_round, item.payload, received, model, journal=kind is Kind.UPDATE, kind=kind)
+        self.accept(result, open_round, item.payload, received, model, journal=True, kind=kind)
 
     def accept(
         self,
@@ -114,7 +114,9 @@ class Intake:
     ) -> None:
         """Take a checked message into round ``rnd``: an update is folded (streaming strategies)
         before it is journaled, so a crash in between loses nothing that a restart would not
-        replay; a replayed update (``journal=False``) is folded into the rebuilt sum once."""
+        replay; a replayed update (``journal=False``) is folded into the rebuilt sum once.  A final
+        evaluation is journaled too (in the journal of round ``total_rounds``): the end of a run
+        interrupted after it arrived still counts it."""
         if kind is Kind.UPDATE:
             self.report.measure(update, payload)
             if self.strategy.streams:
@@ -128,22 +130,24 @@ class Intake:
                     why = Rejection("fold", str(exc), update.client)
                     self.reject(topics.update_topic(self.federation, update.client), why, rnd)
                     return
-            if journal:
-                self.store.journal(rnd, update.client, payload, update.packet_bytes)
             self.report.arrived()
+        if journal:
+            self.store.journal(rnd, update.client, payload, update.packet_bytes)
         if "eval" in update.frame.meta:
             self.runlog.evaluation(update.client, update.frame.meta["eval"])
         received[update.client] = update
 
-    def replay(self, rnd: int, model: Model) -> dict[str, Update]:
-        """Updates accepted in round ``rnd`` before a restart, checked again like new arrivals."""
+    def replay(self, rnd: int, model: Model, kind: Kind = Kind.UPDATE) -> dict[str, Update]:
+        """Updates (``kind``: or final evaluations) accepted in round ``rnd`` before a restart,
+        checked again like new arrivals."""
         received: dict[str, Update] = {}
         for client, payload, packet_bytes in self.store.journaled(rnd):
-            result = self.inbox.check(client, payload, packet_bytes, rnd, set(received), Kind.UPDATE, model)
+            result = self.inbox.check(client, payload, packet_bytes, rnd, set(received), kind, model)
             if isinstance(result, Update):
-                self.accept(result, rnd, payload, received, model, journal=False)
+                self.accept(result, rnd, payload, received, model, journal=False, kind=kind)
         if received:
-            log.info("round %d: %d update(s) recovered from the journal", rnd, len(received))
+            what = "update(s)" if kind is Kind.UPDATE else "final evaluation(s)"
+            log.info("round %d: %d %s recovered from the journal", rnd, len(received), what)
         return received
 
     def close(self, rnd: int, received: dict[str, Update], model: Model) -> Model:

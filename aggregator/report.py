@@ -126,11 +126,15 @@ class RunReport:
         up, down = (after - then for after, then in zip(byte_totals(self.runlog.bytes), bytes_before))
         log.info("%s", round_line(rnd, self.fed.total_rounds, task, len(received), len(roster), up, down, duration))
 
-    def summary(self, duration: float, run_id: str, clients: list[str]) -> None:
-        """The run's ``summary.json`` (``duration``: seconds this start ran)."""
+    def summary(self, duration: float, run_id: str, clients: list[str], status: str, final_roster: list[str]) -> None:
+        """The run's ``summary.json`` (``duration``: seconds this start ran; ``status``: complete,
+        interrupted or failed; ``final_roster``: the devices whose final evaluation it needs)."""
+        last = self.fed.total_rounds - 1  # a final evaluation reports on the model after the last round
         self.runlog.summary(
             method=self.fed.method,
             federation=self.fed.name,
+            status=status,
+            missing_final_evaluations=[c for c in sorted(final_roster) if last not in self.runlog.evals.get(c, {})],
             run=run_id,
             clients=clients,
             tasks=self.fed.num_tasks,

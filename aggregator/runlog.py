@@ -21,8 +21,10 @@ Event kinds written to metrics.jsonl (field ``event``):
 * ``membership`` — with a membership table: a client ``retired`` when a task started, or
   ``enrolled`` (a late client's first round in a roster).
 
-``summary.json`` has ``final`` (the mean of per-client continual metrics, over clients with a
-report at every task end) and ``fleet``: the continual metrics of one matrix whose row t is,
+``summary.json`` has ``status`` (``complete``: the run's end is committed; ``interrupted``:
+stopped, a restart goes on; ``failed``: the aggregator gave up), ``missing_final_evaluations``
+(the devices of the last task whose final evaluation is not in ``final``), ``final`` (the mean
+of per-client continual metrics, over clients with a report at every task end) and ``fleet``: the continual metrics of one matrix whose row t is,
 per test task, the mean over every client that reported after task t (so devices that
 enrolled late or retired count in the rows they reported; a row nobody reported is null).
 """
@@ -192,6 +194,8 @@ class RunLog:
         rounds: int,
         rounds_per_task: int,
         task_ends: list[int],
+        status: str = "complete",
+        missing_final_evaluations: list[str] | None = None,
         **extra: object,
     ) -> dict:
         """``task_ends``: the last round of each task (the schedule's), whose evaluations are
@@ -206,6 +210,8 @@ class RunLog:
         up = sum(c["up"] for c in self.bytes.values())
         down = sum(c["down"] for c in self.bytes.values())
         out = {
+            "status": status,
+            "missing_final_evaluations": missing_final_evaluations or [],
             "method": method,
             "federation": federation,
             "clients": len(clients),

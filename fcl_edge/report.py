@@ -17,12 +17,15 @@ writes PNGs and a markdown summary:
   final mean accuracy: x is "after task t" (1-based), one line per test task i starting at
   x = i, tasks nobody reported on are gaps; only written when some run has such a matrix;
 * ``report.md``: the final numbers in a table, with a ``fleet acc`` column (the fleet
-  matrix's ``avg_accuracy``) when some run has one.
+  matrix's ``avg_accuracy``) when some run has one; above it, a warning for every run that is
+  not complete (``summary.json`` ``status``: interrupted or failed) or misses some devices'
+  final evaluation (``run_warnings``, also printed on stderr by ``fcl report``).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
@@ -69,6 +72,8 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
     if fleets := {name: f for name, (s, _) in runs.items() if (f := _fleet_accuracy(s))}:
         written.append(_task_accuracy(fleets, out_dir))
     written.append(_table(runs, out_dir))
+    for line in run_warnings(runs):
+        print(f"fcl report: warning: {line}", file=sys.stderr)
     return written
 
 
@@ -175,9 +180,23 @@ def _task_accuracy(fleets: dict[str, dict], out_dir: Path) -> Path:
     return save(fig, out_dir / "task_accuracy.png")
 
 
+def run_warnings(runs: dict) -> list[str]:
+    """One line per run whose numbers are not those of a finished run: its status is not
+    ``complete``, or devices' final evaluations are missing (summaries written before runs had
+    a status say nothing)."""
+    out = []
+    for name, (s, _) in runs.items():
+        status, missing = s.get("status"), s.get("missing_final_evaluations") or []
+        if status not in (None, "complete"):
+            out.append(f"run {name} is {status}: its numbers are not those of a finished run")
+        if missing:
+            out.append(f"run {name}: no final evaluation from {', '.join(missing)}; its final metrics leave them out")
+    return out
+
+
 def _table(runs: dict, out_dir: Path) -> Path:
     fleet_col = any((s.get("fleet") or {}).get("avg_accuracy") is not None for s, _ in runs.values())
-    lines = [
+    lines = [f"> **Warning**: {w}\n" for w in run_warnings(runs)] + [
         "| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down "
         "| dense fp32 up | dense fp32 down |" + (" fleet acc |" if fleet_col else ""),
         "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else ""),
