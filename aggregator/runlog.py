@@ -24,9 +24,10 @@ Event kinds written to metrics.jsonl (field ``event``):
 ``summary.json`` has ``status`` (``complete``: the run's end is committed; ``interrupted``:
 stopped, a restart goes on; ``failed``: the aggregator gave up), ``missing_final_evaluations``
 (the devices of the last task whose final evaluation is not in ``final``), ``final`` (the mean
-of per-client continual metrics, over clients with a report at every task end) and ``fleet``: the continual metrics of one matrix whose row t is,
-per test task, the mean over every client that reported after task t (so devices that
-enrolled late or retired count in the rows they reported; a row nobody reported is null).
+of per-client continual metrics, over clients with a report at every task end) and ``fleet``:
+the continual metrics of one matrix whose row t is, per test task, the mean over every client
+that reported after task t (so devices that enrolled late or retired count in the rows they
+reported; a row nobody reported is null).
 """
 
 from __future__ import annotations
