@@ -23,11 +23,16 @@ class AggregatorWatch:
         self.lost_since: float | None = None  # since when the aggregator is gone (status or link)
         self.state = "unknown"
         self.told_lost = False
+        self.run: str | None = None  # the run the aggregator's status last named (its last-will names none)
+        self.ended: str | None = None  # the run whose end it last said is committed
 
     def on_status(self, payload: bytes) -> None:
         """The aggregator's retained status changed."""
         status = parse_status(payload)
         self.state = status["state"] if status else "unknown"
+        if status and isinstance(status.get("run"), str):
+            self.run = status["run"]
+            self.ended = status.get("ended") if isinstance(status.get("ended"), str) else None
         if self.state == "online":
             if self.told_lost:
                 log.info("the aggregator is back")
