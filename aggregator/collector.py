@@ -84,6 +84,7 @@ class Collector:
             self._take(rnd, received, min(POLL_S, max(0.0, deadline - time.monotonic())), model, kind)
             notice.check(expected - set(received), len(received), need, len(expected))
             self.outbox.republish_after_outage()
+            self.outbox.repair()  # a foreign message replaced a retained one (garbage, a forgery)
             if time.monotonic() >= resend_at and set(received) < expected:
                 self.announcer.request(kind, rnd, sorted(expected - set(received)))
                 resend_at = time.monotonic() + self.rounds.resend_after_s

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -68,6 +69,8 @@ class Intake:
         self.queue: queue.Queue[Incoming] = queue.Queue()
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
+        # topics the service publishes on and listens to, each with what takes its messages
+        self.own_topics: dict[str, Callable[[str, bytes], None]] = {}
 
     def put(self, topic: str, payload: bytes, packet_bytes: int) -> None:
         """A message from the broker (paho's thread): queued for the service's thread."""
@@ -86,6 +89,9 @@ class Intake:
                 item = self.queue.get(timeout=timeout)
             except queue.Empty:
                 return
+        if item.topic in self.own_topics:
+            self.own_topics[item.topic](item.topic, item.payload)
+            return
         who = topics.parse_status_topic(self.federation, item.topic)
         if who is not None:
             self._on_status(who, item.payload, open_round)

@@ -113,7 +113,12 @@ class AggregatorService:
             cfg.broker,
             f"fcl-{self.fed.name}-aggregator",
             status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
-            subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
+            # its own round topic too: what the broker holds there is checked (``Outbox.observe``)
+            subscriptions=[
+                topics.update_filter(self.fed.name),
+                topics.status_filter(self.fed.name),
+                topics.round_topic(self.fed.name),
+            ],
             on_message=lambda t, p, n: self.intake.put(t, p, n),
         )
         self.link.status_fields.update(run=self.run_id)  # devices join a run only once its aggregator names it
@@ -130,6 +135,7 @@ class AggregatorService:
             self.report,
         )
         self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence)
+        self.intake.own_topics[topics.round_topic(self.fed.name)] = self.outbox.observe
         self.announcer = Announcer(
             self.outbox, self.fed, cfg.input_dim, self.strategy, downlink, self.limits, self.runlog
         )
