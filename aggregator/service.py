@@ -189,7 +189,7 @@ class AggregatorService:
         started = time.monotonic()
         finished_before = self.next_round > self.fed.total_rounds
         log.info("run %s of %s (%s)", self.run_id, self.fed.name, "new" if self.fresh else "resumed")
-        status = "interrupted"  # what summary.json says unless the run ends otherwise
+        complete = False
         try:
             if self.fresh:
                 self._clear_earlier_run()
@@ -214,20 +214,19 @@ class AggregatorService:
                 return ExitCode.INTERRUPTED
             self._commit(self.fed.total_rounds)  # the federation's end: a restart does not run it again
             self._tell_ended()
-            status = "complete"
+            complete = True
         except NotEnoughClients as exc:
-            status = "failed"
             log.error("%s", exc)
             self._announce_failure(str(exc))
             return exc.exit_code
         except OSError as exc:  # the state or run directory cannot be written
-            status = "failed"
             log.error("cannot write state: %s", exc)
             return ExitCode.STATE_ERROR
         finally:
             self.notifier.stopping("shutting down")
             self.link.close("stopped")
             if not finished_before:  # the summary of a finished run stays as it was written
+                status = "complete" if complete else "interrupted" if self.stop.is_set() else "failed"
                 final_roster = self.clients.roster(self.schedule.task_of(self.fed.total_rounds))
                 self.report.summary(
                     time.monotonic() - started, self.run_id, list(self.clients.known), status, final_roster

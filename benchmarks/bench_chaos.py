@@ -31,8 +31,9 @@ every second, a free loopback port), and injects one kind of fault at seeded poi
   late_device           after the run has ended, one more device starts on a fresh state
                         directory: it must exit RUN_ENDED (9) after run_over_s, not wait forever
   garbage_retained      garbage published retained on the round topic mid-round, and a device
-                        killed and restarted right after: the round must close in its first
-                        attempt (the aggregator repairs its retained announcement)
+                        killed and restarted right after: the aggregator must publish the
+                        round's announcement again before the round's deadline (else the
+                        round is "stalled": the device would wait for the next attempt)
 
 Final evaluations are data too: a finished run must have every device's final evaluation
 (``summary.json`` ``status: complete``, no ``missing_final_evaluations``: else they count as
@@ -137,6 +138,7 @@ RUN_OVER_S = 45
 LATE_RUN_OVER_S = 5
 RUN_ENDED = int(getattr(ExitCode, "RUN_ENDED", 9))
 FAR_FUTURE_RUN = "7fffffffffffffff-00000000"
+OVERRIDE_DEADLINE_S = 8.0  # federation.rounds.deadline_s above: a round's next attempt comes after it
 NOT_ENOUGH_CLIENTS = int(ExitCode.NOT_ENOUGH_CLIENTS)
 FEDERATION_FAILED = int(getattr(ExitCode, "FEDERATION_FAILED", 7))  # new in the protocol change
 FORGED_SAMPLES = 7777  # n_samples of every frame this harness forges: an accepted one shows in metrics
@@ -262,6 +264,7 @@ class Wire:
         self.injections = collections.Counter()  # what was injected, by label
         self.runs: set[str] = set()  # meta "run" ids seen on live downlink frames
         self.hooks: list[Callable[[str, Seen], None]] = []  # ("announce" | "update", Seen), paho's thread
+        self.round_payloads: list[tuple[float, bytes]] = []  # every live frame on the round topic
         self.timers: list[threading.Timer] = []
         self.closed = False
         self.client = mqtt.Client(
@@ -287,6 +290,8 @@ class Wire:
         h = frame.header
         events = []
         with self.lock:
+            if msg.topic == topics.round_topic(self.fed) and not msg.retain:
+                self.round_payloads.append((seen.t, seen.payload))
             if msg.topic == topics.round_topic(self.fed) and h.kind in (Kind.ROUND, Kind.FINISH) and not msg.retain:
                 if isinstance(frame.meta.get("run"), str):
                     self.runs.add(frame.meta["run"])
@@ -546,7 +551,7 @@ class Result:
     lost: list = field(default_factory=list)
     double: list = field(default_factory=list)
     hash_match: bool | None = None
-    stalled: list = field(default_factory=list)  # rounds that needed another attempt where none should
+    stalled: list = field(default_factory=list)  # rounds whose genuine announcement garbage replaced for good
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what was done, where the faults landed
     landed: list[str] = field(default_factory=list)  # where each device kill landed: before-upload | after-upload
@@ -812,12 +817,25 @@ class Chaos:
         if self._at(rnd, pr["frac"] * self.ref.train_s.get((rnd, client), 0.3)) is None:
             return
         garbage = random.Random(self.s.seed).randbytes(pr["garbage_bytes"])
+        with self.wire.lock:
+            announced = self.wire.round_frames[rnd]
+            genuine = next(p for _, p in self.wire.round_payloads if decode(p).header == announced.header)
         self.procs.kill(client)
+        at = time.monotonic()
         self.wire.inject(topics.round_topic(self.fed), garbage, "garbage-retained", retain=True)
         self.note(f"kill -9 {client} in round {rnd}; {len(garbage)} bytes of garbage retained on the round topic")
         time.sleep(0.3)  # the broker holds the garbage when the device subscribes again
         self.procs.start(client)
         self.note(f"{client} restarted")
+        repaired = self.wire.wait(
+            lambda: next((t for t, p in self.wire.round_payloads if t > at and p == genuine), None),
+            min(self.left(), OVERRIDE_DEADLINE_S),
+        )
+        if repaired is None:  # the device would wait for the round's next attempt
+            self.result.stalled.append(rnd)
+            self.result.problems.append(f"round {rnd}'s announcement was not published again after the garbage")
+        else:
+            self.note(f"round {rnd}'s announcement published again {repaired - at:.2f} s after the garbage")
 
     def _kill_device_training(self) -> None:
         pr = self.s.params
@@ -1039,11 +1057,6 @@ class Chaos:
                 got = f"committed global model {model_hash} (round {meta.get('round')})"
                 r.problems.append(f"{got} != reference {self.ref.model_hash}")
             self._check_end(summary_path)
-        if self.s.kind == "garbage_retained":
-            slow = [e["round"] for e in events(out, "round") if e.get("attempt", 1) > 1]
-            if slow:
-                r.problems.append(f"round(s) {slow} closed only in a later attempt: the device waited for the deadline")
-                r.stalled = slow
 
     def _check_end(self, summary_path: Path) -> None:
         """Final evaluations are data: every device's is in, and the final metrics are the reference's."""

@@ -71,7 +71,8 @@ def test_one_schedule_per_fault_kind(kind, chaos_plan, reference, tmp_path) -> N
     seed, force = CASES[kind]
     fault = next(k for k in chaos.KINDS if kind.startswith(k))
     schedule = chaos.make_schedule(fault, seed, reference.rounds, reference.clients, **force)
-    result = chaos.run_schedule(schedule, chaos_plan, reference, tmp_path / "chaos", TIMEOUT)
+    timeout = TIMEOUT + (chaos.LATE_RUN_OVER_S + 25 if kind == "late_device" else 0)  # it starts after the run
+    result = chaos.run_schedule(schedule, chaos_plan, reference, tmp_path / "chaos", timeout)
     report = result.to_json()
     assert result.outcome == "finished", report
     assert result.lost == [], report
