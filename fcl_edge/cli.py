@@ -260,6 +260,7 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--in-process and --broker: choose one")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
+    signal.signal(signal.SIGTERM, _interrupt)  # stops the run's processes as Ctrl-C does (no orphans)
     return simulate(
         args.scenario,
         args.out,
@@ -269,6 +270,11 @@ def _simulate(args: argparse.Namespace) -> int:
         in_process=args.in_process,
         force=args.force,
     )
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: the ``finally`` that stops every process of the run gets to run."""
+    raise KeyboardInterrupt
 
 
 def _aggregator(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -150,3 +151,48 @@ def test_summary_status_names_a_run_that_is_not_complete(tmp_path) -> None:
     lines = run_warnings(runs)
     assert [line.split(" ")[1].rstrip(":") for line in lines] == ["b", "b", "c"]
     assert "no final evaluation from c1" in json.dumps(lines)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_to_fcl_simulate_stops_its_processes(tmp_path, repo_root) -> None:
+    """Issue 41: SIGTERM to ``fcl simulate`` used to leave the aggregator and devices running."""
+    out = tmp_path / "run"
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "fcl_edge.cli", "simulate", str(repo_root / SCENARIO), "--out", str(out)]
+        + [a for o in OVERRIDES for a in ("--set", o)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: len(_children(sim.pid)) >= 5, 120, "broker, aggregator and 3 devices started")
+        children = _children(sim.pid)
+        wait_until(lambda: any(out.rglob("aggregator.log")), 60, "the aggregator's log")
+        sim.send_signal(signal.SIGTERM)
+        assert sim.wait(120) == ExitCode.INTERRUPTED, sim.stderr.read()[-2000:]
+        wait_until(lambda: not any(_alive(pid) for pid in children), 30, "every process of the run stopped")
+    finally:
+        for pid in _children(sim.pid):
+            os.kill(pid, signal.SIGKILL)
+        sim.kill()
+        sim.wait(10)
