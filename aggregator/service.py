@@ -328,13 +328,17 @@ class AggregatorService:
     # -- the end of the run -----------------------------------------------------------
     def _finish(self, received: dict[str, Update]) -> None:
         """Send the final model; clients answer with an evaluation of it (journaled like updates:
-        ``received`` holds those taken back after a restart).  Stopped meanwhile, nothing is
-        summed up: the restart goes on collecting."""
+        ``received`` holds those taken back after a restart), with as many attempts as a round
+        (a device that restarts slowly still counts).  Stopped meanwhile, nothing is summed up:
+        the restart goes on collecting."""
         last = self.fed.total_rounds
         self.open_round = last
-        self._announce(Kind.FINISH, last, self.schedule.task_of(last))
         roster = self.clients.roster(self.schedule.task_of(last))  # the last task's active clients
-        self.collector.collect(last, roster, self.global_params, received, kind=Kind.EVAL)
+        for attempt in range(1, self.fed.rounds.max_attempts + 1):
+            self._announce(Kind.FINISH, last, self.schedule.task_of(last), attempt)
+            self.collector.collect(last, roster, self.global_params, received, kind=Kind.EVAL)
+            if self.stop.is_set() or self.collector.complete(received, set(roster)):
+                break
         if self.stop.is_set():
             log.info("stopped during the final evaluation (%d/%d in); a restart goes on", len(received), len(roster))
             return
