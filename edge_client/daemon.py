@@ -9,8 +9,9 @@ The daemon runs the round protocol (which message is acted on, for which run, in
 membership state) and wires its parts together: the learner and its data
 (``edge_client.learning``), the frames sent to this device alone (``edge_client.frames``),
 the global model's replica and its resyncs (``edge_client.modelsync``), what it sends
-(``edge_client.uplink``), a round's work with its checkpoint (``edge_client.rounds``), and
-what it reports about itself (``edge_client.status``).  With ``key_file`` set, every frame
+(``edge_client.uplink``), a round's work with its checkpoint (``edge_client.rounds``), which
+run it may act on and when it stops waiting (``edge_client.rungate``), and what it reports
+about itself (``edge_client.status``).  With ``key_file`` set, every frame
 it sends is signed (``fclcore.signing``).
 """
 
