@@ -11,8 +11,9 @@ one forged ROUND with a far-future run id used to move every device into a run t
   (the latest one), and the device's checkpoint keeps the run it is in;
 * a device with nothing to do in any run gives up after ``run_over_s``: when the run it saw end
   never had it (``RUN_ENDED``), or when the aggregator's status keeps naming another run than the
-  device's while none of the device's own run comes (``RUN_STALLED``); and a device that sent its
-  final evaluation waits that long at most for the aggregator to say the end is committed.
+  device's, an earlier one it cannot join, while none of its own run comes (``RUN_STALLED``);
+  and a device that sent its final evaluation waits that long at most for the aggregator to say
+  the end is committed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable
 from edge_client.protocol import RejectedFrame
 from edge_client.status import AggregatorWatch
 from fclcore.exitcodes import ExitCode
-from fclcore.runid import started_us
+from fclcore.runid import is_newer, started_us
 
 log = logging.getLogger("edge_client.daemon")
 Message = tuple[str, bytes, int]  # topic, payload, packet bytes
@@ -91,7 +92,8 @@ class RunGate:
         if self.ended_since is not None and now - self.ended_since > self.run_over_s:
             log.error("the run ended before this device took part, and no other run came in %.0f s", self.run_over_s)
             return ExitCode.RUN_ENDED
-        other = device_run is not None and self.watch.run not in (None, device_run) and self.watch.state == "online"
+        earlier = self.watch.run is not None and device_run is not None and is_newer(device_run, self.watch.run)
+        other = earlier and self.watch.state == "online"  # a newer run is joined at its first round instead
         self.other_since = (self.other_since or now) if other else None
         if other and now - max(self.own_seen, self.other_since) > self.run_over_s:
             log.error(

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from fclcore.procmem import peak_rss_mb, rss_mb
+from fclcore.runid import check_run_id
 from fclcore.transport import parse_status
 
 log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
@@ -30,9 +31,9 @@ class AggregatorWatch:
         """The aggregator's retained status changed."""
         status = parse_status(payload)
         self.state = status["state"] if status else "unknown"
-        if status and isinstance(status.get("run"), str):
+        if status and _is_run(status.get("run")):
             self.run = status["run"]
-            self.ended = status.get("ended") if isinstance(status.get("ended"), str) else None
+            self.ended = status.get("ended") if _is_run(status.get("ended")) else None
         if self.state == "online":
             if self.told_lost:
                 log.info("the aggregator is back")
@@ -55,6 +56,14 @@ class AggregatorWatch:
             log.warning("no aggregator for %.0f s (%s); still waiting for it", gone, why)
             self.link.publish_status("online", aggregator="lost")
             self.told_lost = True
+
+
+def _is_run(value: object) -> bool:
+    try:
+        check_run_id(value)
+    except ValueError:
+        return False
+    return True
 
 
 class RoundStats:
