@@ -263,6 +263,18 @@ def test_a_device_whose_aggregator_runs_another_run_gives_up(fleet) -> None:
     assert d._done_waiting() is True and d.exit_code is ExitCode.RUN_STALLED
 
 
+def test_a_device_waits_for_a_newer_runs_first_round_however_late(fleet) -> None:
+    broker, agg_cfg, client_cfg, tmp = fleet
+    first = frames(*aggregator(broker, agg_cfg, tmp / "agg-first"))
+    newer = frames(*aggregator(broker, agg_cfg, tmp / "agg-newer"))
+    d = daemon(broker, client_cfg, tmp / "device", run_over_s=0.05)
+    handle(d, first["status"])
+    handle(d, first["round0"])
+    handle(d, newer["status"])  # a new run, still waiting for its devices: its round 0 comes later
+    time.sleep(0.1)
+    assert d._done_waiting() is False and d.exit_code is None
+
+
 def test_the_final_evaluation_is_held_until_the_end_is_committed(fleet) -> None:
     broker, agg_cfg, client_cfg, tmp = fleet
     service, sent = aggregator(broker, agg_cfg, tmp / "agg")
