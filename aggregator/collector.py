@@ -39,6 +39,11 @@ class Collector:
     outbox: Outbox
     stop: threading.Event
     beat: Callable[[], None] = lambda: None  # called before each message is taken (the service's watchdog)
+    resend: "ResendClock" = None  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.resend is None:
+            self.resend = ResendClock(self.rounds.resend_after_s)
 
     def quorum(self, enrolled: int) -> int:
         """Updates a round needs: the configured share of the clients enrolled for it, as a count."""
@@ -75,19 +80,21 @@ class Collector:
     ) -> dict[str, Update]:
         """Fill ``received`` until the round is complete or its deadline passes."""
         received = {} if received is None else received
-        now = time.monotonic()
-        deadline, resend_at = now + self.rounds.deadline_s, now + self.rounds.resend_after_s
+        deadline = time.monotonic() + self.rounds.deadline_s
+        resend = self.resend.open(len(received))
         expected = set(roster)
         need = self.quorum(len(expected))
         notice = WaitNotice(f"round {rnd + 1}" if kind is Kind.UPDATE else "final evaluation")
         while not self.complete(received, expected) and time.monotonic() < deadline and not self.stop.is_set():
             self._take(rnd, received, min(POLL_S, max(0.0, deadline - time.monotonic())), model, kind)
+            resend.arrived(len(received))
             notice.check(expected - set(received), len(received), need, len(expected))
             self.outbox.republish_after_outage()
             self.outbox.repair()  # a foreign message replaced a retained one (garbage, a forgery)
-            if time.monotonic() >= resend_at and set(received) < expected:
+            if resend.due() and set(received) < expected:
                 self.announcer.request(kind, rnd, sorted(expected - set(received)))
-                resend_at = time.monotonic() + self.rounds.resend_after_s
+                resend.asked()
+        resend.close()
         return received
 
     def complete(self, received: dict[str, Update], expected: set[str]) -> bool:
@@ -98,3 +105,45 @@ class Collector:
     def _take(self, open_round: int, received: dict[str, Update], timeout: float, model: Model, kind: Kind) -> None:
         self.beat()
         self.intake.drain(open_round, received, timeout, model, kind)
+
+
+class ResendClock:
+    """When to ask the devices still missing to re-send (a REQUEST): once their update is
+    overdue by the round's own timing, not while they may still be training.  Due
+    ``resend_after_s`` after the round opened, or at twice the median time the updates in so far
+    took to arrive if that is later (this round's, else the last round's that had any: a FedET
+    device trains for minutes, a MADE device for a second); then every ``resend_after_s``."""
+
+    def __init__(self, resend_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.after, self.clock = resend_after_s, clock
+        self.typical: float | None = None  # median arrival (s after opening) of the last round with arrivals
+        self.opened, self.seen, self.arrivals, self.next_at = 0.0, 0, [], 0.0
+
+    def open(self, already_in: int) -> "ResendClock":
+        self.opened, self.seen, self.arrivals = self.clock(), already_in, []
+        self.next_at = self.opened + self.after
+        return self
+
+    def arrived(self, count: int) -> None:
+        """``count`` replies are in now; the new ones arrived at this time."""
+        now = self.clock()
+        self.arrivals += [now - self.opened] * max(0, count - self.seen)
+        self.seen = max(self.seen, count)
+
+    def _median(self) -> float | None:
+        if not self.arrivals:
+            return self.typical
+        ordered = sorted(self.arrivals)
+        return ordered[len(ordered) // 2]
+
+    def due(self) -> bool:
+        typical = self._median()
+        first = self.opened + max(self.after, 2.0 * typical) if typical is not None else self.opened + self.after
+        return self.clock() >= max(self.next_at, first)
+
+    def asked(self) -> None:
+        self.next_at = self.clock() + self.after
+
+    def close(self) -> None:
+        if self.arrivals:
+            self.typical = self._median()

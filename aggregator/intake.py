@@ -23,6 +23,7 @@ from aggregator.clients import ClientSet
 from aggregator.inbox import Inbox, Rejection
 from aggregator.metrics import AggregatorMetrics
 from aggregator.partial import Sites
+from aggregator.progress import still_working
 from aggregator.report import RunReport
 from aggregator.runlog import RunLog
 from aggregator.state import StateStore
@@ -137,6 +138,7 @@ class Intake:
                     self.reject(topics.update_topic(self.federation, update.client), why, rnd)
                     return
             self.report.arrived()
+            self.metrics.devices.update(update.client, rnd)
         if journal:
             self.store.journal(rnd, update.client, payload, update.packet_bytes)
         if "eval" in update.frame.meta:
@@ -159,13 +161,14 @@ class Intake:
     def close(self, rnd: int, received: dict[str, Update], model: Model) -> Model:
         """The round's next global model: from the running sums (streaming) or every update (batch)."""
         updates = [received[c] for c in sorted(received)]  # arrival order must not change the result
-        if not self.strategy.streams:
-            return self.strategy.aggregate(updates, model)
-        running, folded = self.running(rnd, model)
-        if folded != set(received):  # each accepted update went through ``fold`` exactly once
-            raise AssertionError(f"round {rnd}: folded {sorted(folded)}, accepted {sorted(received)}")
-        self.round_sum = None
-        return self.strategy.close(running, updates, model)
+        with still_working(f"round {rnd + 1}: aggregating {len(updates)} update(s) on the server"):
+            if not self.strategy.streams:
+                return self.strategy.aggregate(updates, model)
+            running, folded = self.running(rnd, model)
+            if folded != set(received):  # each accepted update went through ``fold`` exactly once
+                raise AssertionError(f"round {rnd}: folded {sorted(folded)}, accepted {sorted(received)}")
+            self.round_sum = None
+            return self.strategy.close(running, updates, model)
 
     def running(self, rnd: int, model: Model) -> tuple[RunningSum, set[str]]:
         """Round ``rnd``'s running sum and who is in it; a new (empty) one when the round has none yet."""
@@ -176,6 +179,8 @@ class Intake:
     def reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)
         self.metrics.rejected(rejection.reason)
+        if rejection.client is not None and self._tracked(rejection.client):
+            self.metrics.devices.rejected(rejection.client, rejection.reason)
         self.runlog.rejected(
             rejection.reason, rejection.detail, topic=topic, client=rejection.client, open_round=open_round
         )
@@ -192,6 +197,13 @@ class Intake:
             )
             return
         self.clients.on_status(who, status["state"])  # any state but "online" ("retired" too): offline
+        if self._tracked(who):
+            self.metrics.devices.status(who, status)
         if status["state"] != "online":
             log.info("client %s is %s", who, status["state"])
         self.metrics.clients_online(len(self.clients.online & set(self.clients.enrolled)))
+
+    def _tracked(self, client: str) -> bool:
+        """Whether ``client`` has per-device series: enrolled, enrolling, or tracked before (so a
+        stream of made-up ids cannot grow them)."""
+        return client in self.clients or client in self.clients.waiting or self.metrics.devices.get(client) is not None

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
-from typing import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +68,23 @@ class WaitNotice:
         line = f"{self.what}: waiting for {', '.join(missing)} ({have}/{of} in, {need} needed)"
         log.info("%s", line)
         return line
+
+
+@contextmanager
+def still_working(what: str, every_s: float = 30.0) -> Iterator[None]:
+    """Log ``what ... N s so far`` every ``every_s`` while the block runs: server-side work
+    (FedET's distillation, FIL-VER's training on the buffer) can take minutes, and a silent
+    service looks hung.  Nothing is logged for work that ends within ``every_s``."""
+    done, started = threading.Event(), time.monotonic()
+
+    def tell() -> None:
+        while not done.wait(every_s):
+            log.info("%s: still running, %.0f s so far", what, time.monotonic() - started)
+
+    teller = threading.Thread(target=tell, name="still-working", daemon=True)
+    teller.start()
+    try:
+        yield
+    finally:
+        done.set()
+        teller.join()

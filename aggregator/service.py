@@ -108,7 +108,10 @@ class AggregatorService:
         self.inbox.min_seq = started_us(self.run_id) - self.inbox.max_skew_us
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
-        self.metrics = AggregatorMetrics(self.fed.name, cfg.metrics_port, cfg.metrics_addr)
+        self.metrics = AggregatorMetrics(
+            self.fed.name, cfg.metrics_port, cfg.metrics_addr, None, cfg.max_clients, cfg.metrics_linger_s, self.stop
+        )
+        self.metrics.configure(self.fed.total_rounds, self.fed.rounds.deadline_s)
         self.link = link_factory(
             cfg.broker,
             f"fcl-{self.fed.name}-aggregator",
@@ -250,6 +253,7 @@ class AggregatorService:
         """Tell the devices, in a retained message of this run, that it failed: they end
         (``ExitCode.FEDERATION_FAILED``) instead of waiting for a round that will not come."""
         try:
+            self.metrics.run_failed()
             self._announce(Kind.FINISH, self.open_round, self.schedule.task_of(self.open_round), failed=reason)
             self.runlog.write("failed", round=self.open_round, reason=reason)
         except Exception as exc:  # noqa: BLE001  (the exit code says it failed; this is a courtesy)
@@ -285,7 +289,7 @@ class AggregatorService:
             self.runlog.write("membership", round=rnd, task=task, client=client, state=state)
         frame_sizes = self.client_frames.publish(rnd, task, roster)
         frames = sorted(frame_sizes) if self.membership is not None else None
-        self.metrics.round_started(rnd, task)
+        self.metrics.round_started(rnd, task, len(roster))
         for attempt in range(1, self.fed.rounds.max_attempts + 1):
             started = time.monotonic()
             self.notifier.status(f"round {rnd + 1}/{self.fed.total_rounds}, task {task}, attempt {attempt}")

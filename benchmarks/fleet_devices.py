@@ -17,8 +17,10 @@ only.  At most ``window`` devices per broker connect, or download-and-send, at a
 The update's tensors are encoded once (``UpdateFrames``): a device's frame is its own header
 and metadata in front of the same tensor records, with the CRC32 over the whole, which is the
 codec's frame layout (``fclcore/codec.py``); the first frame is decoded and compared before any
-is sent.  Run by bench_fleet.py as ``python fleet_devices.py SPEC_JSON``; prints one JSON line
-of counts when SIGTERM ends it.
+is sent.  With ``"health": true`` in the spec a device's status also carries the ``health``
+field a real device sends (``fclcore.health``), for the aggregator's per-device series.  Run by
+bench_fleet.py as ``python fleet_devices.py SPEC_JSON``; prints one JSON line of counts when
+SIGTERM ends it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ if str(REPO) not in sys.path:  # allow `python benchmarks/fleet_devices.py` with
 
 from fclcore import topics  # noqa: E402
 from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, decode, encode  # noqa: E402
+from fclcore.health import device_health  # noqa: E402
 from fclcore.transport import publish_packet_bytes  # noqa: E402
 
 LIMITS = CodecLimits(max_frame_bytes=64 * 2**20)
@@ -117,6 +120,9 @@ class DeviceFleet:
             Group(g["port"], [Device(cid, n, self._client(cid)) for cid, n in g["devices"]]) for g in spec["groups"]
         ]
         self.disconnects = 0
+        # with ``health``, each status carries what a real device's does (bench_fleet.py --scrape)
+        self.extra = {"task": 0, "health": device_health(1.0, {}, {"update": 0}, {"round": 0}, 1024.0)}
+        self.extra = self.extra if spec.get("health") else {}
 
     # -- paho on one selector -----------------------------------------------------------
     def _client(self, cid: str) -> mqtt.Client:
@@ -167,7 +173,7 @@ class DeviceFleet:
         if rc.is_failure:
             self.disconnects += 1
             return
-        status = json.dumps({"state": "online", "time": round(time.time(), 3)}).encode()
+        status = json.dumps({"state": "online", "time": round(time.time(), 3), **self.extra}).encode()
         topic = topics.status_topic(self.fed, device.cid)
         device.client.publish(topic, status, qos=1, retain=True)
         device.up += publish_packet_bytes(topic, len(status))

@@ -30,6 +30,7 @@ from edge_client.control import ControlServer
 from edge_client.data import load_client_data
 from edge_client.frames import ClientFrames
 from edge_client.learning import DeviceLearner
+from edge_client.ledger import downlink_tag
 from edge_client.modelsync import ModelSync
 from edge_client.protocol import RejectedFrame, check_downlink, membership_state, places, run_of
 from edge_client.rounds import RoundWork
@@ -48,7 +49,7 @@ from fclcore.runid import is_newer
 from fclcore.schema import ClientConfig, FederationSpec
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import read_key
-from fclcore.transport import MqttLink, TransportError
+from fclcore.transport import MqttLink, TransportError, WireMeter
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
@@ -95,6 +96,7 @@ class ClientDaemon:
             status_topic=topics.status_topic(cfg.federation, cfg.client_id),
             subscriptions=list(self.subscribed),
             on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())),
+            meter=WireMeter(classify=downlink_tag(self.subscribed[2])),  # every byte received is named
         )
         # subscribed to only while a task's own frame names entries this device no longer holds
         full_topic = topics.knowledge_full_topic(cfg.federation, cfg.client_id)
@@ -187,12 +189,15 @@ class ClientDaemon:
             "waiting_for_task": waiting[0].header.task if waiting else None,
             "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
             "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")},
+            "health": self.stats.health(self.work.sync_report(), self.link.meter.snapshot(), self.cfg.memory_budget_mb),
+            "retained_status": dict(self.link.status_fields),  # health; protocol fields where the daemon sets them
         }
 
     def _handle(self, topic: str, payload: bytes, size: int) -> bool:
         """Act on one downlink message; True when the run is finished."""
         if not payload:
             return False  # a deleted retained message
+        self.stats.downlink(topic, size)
         if topic == topics.status_topic(self.cfg.federation, topics.AGGREGATOR_ID):
             self.watch.on_status(payload)
             held = self.gate.release()  # a frame of the run the status names now

@@ -146,7 +146,7 @@ class RoundWork:
             self.pending = (frame, size)
             return False  # the round waits for the full frame
         own = self.frames.round_bytes(frame.header.round, frame.header.task, new_task)
-        self.stats.bytes_down[frame.header.round] = size + own
+        self.stats.ledger.counted(frame.header.round, size, own)
         self.round(frame)
         return False
 
@@ -186,6 +186,7 @@ class RoundWork:
             **learner.report(place),
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
+        self.stats.ledger.reported(rnd, sync)
         payload = self.uplink.frame(Kind.UPDATE, rnd, task, meta, tensors, device.fed.value_coding)
         if learner.reads_upload:  # error feedback: what coding lost stays in the learner (checkpointed next)
             learner.uploaded(self.uplink.decoded_tensors(payload))
@@ -204,9 +205,11 @@ class RoundWork:
             bytes_up=meter["up"]["bytes"],
             bytes_down=meter["down"]["bytes"],
             waiting_for_task=None,
+            health=self.stats.health(self.sync_report(), meter, self.cfg.memory_budget_mb),
         )
         self.notifier.status(f"round {rnd}, task {task}")
-        log.info("round %d task %d: %d samples, train NLL %s", rnd, task, n_samples, meta["train_nll"])
+        trained = "" if meta.get("train_nll") is None else f", train NLL {meta['train_nll']:.4f}"  # classifiers: none
+        log.info("round %d task %d: %d samples%s", rnd, task, n_samples, trained)
 
     def finish(self, frame: Frame) -> None:
         _, previous = places(frame)

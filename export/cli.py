@@ -139,6 +139,7 @@ def run_export(args: argparse.Namespace) -> int:
         _err("export", str(exc))
         return int(ExitCode.FAILURE)
     print(json.dumps(report, indent=2))
+    _say_written(args)
     return int(ExitCode.OK)
 
 
@@ -175,7 +176,17 @@ def _export_state_dir(args: argparse.Namespace) -> int:
         _err("export", str(exc))
         return int(ExitCode.FAILURE)
     print(json.dumps(report, indent=2, default=str))
+    _say_written(args)
     return int(ExitCode.OK)
+
+
+def _say_written(args: argparse.Namespace) -> None:
+    """One line on stderr naming each file written: with --int8, --out holds the float32 model
+    and the int8 copy goes beside it (``<stem>.int8.onnx``)."""
+    from export.publish import int8_path_for
+
+    written = f"{args.out} (float32)" + (f" and {int8_path_for(args.out)} (int8 weights)" if args.int8 else "")
+    print(f"fcl export: wrote {written}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------- infer

@@ -82,6 +82,15 @@ def seal(proto: "onnx.ModelProto", metadata: dict[str, Any]) -> "onnx.ModelProto
     return proto
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # read once, at import: os.umask can only be read by setting it
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 def int8_path_for(path: str | os.PathLike) -> Path:
     """``model.onnx`` -> ``model.int8.onnx`` (same directory)."""
     p = Path(path)
@@ -94,6 +103,7 @@ def temp_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.onnx")
     os.close(fd)
+    os.chmod(name, 0o666 & ~_UMASK)  # mkstemp's 0600 would make the published model unreadable to others
     return Path(name)
 
 
@@ -115,10 +125,12 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 class _DropPreprocessHint(logging.Filter):
-    """The quantiser always suggests shape-inference pre-processing; the exported graphs need none."""
+    """The quantiser always suggests shape-inference pre-processing (the exported graphs need
+    none) and logs an INFO line per tensor without quantisation parameters (dynamic
+    quantisation needs none): neither is news to the user of ``fcl export``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "pre-processing before quantization" not in record.getMessage()
+        return record.levelno >= logging.WARNING and "pre-processing before quantization" not in record.getMessage()
 
 
 @contextmanager

@@ -18,6 +18,7 @@ time; fp32 models run batched.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import sys
@@ -432,7 +433,10 @@ def _validate_inputs(a: np.ndarray, input_dim: int, where: str, binary: bool) ->
         raise InputError(f"{where}: contains NaN or infinite values")
     if binary and not np.isin(a, (0.0, 1.0)).all():
         bad = np.argwhere(~np.isin(a, (0.0, 1.0)))[0]
-        raise InputError(f"{where}: values must be 0 or 1 (row {bad[0]}, column {bad[1]} is {a[bad[0], bad[1]]:g})")
+        raise InputError(
+            f"{where}: values must be 0 or 1 (row {bad[0]}, column {bad[1]} is {a[bad[0], bad[1]]:g}); the model "
+            "scores binarised rows: threshold raw pixels first, as its metadata's 'binarize' says (e.g. value>7)"
+        )
     return a
 
 
@@ -447,6 +451,20 @@ def _parse_csv(text: str, input_dim: int, where: str, binary: bool) -> np.ndarra
     return _validate_inputs(a, input_dim, where, binary)
 
 
+def _samples_of(text: str) -> np.ndarray:
+    """The ``samples`` rows of one JSON object (``fcl infer --op sample`` output)."""
+    try:
+        samples = json.loads(text).get("samples")
+    except (ValueError, AttributeError):
+        samples = None
+    if not isinstance(samples, list):
+        raise InputError("stdin: JSON input must be an object with a 'samples' list (the output of --op sample)")
+    try:
+        return np.asarray(samples, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError("stdin: 'samples' must be a list of equal-length rows of numbers") from None
+
+
 def parse_row(line: str, input_dim: int, *, binary: bool = True) -> np.ndarray:
     """One CSV line -> (1, input_dim) float32 (used by ``fcl infer --watch``)."""
     return _parse_csv(line, input_dim, "input line", binary).reshape(-1, input_dim)
@@ -459,7 +477,10 @@ def load_inputs(source: str, input_dim: int, *, binary: bool = True) -> np.ndarr
     as every MADE operation needs it) values must be 0 or 1.  Raises :class:`InputError`.
     """
     if source == "-":
-        return _parse_csv(sys.stdin.read(), input_dim, "stdin", binary)
+        text = sys.stdin.read()
+        if text.lstrip().startswith("{"):  # the JSON answer of ``fcl infer --op sample``, piped on
+            return _validate_inputs(_samples_of(text), input_dim, "stdin", binary)
+        return _parse_csv(text, input_dim, "stdin", binary)
     low = source.lower()
     try:
         if low.endswith(".npy"):

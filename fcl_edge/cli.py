@@ -141,7 +141,11 @@ def _parser() -> argparse.ArgumentParser:
         "up/down, last seen; plus the aggregator and the round in progress. "
         "The password, if the broker needs one, is read from $FCL_MQTT_PASSWORD.",
     )
-    p.add_argument("--broker", required=True, help="mqtt://host:port or mqtts://host:port")
+    p.add_argument(
+        "--broker",
+        default="mqtt://127.0.0.1:1883",
+        help="mqtt://host:port or mqtts://host:port (default: a broker on this machine, mqtt://127.0.0.1:1883)",
+    )
     p.add_argument("--federation", help="only this federation (default: every one on the broker)")
     p.add_argument(
         "--wait",
@@ -151,6 +155,11 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to collect messages after subscribing (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--device",
+        metavar="ID",
+        help="only this device (needs --federation): its memory, CPU, resyncs, bytes by kind, version",
+    )
     p.add_argument("--username", help="broker user name")
     p.add_argument("--ca-file", help="CA bundle for mqtts:// (default: the system CAs)")
     p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="default: %(default)s")
@@ -260,20 +269,25 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--in-process and --broker: choose one")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
-    signal.signal(signal.SIGTERM, _interrupt)  # stops the run's processes as Ctrl-C does (no orphans)
-    return simulate(
-        args.scenario,
-        args.out,
-        broker=args.broker,
-        overrides=args.set,
-        timeout=args.timeout,
-        in_process=args.in_process,
-        force=args.force,
-    )
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        return simulate(
+            args.scenario,
+            args.out,
+            broker=args.broker,
+            overrides=args.set,
+            timeout=args.timeout,
+            in_process=args.in_process,
+            force=args.force,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM as Ctrl-C: the ``finally`` that stops every process of the run gets to run."""
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops ``fcl simulate`` as Ctrl-C does: its ``finally`` stops the broker, the
+    aggregator and the devices it started (a second SIGTERM meanwhile is ignored), exit 130."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -330,6 +344,8 @@ def _status(args: argparse.Namespace) -> int:
         if not args.wait >= 0 or not args.connect_timeout > 0:
             raise ValueError("--wait: expected >= 0 and --connect-timeout > 0")
         options = BrokerOptions(args.broker, args.username, password_from_env(), args.ca_file, args.connect_timeout)
+        if args.device is not None:
+            return _device_status(args, options)
         status(options, args.federation, args.wait, args.json, sys.stdout)
     except ValueError as exc:
         print(f"fcl status: error: {exc}", file=sys.stderr)
@@ -338,6 +354,20 @@ def _status(args: argparse.Namespace) -> int:
         print(f"fcl status: error: {exc}", file=sys.stderr)
         return int(ExitCode.BROKER_UNREACHABLE)
     return int(ExitCode.OK)
+
+
+def _device_status(args: argparse.Namespace, options) -> int:
+    """``fcl status --device``: ValueError on bad arguments, StatusError when the broker is out of reach."""
+    import time
+
+    from fcl_edge.device_view import device_status
+    from fclcore.topics import validate_id
+
+    if args.federation is None:
+        raise ValueError("--device needs --federation")
+    validate_id(args.device, "--device")
+    found = device_status(options, args.federation, args.device, args.wait, args.json, sys.stdout, time.time())
+    return int(ExitCode.OK if found else ExitCode.BAD_INPUT)
 
 
 def _ctl(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import methods
 from fcl_edge.rundir import prepare_out
 from fclcore.errors import ConfigError
 from fclcore.exitcodes import ExitCode
+from fclcore.method import HEADLINES
 
 TABLE_NAME = "comparison.md"
 
@@ -26,11 +27,23 @@ class Row:
     """One method's line of the comparison: what a person reads off the quickstart."""
 
     method: str
-    score: float | None  # avg NLL (nats) or avg incremental accuracy
+    score: float | None  # the method's headline number (``headline``)
     forgetting: float | None
     up_per_device: float  # MQTT PUBLISH bytes
     down_per_device: float
     dense_share: float  # (up + down) / (dense fp32 up + dense fp32 down)
+
+
+def headline(summary: dict) -> tuple[str, float | None, bool]:
+    """(name, value, from the fleet matrix) of the one number a run's method reports in its
+    results table (``MethodSpec.headline``).  A run where no device reported at every task end
+    (devices that enroll late and retire) has it only in the fleet's matrix."""
+    final, fleet = summary.get("final") or {}, summary.get("fleet") or {}
+    spec = methods.REGISTRY.get(summary.get("method"))
+    key = spec.headline_key if spec else next((k for k in HEADLINES if k in final), "avg_nll")
+    if final.get(key) is None and fleet.get(key) is not None:
+        return HEADLINES[key], fleet[key], True
+    return HEADLINES[key], final.get(key), False
 
 
 def row_of(summary: dict) -> Row:
@@ -39,7 +52,7 @@ def row_of(summary: dict) -> Row:
     every device the same dense model it receives from each)."""
     b, final, clients = summary["bytes"], summary.get("final", {}), max(1, int(summary["clients"]))
     dense = b["dense_fp32_up_total"] + b.get("dense_fp32_down_total", b["dense_fp32_up_total"])
-    score = final.get("avg_nll", final.get("avg_incremental_accuracy"))
+    _, score, _ = headline(summary)
     return Row(
         method=summary["method"],
         score=score,
@@ -52,13 +65,14 @@ def row_of(summary: dict) -> Row:
 
 def format_table(rows: Sequence[Row], score_name: str) -> list[str]:
     """Fixed-width lines for the terminal, under a line that says what the bytes are."""
+    w = max(9, len(score_name))
     lines = [
         "bytes per device (MQTT PUBLISH); vs dense: up+down as a share of dense fp32 FedAvg's",
-        f"{'method':<12} {score_name:>9} {'forgetting':>10} {'up/device':>10} {'down/device':>11} {'vs dense':>8}",
+        f"{'method':<12} {score_name:>{w}} {'forgetting':>10} {'up/device':>10} {'down/device':>11} {'vs dense':>8}",
     ]
     for r in rows:
         lines.append(
-            f"{r.method:<12} {_num(r.score):>9} {_num(r.forgetting):>10} {_mb(r.up_per_device):>10} "
+            f"{r.method:<12} {_num(r.score):>{w}} {_num(r.forgetting):>10} {_mb(r.up_per_device):>10} "
             f"{_mb(r.down_per_device):>11} {r.dense_share:>8.0%}"
         )
     return lines
@@ -84,9 +98,11 @@ def run_compare(
 ) -> int:
     """Check every method first (``check(name)`` raises on a bad one), then run each with
     ``run_one(name, out_dir)`` into ``out/<name>``; stop at the first failure."""
-    metric = {methods.lookup(n, "compare").metric for n in names}
-    if len(metric) > 1:
-        raise ConfigError(f"compare: {list(names)} mixes NLL- and accuracy-scored methods; compare like with like")
+    keys = {methods.lookup(n, "compare").headline_key for n in names}
+    if len(keys) > 1:
+        raise ConfigError(
+            f"compare: {list(names)} report different metrics ({', '.join(sorted(keys))}); compare like with like"
+        )
     for name in names:
         check(name)
     out_dir = prepare_out(Path(out), force, (TABLE_NAME, *names))
@@ -96,7 +112,7 @@ def run_compare(
         if code != ExitCode.OK:
             return code
     rows = [row_of(json.loads((out_dir / n / "summary.json").read_text())) for n in names]
-    score_name = "avg NLL" if metric == {"nll"} else "avg acc"
+    score_name = HEADLINES[keys.pop()]
     lines = format_table(rows, score_name)
     (out_dir / TABLE_NAME).write_text(_markdown(rows, score_name))
     print(f"\nwrote {out_dir / TABLE_NAME}; plots: fcl report {out_dir}")

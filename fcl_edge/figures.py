@@ -38,3 +38,9 @@ def save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def run_label(name: str, summary: dict) -> str:
+    """A run as a legend names it: its method, and its directory when that says something else."""
+    method = str(summary.get("method", name))
+    return method if name == method else f"{method} ({name})"

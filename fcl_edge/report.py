@@ -14,12 +14,15 @@ writes PNGs and a markdown summary:
 * ``task_accuracy.png``: for runs whose ``summary.json`` has a ``fleet`` accuracy matrix
   (row t: the accuracy on each test task i <= t after task t, over every device that
   reported, so late-enrolled and retired devices count), one panel per run titled with its
-  final mean accuracy: x is "after task t" (1-based), one line per test task i starting at
+  final mean accuracy: x is "after task t" (tasks from 0, as on every figure), one line per test task i starting at
   x = i, tasks nobody reported on are gaps; only written when some run has such a matrix;
 * ``report.md``: the final numbers in a table, with a ``fleet acc`` column (the fleet
-  matrix's ``avg_accuracy``) when some run has one; above it, a warning for every run that is
-  not complete (``summary.json`` ``status``: interrupted or failed) or misses some devices'
-  final evaluation (``run_warnings``, also printed on stderr by ``fcl report``).
+  matrix's ``avg_accuracy``) when some run has one, and a ``run-level`` column when some run
+  has ``bytes.run_level`` (``fcl_edge.attribution``): the share of the devices' bytes no round
+  row counts (statuses, EVAL, FINISH, re-sends, ...), with its up and down bytes; above it, a
+  warning for every run that is not complete (``summary.json`` ``status``: interrupted or
+  failed) or misses some devices' final evaluation (``run_warnings``, also printed on stderr
+  by ``fcl report``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
-from fcl_edge.figures import finish, save, title_of
+from fcl_edge.compare import headline
+from fcl_edge.figures import finish, run_label, save, title_of
 from fcl_edge.traffic import plot_bytes_per_round, plot_cumulative, round_bytes
 
 
@@ -61,8 +65,8 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
 
     matplotlib.use("Agg")
     out_dir = Path(out)
+    runs = {name: load_run(path) for name, path in find_runs(paths).items()}  # first: a failed report writes nothing
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = {name: load_run(path) for name, path in find_runs(paths).items()}
     by_metric: dict[str, dict] = defaultdict(dict)
     for name, run in runs.items():
         by_metric[_metric(run[0])][name] = run
@@ -96,17 +100,17 @@ def _per_task(runs: dict, metric: str, out_dir: Path) -> Path:
         final = _recomputed(summary) or summary.get("fleet") or {}  # no device reported at every task end
         for ax, key in zip(axes, KEYS[metric]):
             values = final.get(key) or []
-            ax.plot(range(len(values)), values, marker="o", label=name)
+            ax.plot(range(len(values)), values, marker="o", label=run_label(name, summary))
     for ax, title in zip(axes, ("average over tasks seen", "base task (task 0)", "newest task")):
         ax.set_title(title)
         ax.set_xlabel("after task")
-    axes[0].set_ylabel("test NLL (nats)" if metric == "nll" else "test accuracy")
+    axes[0].set_ylabel("test NLL (nats; lower is better)" if metric == "nll" else "test accuracy (higher is better)")
     finish(fig, axes, title_of(s for s, _ in runs.values()))
     return save(fig, out_dir / f"{metric}_per_task.png")
 
 
 def _traffic(runs: dict, out_dir: Path) -> list[Path]:
-    data = {name: round_bytes(events) for name, (_, events) in runs.items()}
+    data = {run_label(name, summary): round_bytes(events) for name, (summary, events) in runs.items()}
     title = title_of(s for s, _ in runs.values())
     return [
         plot_bytes_per_round(data, title, out_dir / "bytes_per_round.png"),
@@ -127,7 +131,7 @@ def _attention(name: str, events: list[dict], out_dir: Path) -> Path | None:
         for entry, a in zip(e["entries"], e["alpha"]):
             grid[i, entries.index(entry)] = a
     fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.45 * len(entries)), max(3.0, 1.5 + 0.3 * len(rows))))
-    image = ax.imshow(grid, cmap="viridis", aspect="auto")
+    image = ax.imshow(grid, cmap="viridis", aspect="auto", vmin=0.0, vmax=1.0)  # weights: near-uniform looks so
     ax.set_xticks(range(len(entries)), entries, rotation=90, fontsize=7)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.set_xlabel("knowledge-base entry (client/task)")
@@ -160,15 +164,15 @@ def _task_accuracy(fleets: dict[str, dict], out_dir: Path) -> Path:
         tasks = len(raw)
         colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(tasks, 1)))
         for i in range(tasks):
-            x = np.arange(i + 1, tasks + 1)
-            ax.plot(x, matrix[i:, i], marker="o", markersize=3, color=colors[i], label=f"task {i + 1}")
+            x = np.arange(i, tasks)  # tasks counted from 0, as on every other figure and in summary.json
+            ax.plot(x, matrix[i:, i], marker="o", markersize=3, color=colors[i], label=f"task {i}")
         final = fleet.get("avg_accuracy")
         if final is None and not np.all(np.isnan(matrix[-1])):
             final = float(np.nanmean(matrix[-1]))
         ax.set_title(f"{name}: final mean acc " + ("n/a" if final is None else f"{final:.3f}"), fontsize=10)
         ax.set_xlabel("after task")
-        ax.set_ylabel("test accuracy")
-        ax.set_xlim(0.5, tasks + 0.5)
+        ax.set_ylabel("test accuracy (higher is better)")
+        ax.set_xlim(-0.5, tasks - 0.5)
         ax.set_ylim(0.0, 1.02)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
@@ -196,24 +200,36 @@ def run_warnings(runs: dict) -> list[str]:
 
 def _table(runs: dict, out_dir: Path) -> Path:
     fleet_col = any((s.get("fleet") or {}).get("avg_accuracy") is not None for s, _ in runs.values())
+    run_col = any("run_level" in s["bytes"] for s, _ in runs.values())
     lines = [f"> **Warning**: {w}\n" for w in run_warnings(runs)] + [
-        "| run | method | avg NLL (or avg incremental accuracy) | forgetting | bytes up | bytes down "
-        "| dense fp32 up | dense fp32 down |" + (" fleet acc |" if fleet_col else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else ""),
+        "| run | method | metric | value | forgetting | bytes up | bytes down "
+        "| dense fp32 up | dense fp32 down |"
+        + (" fleet acc |" if fleet_col else "")
+        + (" run-level |" if run_col else ""),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else "") + ("---:|" if run_col else ""),
     ]
     for name, (s, _) in runs.items():
         b, f = s["bytes"], s.get("final", {})
-        score = f.get("avg_nll") if "avg_nll" in f else f.get("avg_incremental_accuracy")
+        name_, value, from_fleet = headline(s)
+        score = f"{'fleet ' if from_fleet else ''}{name_} | {value}"
         fleet_acc = (s.get("fleet") or {}).get("avg_accuracy")
         lines.append(
             f"| {name} | {s['method']} | {score} | {f.get('forgetting')} | {b['up_total']:,} | "
             f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} "
             f"| {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,} |"
             + (f" {'' if fleet_acc is None else fleet_acc} |" if fleet_col else "")
+            + (f" {_run_level(b.get('run_level'))} |" if run_col else "")
         )
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _run_level(block: dict | None) -> str:
+    """The run-level cell: its share of the devices' bytes, and its bytes up / down."""
+    if not block or block.get("share") is None:
+        return ""
+    return f"{block['share']:.1%} ({block['up_total']:,} up / {block['down_total']:,} down)"
 
 
 def _recomputed(summary: dict) -> dict:

@@ -44,8 +44,8 @@ def prepare_out(out_dir: Path, force: bool, entries: Sequence[str]) -> Path:
         probe = out_dir / ".fcl-write-test"
         probe.write_bytes(b"")
         probe.unlink()
-    except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:  # the path itself is wrong
+    except (NotADirectoryError, FileExistsError) as exc:  # the path itself is wrong (through a file)
         raise ConfigError(f"--out {out_dir}: cannot create it: {exc.strerror or exc}") from None
-    except OSError as exc:  # permissions, a read-only or full file system
+    except OSError as exc:  # permissions, a read-only, full or virtual (/proc: ENOENT) file system
         raise StateError(f"--out {out_dir}: cannot write there: {exc.strerror or exc}") from None
     return out_dir

@@ -17,14 +17,17 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
 
 import numpy as np
 import yaml
 from tqdm import tqdm
 
 import methods
+from fcl_edge.attribution import attribute
 from fcl_edge.broker import free_port, probe_broker
-from fcl_edge.compare import run_compare
+from fcl_edge.compare import headline, run_compare
+from fcl_edge.links import Links, check_can_shape, profiles_of
 from fcl_edge.rundir import RUN_ENTRIES, prepare_out
 from fclcore.config import ConfigError, from_dict, load_config, to_dict
 from fclcore.data import (
@@ -271,6 +274,13 @@ def simulate(
     """Everything that can be checked is checked before any process starts: the scenario, the
     run directory and the broker; a participant that fails stops the others."""
     p = plan(scenario_path, overrides)
+    if p.scenario.links:  # shaped links: checked before anything starts
+        if in_process:
+            raise ConfigError("links: shaped links need a process per device; drop --in-process")
+        profiles_of(p.scenario.links, p.client_ids)
+        check_can_shape()
+    if broker:  # before anything is written: a broker that is not there leaves no run directory
+        probe_broker(broker)
     if p.scenario.compare:
         return run_compare(
             p.scenario.compare,
@@ -287,29 +297,47 @@ def simulate(
             ),
         )
     out_dir = prepare_out(Path(out), force, RUN_ENTRIES)
-    if broker:
-        probe_broker(broker)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     _start_afresh(out_dir)
     (out_dir / "scenario.yaml").write_text(yaml.safe_dump(to_dict(p.scenario), sort_keys=False))
     if in_process:
         return _simulate_in_process(p, out_dir, timeout)
     broker_proc, url = _start_broker(broker, out_dir)
-    procs = {}
+    procs, shaped = {}, None
     try:
-        configs = write_configs(p, out_dir, url)
+        shaped = _shaped_links(p, url)
+        configs = write_configs(p, out_dir, url, shaped.url if shaped else None)
+        wrap = shaped.wrap if shaped else None
         late = _late_starts(p)
-        procs = {name: _spawn(name, kind, path, out_dir) for name, (kind, path) in configs.items() if name not in late}
+        procs = {
+            name: _spawn(name, kind, path, out_dir, wrap=wrap)
+            for name, (kind, path) in configs.items()
+            if name not in late
+        }
         starts = {
-            name: (after, lambda n=name, k=configs[name][0], c=configs[name][1]: _spawn(n, k, c, out_dir))
+            name: (after, lambda n=name, k=configs[name][0], c=configs[name][1]: _spawn(n, k, c, out_dir, wrap=wrap))
             for name, after in late.items()
         }
         return _follow(p, out_dir, procs, timeout, starts)
     finally:
         for proc in procs.values():
             _stop(proc)
+        if shaped is not None:
+            shaped.close()
         if broker_proc is not None:
             _stop(broker_proc)
+
+
+def _shaped_links(p: Plan, url: str) -> Links | None:
+    """The devices' links (``links:``): a namespace and a relay per shaped device, or None."""
+    profiles = profiles_of(p.scenario.links, p.client_ids)
+    if not profiles:
+        return None
+    where = urlsplit(url)
+    links = Links(profiles, where.port or 1883, p.scenario.federation.seed)
+    for client, profile in sorted(profiles.items()):
+        log.info("%s: behind a %s link (%s)", client, profile.name, profile.describe)
+    return links
 
 
 def _only(method: str) -> list[str]:
@@ -365,7 +393,11 @@ def _start_broker(broker: str | None, out_dir: Path) -> tuple[subprocess.Popen |
     return proc, f"mqtt://127.0.0.1:{port}"
 
 
-def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path]]:
+def write_configs(
+    p: Plan, out_dir: Path, url: str, client_url: Callable[[str, str], str] | None = None
+) -> dict[str, tuple[str, Path]]:
+    """Every participant's config file; ``client_url(client, url)`` is the broker URL a device
+    uses when it differs from the aggregator's (a shaped link's relay)."""
     fed = p.scenario.federation
     cfg_dir = out_dir / "configs"
     cfg_dir.mkdir(exist_ok=True)
@@ -409,7 +441,7 @@ def write_configs(p: Plan, out_dir: Path, url: str) -> dict[str, tuple[str, Path
             client_id=cid,
             federation=fed.name,
             data=data,
-            broker=broker,
+            broker=broker if client_url is None else BrokerSpec(url=client_url(cid, url)),
             out_dir=str(out_dir / "clients" / cid),
             key_file=str(keys_dir / f"{cid}.key") if keys_dir else None,
             allow_embedding_upload=p.scenario.allow_embedding_upload,
@@ -435,8 +467,18 @@ def _write_aux_texts(p: Plan, aux_dir: Path) -> str:
     return str(aux_dir)
 
 
-def _spawn(name: str, kind: str, config: Path | None, out_dir: Path, extra: Sequence[str] = ()) -> subprocess.Popen:
+def _spawn(
+    name: str,
+    kind: str,
+    config: Path | None,
+    out_dir: Path,
+    extra: Sequence[str] = (),
+    wrap: Callable[[str, list[str]], list[str]] | None = None,
+) -> subprocess.Popen:
+    """``fcl KIND --config CONFIG`` logging to ``logs/NAME.log``; ``wrap`` puts a shaped device
+    in its network namespace."""
     cmd = [sys.executable, "-m", "fcl_edge.cli", kind, *(["--config", str(config)] if config else []), *extra]
+    cmd = wrap(name, cmd) if wrap else cmd
     logfile = open(out_dir / "logs" / f"{name}.log", "w")
     return subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -455,9 +497,12 @@ def _follow(
     tail = _Tail(out_dir / "metrics.jsonl")
     rounds: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
-    score = "mean acc" if methods.lookup(fed.method).metric == "accuracy" else "mean NLL"
+    accuracy = methods.lookup(fed.method).metric == "accuracy"
+    score = "task acc" if accuracy else "task NLL"
     tqdm.write(
         f"{fed.method} on {fed.name}: {p.scenario.clients} clients, {fed.num_tasks} tasks, {fed.total_rounds} rounds"
+        f"\n(per round: the global model's mean {'accuracy' if accuracy else 'NLL'} over the devices on the test data"
+        " of the round's task, then the bytes that round moved, summed over the devices)"
     )
     tqdm.write(f"{'round':>5} {'task':>4} {score:>9} {'bytes up':>10} {'bytes down':>11}")
     failed: list[str] = []  # the participants that failed on their own, before any was stopped
@@ -524,6 +569,8 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float,
             codes[name] = None
     summary_path = out_dir / "summary.json"
     if summary_path.exists() and not failed:
+        if all(code == 0 for code in codes.values()):  # every device has written its meter
+            attribute(out_dir)
         _print_result(out_dir, summary_path)
     if failed:
         first = failed[0]
@@ -553,19 +600,25 @@ def _vs_dense(b: dict) -> str:
 
 def _print_result(out_dir: Path, summary_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
-    final, b = summary.get("final", {}), summary["bytes"]
-    fleet = "avg_accuracy" not in final and "avg_nll" not in final and summary.get("fleet")
-    final = fleet or final  # no device reported at every task end (membership): the fleet's matrix
-    score = ("fleet " if fleet else "") + (
-        f"avg incremental accuracy {final.get('avg_incremental_accuracy')}"
-        if "avg_accuracy" in final
-        else f"avg NLL {final.get('avg_nll')}"
-    )
+    b = summary["bytes"]
+    name, value, from_fleet = headline(summary)
+    final = (summary.get("fleet") if from_fleet else summary.get("final")) or {}
+    score = ("fleet " if from_fleet else "") + f"{name} {value}"
     print(
         f"{summary['method']}: {score}  forgetting {final.get('forgetting')}  "
         f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,}"
         f"  down {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,})" + _vs_dense(b)
     )
+    if b.get("up_vs_full_finetune") is not None and b.get("down_vs_full_finetune") is not None:
+        print(
+            f"{summary['method']}: up / down vs full fine-tuning: {b['up_vs_full_finetune']:.2%} / "
+            f"{b['down_vs_full_finetune']:.2%} ({b['reference_full_finetune']})"
+        )
+    if run := b.get("run_level"):
+        print(
+            f"run-level bytes (no round row counts them: status, EVAL, FINISH, re-sends, ...): up "
+            f"{run['up_total']:,}  down {run['down_total']:,}  ({run['share']:.1%} of the devices' bytes)"
+        )
     print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
 
 

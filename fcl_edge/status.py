@@ -41,6 +41,7 @@ STATUS_FIELDS: dict[str, str] = {
     "bytes_up": "int: MQTT PUBLISH bytes the daemon sent since it started (WireMeter up.bytes)",
     "bytes_down": "int: MQTT PUBLISH bytes it received since it started (WireMeter down.bytes)",
     "version": "str: fcl-edge version",
+    "health": "object (client): memory, last round's CPU, resyncs, its own byte meter, version (fclcore/health.py)",
     "expected": "list of str (aggregator): the devices of the round in progress; those with no status show as absent",
 }
 MAX_EXPECTED = 10_000  # ids in an aggregator's ``expected`` list; a longer list is garbage

@@ -74,7 +74,10 @@ def plot_bytes_per_round(runs: dict[str, RoundBytes], title: str, path: Path) ->
     """One row per run, up and down side by side on one shared kB axis."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.2 * len(runs) + 0.6), sharex=True, sharey=True, squeeze=False)
+    # up and down of one run share a y axis; runs do not (one method's bars can be 30x another's)
+    fig, axes = plt.subplots(
+        len(runs), 2, figsize=(12, 3.2 * len(runs) + 0.6), sharex=True, sharey="row", squeeze=False
+    )
     for row, (name, data) in zip(axes, runs.items()):
         for ax, direction in zip(row, ("up", "down")):
             by_kind = data.up if direction == "up" else data.down
@@ -86,7 +89,9 @@ def plot_bytes_per_round(runs: dict[str, RoundBytes], title: str, path: Path) ->
                     bottom += values
             ax.plot(data.rounds, np.asarray(data.dense) / 1e3, "k--", lw=1, label="dense fp32 FedAvg")
             _mark_tasks(ax, data.task_starts)
-            ax.set_title(f"{name}: {'uploaded' if direction == 'up' else 'downloaded'} per round (all clients)")
+            control = sum(by_kind["control"]) / max(1, sum(sum(v) for v in by_kind.values()))
+            way = "uploaded" if direction == "up" else "downloaded"
+            ax.set_title(f"{name}: {way} per round (all clients; control {control:.1%})", fontsize=10)
             ax.set_ylabel("kB (MQTT PUBLISH)")
     for ax in axes[-1]:
         ax.set_xlabel("round")

@@ -285,6 +285,17 @@ class ValueCoding:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             _fail("int8 seed", repr(self.seed), "an integer")
 
+    def norm_error(self) -> float:
+        """A bound on ||decoded - sent||_2 / ||sent||_2 for any tensor written this way, for a
+        receiver's plausibility checks on norms.  int8: each value of a block errs by at most
+        s / 2 (nearest; < s stochastic) with s = max|block| / 127 <= ||block||_2 / 127, so a
+        block's error norm is at most sqrt(block) / 254 (/ 127) of its norm, and so the whole
+        tensor's; float16: 2^-11 of each value (normal range); float32: none."""
+        if self.dtype == "int8":
+            per_code = 254 if self.rounding == "nearest" else 127
+            return math.sqrt(self.block) / per_code * (1 + 1e-6)  # 1e-6: the scale's rounding up to float32
+        return 2.0**-11 if self.dtype == "float16" else 0.0
+
 
 # ---------------------------------------------------------------- shared checks
 

@@ -18,6 +18,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from fclcore.codec import VALUE_DTYPES
 from fclcore.config import from_dict
 from fclcore.errors import ConfigError
 
@@ -34,6 +35,10 @@ class MethodSpec:
     strategy: str  # "module:Class" of the server half
     learner: str  # "module:Class" of the device half
     metric: Literal["nll", "accuracy"] = "nll"
+    # the ``summary.json`` ``final`` key of the one number its results table and README report
+    # (``HEADLINES`` names it): what ``fcl simulate`` prints and ``compare:`` tables rank by;
+    # "" is avg_nll for NLL methods and avg_incremental_accuracy for accuracy ones
+    headline: str = ""
     served_format: str = "made"  # what the device serves: an ``export`` format name
     server_torch: bool = False  # the strategy trains on the server (imports torch)
     needs_aux_data: bool = False  # the strategy reads ``aux_dir`` (server-side unlabelled data)
@@ -47,6 +52,13 @@ class MethodSpec:
     # round ``rnd``'s aggregation can change, derived from the seed on both sides, so the model
     # delta sends their values without positions (``fclcore.model_sync``); "" for none
     downlink_positions: str = ""
+    # ``federation.wire.value_dtype`` when a scenario leaves it unset (``methods.resolve``): what
+    # the method's tensors lose little by; baselines keep float32, the dense FedAvg reference
+    value_dtype: str = "float32"
+
+    @property
+    def headline_key(self) -> str:
+        return self.headline or ("avg_nll" if self.metric == "nll" else "avg_incremental_accuracy")
 
     def parse_options(self, raw: Any, source: str = "federation") -> Any:
         """The options dataclass from ``federation.options``; ConfigError naming the key."""
@@ -71,6 +83,12 @@ class MethodSpec:
 
 
 REGISTRY: dict[str, MethodSpec] = {}
+# what each ``headline`` key is called wherever a run's number is printed (docs/metrics.md)
+HEADLINES = {
+    "avg_nll": "avg NLL",
+    "avg_incremental_accuracy": "avg incremental accuracy",
+    "avg_accuracy": "accuracy after the last task",
+}
 
 
 def register(*specs: MethodSpec) -> None:
@@ -78,6 +96,8 @@ def register(*specs: MethodSpec) -> None:
     for spec in specs:
         if not dataclasses.is_dataclass(spec.options):
             raise TypeError(f"{spec.name}: options must be a dataclass")
+        if spec.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"{spec.name}: value_dtype {spec.value_dtype!r} is not one of {VALUE_DTYPES}")
         other = REGISTRY.get(spec.name)
         if other is not None and other != spec:
             raise ValueError(f"method {spec.name!r} registered twice ({other.package}, {spec.package})")

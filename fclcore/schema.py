@@ -141,6 +141,12 @@ class ModelSpec:
     num_orders: int = 1  # > 1: order-agnostic training over a cycle of seeded orders
     mask_seed: int = 0
     connectivity_agnostic: bool = False  # with num_orders > 1: each order also redraws hidden degrees
+    # orders and degrees from NumPy's PCG64 or from SplitMix64 (protocol 2: docs/protocol.md P-7.9),
+    # which a device in any language derives; left out of ``to_dict`` at its default, so a
+    # federation that does not set it announces what protocol 1 devices read
+    mask_rng: Literal["pcg64", "splitmix64"] = "pcg64"
+
+    omit_when_default = ("mask_rng",)
 
     def __post_init__(self) -> None:
         if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
@@ -157,6 +163,7 @@ class ModelSpec:
             num_orders=self.num_orders,
             mask_seed=self.mask_seed,
             connectivity_agnostic=self.connectivity_agnostic,
+            mask_rng=self.mask_rng,
         )
 
 
@@ -197,7 +204,10 @@ class WireSpec:
     """How tensor values travel, in every direction (updates, round downlinks, knowledge).
     int8 is block-scaled 8-bit (codec v2; error bound in ``fclcore.codec``)."""
 
-    value_dtype: Literal["float32", "float16", "int8"] = "float32"
+    # None: the method's choice (``MethodSpec.value_dtype``), filled in by ``methods.resolve``
+    # before anything is sent or hashed: announcements and fingerprints always carry a concrete
+    # dtype (so a float32 method's JSON is what it was when float32 was the federation default)
+    value_dtype: Optional[Literal["float32", "float16", "int8"]] = None
     max_frame_mb: float = 64.0  # frames above this are rejected on both sides
     int8_block: int = 64  # int8: consecutive values that share one float32 scale
     int8_rounding: Literal["nearest", "stochastic"] = "nearest"  # int8: stochastic is unbiased, seeded
@@ -261,6 +271,8 @@ class FederationSpec:
     @property
     def value_coding(self) -> ValueCoding:
         """What the runtimes pass to ``codec.encode``; stochastic int8 rounding is seeded from ``seed``."""
+        if self.wire.value_dtype is None:
+            raise ValueError("federation.wire.value_dtype: unset; methods.resolve fills in the method's choice")
         return ValueCoding(self.wire.value_dtype, self.wire.int8_block, self.wire.int8_rounding, self.seed)
 
     @property
@@ -286,6 +298,7 @@ class AggregatorConfig:
     keys_dir: Optional[str] = None  # <client>.key per device: when set, every update must be signed
     metrics_port: Optional[int] = None  # Prometheus endpoint (needs the "service" extra); None: off
     metrics_addr: str = "127.0.0.1"
+    metrics_linger_s: float = 0.0  # the endpoint stays up this long after the run ends (not on SIGTERM)
     aux_dir: Optional[str] = None  # server-side unlabelled data for methods that read it (FedET: .txt files)
     enrollment: Literal["closed", "open"] = "closed"  # open: a device that comes online enrolls (next round)
     max_clients: int = 10_000  # enrolled devices at most
@@ -306,6 +319,8 @@ class AggregatorConfig:
             raise ValueError("expected_clients: duplicate client ids")
         if not self.max_clock_skew_s > 0:
             raise ValueError(f"max_clock_skew_s: expected a positive number of seconds, got {self.max_clock_skew_s}")
+        if not 0 <= self.metrics_linger_s <= 3600:
+            raise ValueError(f"metrics_linger_s: expected 0 to 3600 seconds, got {self.metrics_linger_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected a TCP port in [0, 65535], got {self.metrics_port}")
 
@@ -521,6 +536,7 @@ class ClientConfig:
     allow_embedding_upload: bool = False  # privacy opt-in: this device may upload embeddings of its data
     on_new_run: Literal["join", "refuse"] = "join"  # a newer run of the federation: start over in it, or exit 8
     aggregator_timeout_s: float = 300.0  # no aggregator this long: say so in the status and the log (never exit)
+    memory_budget_mb: Optional[float] = None  # told in the status: dashboards and alerts compare peak RSS with it
     # a run id may start at most this far ahead of this device's clock (a later one is a forgery or a wrong clock)
     max_clock_skew_s: float = 30.0
     # with nothing to do in any run this long (its run ended before it came; its aggregator runs another
@@ -532,6 +548,8 @@ class ClientConfig:
         for name in ("aggregator_timeout_s", "max_clock_skew_s", "run_over_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)}")
+        if self.memory_budget_mb is not None and not 0 < self.memory_budget_mb < 2**30:
+            raise ValueError(f"memory_budget_mb: expected a positive number of MiB, got {self.memory_budget_mb}")
         validate_id(self.federation, "federation")
         if (self.data is None) == (self.data_dir is None):
             raise ValueError("data, data_dir: expected exactly one (a dataset shard, or a task directory)")
@@ -552,6 +570,9 @@ class Scenario:
     # method name -> that method's own federation.options in this scenario, so that one scenario
     # can compare (or run alone) methods whose options differ; see ``run_federation``
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # client id (or "default") -> the link it sits behind: a profile of fcl_edge/links.py, e.g.
+    # "lte-m" or "lte-m@60/120" (online 60 s, offline 120 s); docs/links.md.  None: loopback
+    links: Optional[dict[str, str]] = None
 
     def __post_init__(self) -> None:
         if self.clients < 1:

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from support.mosquitto import Mosquitto
+from support.timescale import SCALE, scaled
 
 E2E_DIR = Path(__file__).resolve().parent / "e2e"
 # Fixtures that start a broker or a whole fleet: a test asking for one is end-to-end wherever it lives.
@@ -19,10 +20,17 @@ E2E_FIXTURES = {"mosquitto", "quickstart_reference"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark end-to-end tests ``e2e``, so ``-m "not e2e and not slow"`` is the fast inner loop."""
+    """Mark end-to-end tests ``e2e``, so ``-m "not e2e and not slow"`` is the fast inner loop;
+    scale each test's time limit (its ``timeout`` mark, else the ini's) by FCL_TEST_TIME_SCALE."""
+    default = float(config.getini("timeout") or 0)
     for item in items:
         if E2E_DIR in Path(item.path).resolve().parents or E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+        if SCALE != 1:
+            mark = item.get_closest_marker("timeout")
+            limit = float(mark.args[0]) if mark and mark.args else default
+            if limit > 0:
+                item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)  # the closest mark wins
 
 
 @pytest.fixture
@@ -60,8 +68,9 @@ def quickstart_reference(tmp_path_factory) -> dict:
 
 
 def run_fcl(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``fcl ARGS``; ``timeout`` is the quiet machine's limit (scaled here)."""
     return subprocess.run(
-        [sys.executable, "-m", "fcl_edge.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+        [sys.executable, "-m", "fcl_edge.cli", *args], capture_output=True, text=True, timeout=scaled(timeout), cwd=cwd
     )
 
 

@@ -29,7 +29,9 @@ _DENSE = "fclbases.fedavg.learner:FedAvgLearner"
 _DECOMPOSED = "methods.confedmade.decomposed_learner:"
 
 
-def _spec(name: str, strategy: str, learner: str, summary: str, positions: str = "") -> MethodSpec:
+def _spec(
+    name: str, strategy: str, learner: str, summary: str, positions: str = "", value_dtype: str = "float32"
+) -> MethodSpec:
     return MethodSpec(
         name=name,
         package="confedmade",
@@ -41,6 +43,7 @@ def _spec(name: str, strategy: str, learner: str, summary: str, positions: str =
         summary=summary,
         example_scenario="configs/scenarios/digits_continual.yaml",
         downlink_positions=positions,
+        value_dtype=value_dtype,
         smoke_overrides=(
             "federation.model.hidden_sizes=[32]",
             "tasks.shared=[[0, 1], [2, 3]]",
@@ -56,6 +59,7 @@ register(
         _DECOMPOSED + "ConFedMADELearner",
         "ConFedMADE: decomposed MADE, uploads inside the round's MADE mask, knowledge base",
         "methods.confedmade.wire:delta_positions",
+        "int8",  # Sequential MNIST: 8.4% of dense fp32 both ways, 0.03 nats better than float16 (README)
     ),
     _spec(
         "fedweit-made-star",

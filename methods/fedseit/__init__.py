@@ -31,6 +31,7 @@ def _spec(name: str, learner: str, summary: str) -> MethodSpec:
         strategy="methods.fedseit.strategy:FedSeITStrategy",
         learner=f"methods.fedseit.learner:{learner}",
         metric="accuracy",
+        headline="avg_accuracy",  # its results table: accuracy over every task after the last
         served_format="text-tasks",
         summary=summary,
         example_scenario="configs/scenarios/bbc_fedseit.yaml",

@@ -35,6 +35,7 @@ def _spec(name: str, options: type, summary: str, learner: str = "FILVERLearner"
         strategy="methods.filver.strategy:FILVERStrategy",
         learner=f"methods.filver.learner:{learner}",
         metric="accuracy",
+        headline="avg_accuracy",  # its results table: accuracy over every task after the last
         served_format="image-classifier",
         server_torch=True,
         summary=summary,

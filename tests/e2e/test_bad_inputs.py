@@ -77,6 +77,7 @@ CASES = {
     "--out through a file": Case(_sim(out="{w}/typo.yaml/run"), 2, "cannot create it"),
     "--out holding an earlier run": Case(_sim(out="{w}/earlier"), 2, "pass --force"),
     "--out on a read-only file system": Case(_sim(out="/sys/fcl-edge-run"), 6, "cannot write there"),
+    "--out under /proc": Case(_sim(out="/proc/fcl-edge-run"), 6, "cannot write there"),
     # training that diverges: the device stops at its first round and says so
     "diverging training": Case(
         _sim("--in-process", *TINY, "--set", "federation.train.lr=1e30"),
@@ -211,6 +212,22 @@ def test_force_replaces_an_earlier_run_and_keeps_other_files(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     assert not (out / "report").exists() and (out / "notes.txt").read_text() == "mine"
     assert (out / "summary.json").exists()
+
+
+def test_what_fails_before_it_starts_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A broker that is not there (a compare scenario: before its first method's folder) and a
+    report with no run to draw write no directory; `fcl status` defaults to a local broker."""
+    fcl = [sys.executable, "-m", "fcl_edge.cli"]
+    run = tmp_path / "run"
+    closed = f"mqtt://127.0.0.1:{free_port()}"
+    done = subprocess.run([*fcl, "simulate", QUICKSTART, "--out", str(run), "--broker", closed], capture_output=True)
+    assert done.returncode == 3 and not run.exists(), done.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = subprocess.run([*fcl, "report", str(empty)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and not (empty / "report").exists(), done.stderr
+    done = subprocess.run([*fcl, "status", "--help"], capture_output=True, text=True, timeout=60)
+    assert "default: a broker on this machine, mqtt://127.0.0.1:1883" in " ".join(done.stdout.split()), done.stdout
 
 
 @pytest.mark.parametrize(

@@ -276,6 +276,7 @@ def test_make_dev_certs_writes_a_verifiable_chain(pki):
 # ------------------------------------------------------------------ ACL: what a device may write
 
 
+# docs/protocol.md P-3.4
 def test_device_writes_only_its_own_update_and_status(shipped, pki, links):
     agg_in, c1_in = Inbox(), Inbox()
     agg = links.open(
@@ -302,6 +303,7 @@ def test_device_writes_only_its_own_update_and_status(shipped, pki, links):
 # ------------------------------------------------------------------ ACL: what a device may read
 
 
+# docs/protocol.md P-3.4
 def test_device_reads_only_the_round_and_its_own_kb(shipped, pki, links):
     agg = links.open(shipped.url, "aggregator")
     c1 = links.open(shipped.tls_url, "c1", **_tls(pki))

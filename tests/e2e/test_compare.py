@@ -67,7 +67,7 @@ def test_quickstart_compares_two_methods_in_one_table(tmp_path: Path, repo_root:
     "compare, says",
     [
         ("[confedmade, fedavgg]", "unknown method 'fedavgg'"),
-        ("[fedavg, fedet]", "mixes"),
+        ("[fedavg, fedet]", "report different metrics"),
         ("[fedavg, fedavg]", "distinct"),
     ],
 )

@@ -76,7 +76,8 @@ def test_following_the_page_word_for_word(tmp_path: Path) -> None:
     assert summary["method"] == "confedmade" and summary["rounds"] == 10
     samples = next(out for cmd, out in outputs if cmd.startswith("fcl infer"))
     assert len(json.loads(samples)["samples"]) == 3
-    assert (tmp_path / "fleet/client-1-int8.onnx").stat().st_size > 0
+    fp32, int8 = (tmp_path / f"fleet/client-1{suffix}.onnx" for suffix in ("", ".int8"))
+    assert fp32.stat().st_size > int8.stat().st_size > 0
     assert (tmp_path / "fleet/aggregator/report/bytes_per_round.png").exists()
 
 

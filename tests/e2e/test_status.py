@@ -86,6 +86,7 @@ def fleet_messages() -> dict[str, bytes]:
     return msgs
 
 
+# docs/protocol.md P-10.3
 def test_fcl_status_json_against_a_live_broker(mosquitto):
     publish_retained(mosquitto.url, fleet_messages())
     started = time.monotonic()
@@ -177,6 +178,7 @@ def test_unreachable_broker_and_bad_input(capsys):
         (b'{"state": "online"}' + b" " * 70_000, "?", True),
     ],
 )
+# docs/protocol.md P-10.1
 def test_read_status_never_raises(payload, state, problem):
     status = read_status("dev", payload)
     assert status.state == state and (status.problem is not None) == problem

@@ -17,6 +17,7 @@ from typing import Sequence
 import yaml
 
 from fcl_edge.simulate import plan, write_configs
+from support.timescale import scaled
 
 # A short run used by the crash, outage and service tests (8 rounds, 3 devices); a re-send
 # request every 2 s so a lost update is asked for quickly.
@@ -95,7 +96,7 @@ class Fleet:
 
     def wait_for_log(self, name: str, text: str, timeout: float = 120) -> None:
         path = self.out / "logs" / f"{name}.{self.starts[name]}.log"
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while time.monotonic() < deadline:
             if path.exists() and text in path.read_text():
                 return
@@ -111,7 +112,7 @@ class Fleet:
         return [e for e in lines if kind is None or e.get("event") == kind]
 
     def wait_for_round(self, rnd: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while time.monotonic() < deadline:
             if any(e["round"] >= rnd for e in self.events("round")):
                 return
@@ -120,10 +121,10 @@ class Fleet:
 
     def wait(self, timeout: float = 240) -> dict[str, int]:
         """Wait for the aggregator to finish, then for the clients; exit codes by name."""
-        codes = {"aggregator": self.procs["aggregator"].wait(timeout)}
+        codes = {"aggregator": self.procs["aggregator"].wait(scaled(timeout))}
         for name, proc in self.procs.items():
             if name != "aggregator":
-                codes[name] = proc.wait(60)
+                codes[name] = proc.wait(scaled(60))
         return codes
 
     def stop(self) -> None:

@@ -32,7 +32,17 @@ _EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]*$")
 _PLACEHOLDER = re.compile(r"<[^>]*>|@[A-Z_]+@|(^|/)[A-Z]{2,}[A-Z_]*([-/]|$)")  # DIR/, OUT/, NNN-name/
 _GLOB = set("*?[]{}+$")
 # What the pages' commands create (run directories and their parts, state), not repository paths.
-OUTPUT_ROOTS = ("runs/", "fleet/", "state/", "state_dir/", "out_dir/", "logs/", "clients/")
+OUTPUT_ROOTS = (
+    "runs/",
+    "fleet/",
+    "state/",
+    "state_dir/",
+    "out_dir/",
+    "logs/",
+    "clients/",
+    "mydata/",
+    "tutorial-fleet/",
+)
 _STRIP = "\"'(),;:.!"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import run_fcl
 
 import export.onnx_made as onnx_made
 from export.cli import main as cli_main
@@ -255,6 +257,23 @@ def test_snapshot_round_trip_and_cli_export(tmp_path: Path, capsys: pytest.Captu
     report = json.loads(out)
     assert report["max_abs_err"] <= 1e-5 and os.path.exists(report["int8_path"])
     assert MadeRuntime.load(tmp_path / "m.onnx").metadata["method"] == "fedet"
+
+
+def test_cli_export_says_which_file_is_which_quietly_and_readable(tmp_path: Path) -> None:
+    """--int8 keeps float32 at --out and names the int8 copy; onnxruntime's INFO chatter stays
+    out; the files get the umask's mode, not mkstemp's 0600."""
+    cfg, k = CASES["multi_order_seeded_direct_k1"]
+    save_snapshot(served(cfg, k, seed=8), tmp_path / "served.npz")
+    out = tmp_path / "m-int8.onnx"
+    done = run_fcl("export", str(tmp_path / "served.npz"), "--out", str(out), "--int8", "--parity-data", "none")
+    assert done.returncode == 0, done.stderr
+    int8 = tmp_path / "m-int8.int8.onnx"
+    assert done.stderr.strip().splitlines() == [f"fcl export: wrote {out} (float32) and {int8} (int8 weights)"]
+    assert MadeRuntime.load(int8).metadata["quantization"] == "int8-dynamic"
+    assert MadeRuntime.load(out).metadata["quantization"] == "none"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (out, int8)} == {0o666 & ~umask}
 
 
 def test_cli_export_digits_parity_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

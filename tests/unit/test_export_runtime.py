@@ -417,3 +417,20 @@ def test_cli_infer_watch_hot_swaps(model_file: Path, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_samples_piped_from_op_sample_are_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fcl infer --op sample | fcl infer --op loglik --input -``: the sample JSON is read as rows."""
+    rows = [[0, 1, 1, 0], [1, 1, 0, 0]]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps({"op": "sample", "samples": rows})))
+    assert np.array_equal(load_inputs("-", 4), np.array(rows, np.float32))
+    for bad in ('{"op": "sample"}', '{"samples": [[0, 1], [1]]}', "{not json"):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(bad))
+        with pytest.raises(InputError, match="stdin"):
+            load_inputs("-", 2)
+
+
+def test_raw_pixels_are_refused_with_the_way_to_binarise(tmp_path: Path) -> None:
+    np.save(tmp_path / "raw.npy", np.full((2, 4), 12.0, np.float32))
+    with pytest.raises(InputError, match=r"column 0 is 12\); the model scores binarised rows: threshold"):
+        load_inputs(str(tmp_path / "raw.npy"), 4)

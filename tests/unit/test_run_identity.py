@@ -91,6 +91,7 @@ def handle(d: ClientDaemon, message: tuple[str, bytes]) -> bool:
     return d._handle(message[0], message[1], len(message[1]))
 
 
+# docs/protocol.md P-9.1
 def test_run_ids_order_by_start_and_are_validated() -> None:
     a = new_run_id()
     time.sleep(0.002)
@@ -101,6 +102,7 @@ def test_run_ids_order_by_start_and_are_validated() -> None:
             check_run_id(bad)
 
 
+# docs/protocol.md P-8.1, P-9.2
 def test_every_message_kind_of_an_earlier_run_is_dropped_and_counted(fleet) -> None:
     broker, agg_cfg, client_cfg, tmp = fleet
     old = frames(*aggregator(broker, agg_cfg, tmp / "agg-old"))
@@ -130,6 +132,7 @@ def test_a_fresh_device_ignores_an_earlier_runs_finish_but_ends_on_a_failure(fle
 
 
 @pytest.mark.parametrize("policy", ["join", "refuse"])
+# docs/protocol.md P-9.2
 def test_a_newer_run_is_joined_from_scratch_or_refused(fleet, policy: str) -> None:
     broker, agg_cfg, client_cfg, tmp = fleet
     first = frames(*aggregator(broker, agg_cfg, tmp / "agg-first"))
@@ -161,6 +164,7 @@ def test_a_failed_run_ends_a_device_that_took_part(fleet) -> None:
     assert d.store.load().done_round == 0  # its checkpoint is kept as it was
 
 
+# docs/protocol.md P-12.1
 def test_device_sequences_follow_the_aggregators_clock(fleet) -> None:
     broker, agg_cfg, client_cfg, tmp = fleet
     service, sent = aggregator(broker, agg_cfg, tmp / "agg")
@@ -192,6 +196,7 @@ def test_the_inbox_never_accepts_a_sequence_far_ahead_of_its_clock() -> None:
     assert inbox.last_seq["c"] == now - 5
 
 
+# docs/protocol.md P-11.4
 def test_a_device_says_when_the_aggregator_is_gone_and_keeps_waiting(fleet) -> None:
     broker, _, client_cfg, tmp = fleet
     d = daemon(broker, client_cfg, tmp / "device", aggregator_timeout_s=0.05)
@@ -207,6 +212,18 @@ def test_a_device_says_when_the_aggregator_is_gone_and_keeps_waiting(fleet) -> N
     d.watch.on_status(b'{"state": "online"}')
     assert not d.watch.told_lost and json.loads(broker.retained(status_topic))["aggregator"] == "online"
     d.link.close()
+
+
+# docs/protocol.md P-2.5
+def test_a_deleted_retained_message_is_ignored_not_counted(fleet) -> None:
+    broker, agg_cfg, client_cfg, tmp = fleet
+    current = frames(*aggregator(broker, agg_cfg, tmp / "agg"))
+    d = daemon(broker, client_cfg, tmp / "device")
+    handle(d, current["status"])
+    assert handle(d, current["round0"]) is False and d.device.done_round == 0
+    for topic in (current["round1"][0], current["knowledge"][0]):
+        assert handle(d, (topic, b"")) is False
+    assert d.stats.rejected == {} and d.device.done_round == 0 and d.exit_code is None
 
 
 # -- issue 42: a run id a device never saw from its aggregator cannot replace its run ----------------
