@@ -233,7 +233,7 @@ def _with_run(message: tuple[str, bytes], run: str) -> tuple[str, bytes]:
     return message[0], encode(Frame(frame.header, {**frame.meta, "run": run}, frame.tensors))
 
 
-@pytest.mark.parametrize("forged_run", ["far-future", "newer-unconfirmed"])
+@pytest.mark.parametrize("forged_run", ["far-future", "newer-unconfirmed"])  # docs/protocol.md P-9.2
 def test_a_forged_run_id_never_replaces_the_run_a_device_is_in(fleet, forged_run: str) -> None:
     broker, agg_cfg, client_cfg, tmp = fleet
     service, sent = aggregator(broker, agg_cfg, tmp / "agg")
@@ -256,6 +256,7 @@ def test_a_forged_run_id_never_replaces_the_run_a_device_is_in(fleet, forged_run
 
 
 def test_a_device_that_comes_after_its_run_ended_exits_run_ended(fleet) -> None:
+    """docs/protocol.md P-9.4, exit 9."""
     broker, agg_cfg, client_cfg, tmp = fleet
     run = frames(*aggregator(broker, agg_cfg, tmp / "agg"))
     d = daemon(broker, client_cfg, tmp / "device", run_over_s=0.05)
@@ -267,6 +268,7 @@ def test_a_device_that_comes_after_its_run_ended_exits_run_ended(fleet) -> None:
 
 
 def test_a_device_whose_aggregator_runs_another_run_gives_up(fleet) -> None:
+    """docs/protocol.md P-9.4, exit 10."""
     broker, agg_cfg, client_cfg, tmp = fleet
     old_service, old_sent = aggregator(broker, agg_cfg, tmp / "agg-old")
     old = frames(old_service, old_sent)
