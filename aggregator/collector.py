@@ -56,16 +56,20 @@ class Collector:
         """Wait for the ``expected`` clients' online status.  After a restart the round in
         progress is open already (its announcement is retained), so updates queued for it are
         taken into ``carried`` here (``open_round``: -1 before the first round)."""
-        deadline = time.monotonic() + self.rounds.start_timeout_s
+        started = time.monotonic()
+        deadline = started + self.rounds.start_timeout_s
         need, notice = self.quorum(len(expected)), WaitNotice("start")
         while not expected <= self.clients.online and time.monotonic() < deadline and not self.stop.is_set():
             self._take(open_round, carried, POLL_S, model, Kind.UPDATE)
             notice.check(expected - self.clients.online, len(expected & self.clients.online), need, len(expected))
         online = len(self.clients.online & expected)
+        if self.stop.is_set():  # a stop is not a failed federation: the run stays resumable
+            log.info("stopped while waiting for devices (%d/%d online)", online, len(expected))
+            return
         if online < need:
             raise NotEnoughClients(
                 f"{online} of {len(expected)} clients online after "
-                f"{self.rounds.start_timeout_s:.0f} s; quorum needs {need}"
+                f"{time.monotonic() - started:.0f} s; quorum needs {need}"
             )
         log.info("%d/%d clients online", online, len(expected))
 
@@ -89,6 +93,7 @@ class Collector:
             resend.arrived(len(received))
             notice.check(expected - set(received), len(received), need, len(expected))
             self.outbox.republish_after_outage()
+            self.outbox.repair()  # a foreign message replaced a retained one (garbage, a forgery)
             if resend.due() and set(received) < expected:
                 self.announcer.request(kind, rnd, sorted(expected - set(received)))
                 resend.asked()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -78,6 +79,8 @@ class Intake:
         self.queue: queue.Queue[Incoming] = queue.Queue()
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
+        # topics the service publishes on and listens to, each with what takes its messages
+        self.own_topics: dict[str, Callable[[str, bytes], None]] = {}
 
     def put(self, topic: str, payload: bytes, packet_bytes: int) -> None:
         """A message from the broker (paho's thread): queued for the service's thread."""
@@ -99,6 +102,9 @@ class Intake:
                     item = self.queue.get(timeout=timeout)
                 except queue.Empty:
                     return
+        if item.topic in self.own_topics:
+            self.own_topics[item.topic](item.topic, item.payload)
+            return
         who = topics.parse_status_topic(self.federation, item.topic)
         if who is not None:
             self._on_status(who, item.payload, open_round)
@@ -116,7 +122,7 @@ class Intake:
         if isinstance(result, Rejection):
             self.reject(item.topic, result, open_round)
             return
-        self.accept(result, open_round, item.payload, received, model, journal=kind is Kind.UPDATE, kind=kind)
+        self.accept(result, open_round, item.payload, received, model, journal=True, kind=kind)
 
     def accept(
         self,
@@ -130,7 +136,9 @@ class Intake:
     ) -> None:
         """Take a checked message into round ``rnd``: an update is folded (streaming strategies)
         before it is journaled, so a crash in between loses nothing that a restart would not
-        replay; a replayed update (``journal=False``) is folded into the rebuilt sum once."""
+        replay; a replayed update (``journal=False``) is folded into the rebuilt sum once.  A final
+        evaluation is journaled too (in the journal of round ``total_rounds``): the end of a run
+        interrupted after it arrived still counts it."""
         if kind is Kind.UPDATE:
             self.report.measure(update, payload)
             if self.strategy.streams:
@@ -147,23 +155,25 @@ class Intake:
                     why = Rejection("fold", str(exc), update.client)
                     self.reject(topics.update_topic(self.federation, update.client), why, rnd)
                     return
-            if journal:
-                self.store.journal(rnd, update.client, payload, update.packet_bytes)
             self.report.arrived()
             self.metrics.devices.update(update.client, rnd)
+        if journal:
+            self.store.journal(rnd, update.client, payload, update.packet_bytes)
         if "eval" in update.frame.meta:
             self.runlog.evaluation(update.client, update.frame.meta["eval"])
         received[update.client] = update
 
-    def replay(self, rnd: int, model: Model) -> dict[str, Update]:
-        """Updates accepted in round ``rnd`` before a restart, checked again like new arrivals."""
+    def replay(self, rnd: int, model: Model, kind: Kind = Kind.UPDATE) -> dict[str, Update]:
+        """Updates (``kind``: or final evaluations) accepted in round ``rnd`` before a restart,
+        checked again like new arrivals."""
         received: dict[str, Update] = {}
         for client, payload, packet_bytes in self.store.journaled(rnd):
-            result = self.inbox.check(client, payload, packet_bytes, rnd, set(received), Kind.UPDATE, model)
+            result = self.inbox.check(client, payload, packet_bytes, rnd, set(received), kind, model)
             if isinstance(result, Update):
-                self.accept(result, rnd, payload, received, model, journal=False)
+                self.accept(result, rnd, payload, received, model, journal=False, kind=kind)
         if received:
-            log.info("round %d: %d update(s) recovered from the journal", rnd, len(received))
+            what = "update(s)" if kind is Kind.UPDATE else "final evaluation(s)"
+            log.info("round %d: %d %s recovered from the journal", rnd, len(received), what)
         return received
 
     def close(self, rnd: int, received: dict[str, Update], model: Model) -> Model:

@@ -146,11 +146,15 @@ class RunReport:
     def task_ends(self) -> list[int]:
         return [self.schedule.last_round(t) for t in range(self.schedule.num_tasks)]
 
-    def summary(self, duration: float, run_id: str, clients: list[str]) -> None:
-        """The run's ``summary.json`` (``duration``: seconds this start ran)."""
+    def summary(self, duration: float, run_id: str, clients: list[str], status: str, final_roster: list[str]) -> None:
+        """The run's ``summary.json`` (``duration``: seconds this start ran; ``status``: complete,
+        interrupted or failed; ``final_roster``: the devices whose final evaluation it needs)."""
+        last = self.fed.total_rounds - 1  # a final evaluation reports on the model after the last round
         out = self.runlog.summary(
             method=self.fed.method,
             federation=self.fed.name,
+            status=status,
+            missing_final_evaluations=[c for c in sorted(final_roster) if last not in self.runlog.evals.get(c, {})],
             run=run_id,
             clients=clients,
             tasks=self.fed.num_tasks,

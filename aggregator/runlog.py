@@ -25,10 +25,13 @@ Event kinds written to metrics.jsonl (field ``event``):
 ``fcl simulate`` appends one ``run_level`` line per device once every participant has exited:
 the bytes of its meter no ``round_client`` row counts, by kind (``fcl_edge.attribution``).
 
-``summary.json`` has ``final`` (the mean of per-client continual metrics, over clients with a
-report at every task end) and ``fleet``: the continual metrics of one matrix whose row t is,
-per test task, the mean over every client that reported after task t (so devices that
-enrolled late or retired count in the rows they reported; a row nobody reported is null).
+``summary.json`` has ``status`` (``complete``: the run's end is committed; ``interrupted``:
+stopped, a restart goes on; ``failed``: the aggregator gave up), ``missing_final_evaluations``
+(the devices of the last task whose final evaluation is not in ``final``), ``final`` (the mean
+of per-client continual metrics, over clients with a report at every task end) and ``fleet``:
+the continual metrics of one matrix whose row t is, per test task, the mean over every client
+that reported after task t (so devices that enrolled late or retired count in the rows they
+reported; a row nobody reported is null).
 """
 
 from __future__ import annotations
@@ -214,6 +217,8 @@ class RunLog:
         rounds: int,
         rounds_per_task: int,
         task_ends: list[int],
+        status: str = "complete",
+        missing_final_evaluations: list[str] | None = None,
         **extra: object,
     ) -> dict:
         """``task_ends``: the last round of each task (the schedule's), whose evaluations are
@@ -228,6 +233,8 @@ class RunLog:
         up = sum(c["up"] for c in self.bytes.values())
         down = sum(c["down"] for c in self.bytes.values())
         out = {
+            "status": status,
+            "missing_final_evaluations": missing_final_evaluations or [],
             "method": method,
             "federation": federation,
             "clients": len(clients),

@@ -124,10 +124,16 @@ class AggregatorService:
             cfg.broker,
             f"fcl-{self.fed.name}-aggregator",
             status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
-            subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
+            # its own round topic too: what the broker holds there is checked (``Outbox.observe``)
+            subscriptions=[
+                topics.update_filter(self.fed.name),
+                topics.status_filter(self.fed.name),
+                topics.round_topic(self.fed.name),
+            ],
             on_message=lambda t, p, n: self.intake.put(t, p, n),
         )
         self.link.status_fields.update(aggregator_capabilities())  # P-VER-6
+        self.link.status_fields.update(run=self.run_id)  # devices join a run only once its aggregator names it
         self.report = RunReport(self.strategy, self.runlog, self.metrics, self.link, self.fed, self.limits)
         self.intake = Intake(
             self.fed.name,
@@ -143,6 +149,7 @@ class AggregatorService:
             buffer,
         )
         self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence)
+        self.intake.own_topics[topics.round_topic(self.fed.name)] = self.outbox.observe
         self.announcer = Announcer(
             self.outbox, self.fed, cfg.input_dim, self.strategy, downlink, self.limits, self.runlog
         )
@@ -160,6 +167,8 @@ class AggregatorService:
         if committed is None:
             self.run_id, self.next_round = new_run_id(), 0
             return 0
+        if committed.round < 0:
+            log.info("resuming run %s of %s before its first round", committed.run_id, self.fed.name)
         self.global_params = committed.global_params
         self.run_id = committed.run_id or new_run_id()  # a checkpoint from before run ids: this run gets one now
         self.next_round = committed.round + 1
@@ -194,15 +203,19 @@ class AggregatorService:
         started = time.monotonic()
         finished_before = self.next_round > self.fed.total_rounds
         log.info("run %s of %s (%s)", self.run_id, self.fed.name, "new" if self.fresh else "resumed")
-        if self.fresh:
-            self._clear_earlier_run()
+        complete = False
         try:
+            if self.fresh:
+                self._clear_earlier_run()
+                self._commit(-1)  # the run's identity: a restart before round 0 closes continues this run
             if finished_before:  # the end was committed: announce it again, for devices that missed it
                 log.info("%s finished before this start; announcing its end again", self.fed.name)
                 self._announce(Kind.FINISH, self.fed.total_rounds, self.schedule.task_of(self.fed.total_rounds))
+                self._tell_ended()
                 return ExitCode.OK
-            carried = self.intake.replay(self.next_round, self.global_params)
-            if self.next_round < self.fed.total_rounds:  # else every round is committed: only the end is left
+            last = self.next_round >= self.fed.total_rounds  # every round is committed: only the end is left
+            carried = self.intake.replay(self.next_round, self.global_params, Kind.EVAL if last else Kind.UPDATE)
+            if not last:
                 self._wait_for_clients(carried)
             for rnd in range(self.next_round, self.fed.total_rounds):
                 if self.stop.is_set():
@@ -210,8 +223,12 @@ class AggregatorService:
                 self._run_round(rnd, carried if rnd == self.next_round else {})
             if self.stop.is_set():
                 return ExitCode.INTERRUPTED
-            self._finish()
+            self._finish(carried if last else {})
+            if self.stop.is_set():  # the end is not committed: a restart takes the journaled evaluations back
+                return ExitCode.INTERRUPTED
             self._commit(self.fed.total_rounds)  # the federation's end: a restart does not run it again
+            self._tell_ended()
+            complete = True
         except NotEnoughClients as exc:
             log.error("%s", exc)
             self._announce_failure(str(exc))
@@ -223,7 +240,11 @@ class AggregatorService:
             self.notifier.stopping("shutting down")
             self.link.close("stopped")
             if not finished_before:  # the summary of a finished run stays as it was written
-                self.report.summary(time.monotonic() - started, self.run_id, list(self.clients.known))
+                status = "complete" if complete else "interrupted" if self.stop.is_set() else "failed"
+                final_roster = self.clients.roster(self.schedule.task_of(self.fed.total_rounds))
+                self.report.summary(
+                    time.monotonic() - started, self.run_id, list(self.clients.known), status, final_roster
+                )
             self.runlog.close()
             self.store.close()  # a round left open (SIGTERM): its journal synced for the restart
             self.store.wait_swept(timeout=10)  # the last round's journal files (a restart deletes what is left)
@@ -248,6 +269,12 @@ class AggregatorService:
             self.runlog.write("failed", round=self.open_round, reason=reason)
         except Exception as exc:  # noqa: BLE001  (the exit code says it failed; this is a courtesy)
             log.warning("could not announce the failure: %s", exc)
+
+    def _tell_ended(self) -> None:
+        """Say in the retained status that the run's end is committed: devices hold their final
+        evaluation (and re-send it when asked) until they see this, then exit."""
+        self.link.status_fields.update(ended=self.run_id)
+        self.link.publish_status("online")
 
     def _tell_roster(self, roster: list[str]) -> None:
         """Put the devices this service expects into its retained status (``fcl status`` lists
@@ -289,11 +316,12 @@ class AggregatorService:
                 self._commit(rnd)
                 return
             log.warning(
-                "round %d attempt %d: %d updates, quorum %d; re-announcing",
+                "round %d attempt %d: %d updates, quorum %d%s",
                 rnd,
                 attempt,
                 len(received),
                 self.collector.quorum(len(roster)),
+                "; re-announcing" if attempt < self.fed.rounds.max_attempts else "",
             )
         raise NotEnoughClients(f"round {rnd} missed its quorum in {self.fed.rounds.max_attempts} attempts")
 
@@ -313,11 +341,26 @@ class AggregatorService:
         return sent
 
     # -- the end of the run -----------------------------------------------------------
-    def _finish(self) -> None:
-        """Send the final model; clients answer with an evaluation of it."""
+    def _finish(self, received: dict[str, Update]) -> None:
+        """Send the final model; clients answer with an evaluation of it (journaled like updates:
+        ``received`` holds those taken back after a restart), with as many attempts as a round
+        (a device that restarts slowly still counts).  Stopped meanwhile, nothing is summed up:
+        the restart goes on collecting."""
         last = self.fed.total_rounds
-        self._announce(Kind.FINISH, last, self.schedule.task_of(last))
+        self.open_round = last
         roster = self.clients.roster(self.schedule.task_of(last))  # the last task's active clients
-        received = self.collector.collect(last, roster, self.global_params, kind=Kind.EVAL)
+        for attempt in range(1, self.fed.rounds.max_attempts + 1):
+            self._announce(Kind.FINISH, last, self.schedule.task_of(last), attempt)
+            self.collector.collect(last, roster, self.global_params, received, kind=Kind.EVAL)
+            if self.stop.is_set() or self.collector.complete(received, set(roster)):
+                break
+        if self.stop.is_set():
+            log.info("stopped during the final evaluation (%d/%d in); a restart goes on", len(received), len(roster))
+            return
         self.runlog.round_summary(last - 1, self.schedule.task_of(last - 1))
-        log.info("final evaluation from %d/%d clients", len(received), len(roster))
+        missing = sorted(set(roster) - set(received))
+        log.info("final evaluation from %d/%d clients%s", len(received), len(roster), _missing(missing))
+
+
+def _missing(clients: list[str]) -> str:
+    return f"; missing: {', '.join(clients)}" if clients else ""

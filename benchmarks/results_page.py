@@ -39,6 +39,8 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("Services", "aggregate.md", "Folding N sparse updates in one process."),
     ("Services", "fleet.md", "One round of many synthetic devices over Mosquitto."),
     ("Services", "chaos.md", "Seeded fault schedules over a persistent Mosquitto."),
+    ("Services", "chaos_issue42.md", "The end of a run, forged run ids, late devices, retained garbage (issue 42)."),
+    ("Services", "chaos_issue42_all.md", "One schedule of every fault kind, on a heavily loaded machine."),
     ("Services", "bad_inputs.md", "The bad-input table: seconds per row."),
 ]
 SUPERSEDED = {

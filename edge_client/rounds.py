@@ -49,6 +49,7 @@ class RoundWork:
         self.handoff = ServeHandoff(writer, cfg.serve.every)
         self.waiting: tuple[Frame, int] | None = None  # a round whose task's data has not arrived yet
         self.pending: tuple[Frame, int] | None = None  # a round waiting for the device's own frame
+        self.final_eval: bytes | None = None  # the final evaluation sent, re-sent until the end is committed
 
     # -- checkpoints ---------------------------------------------------------------------
     def restore(self) -> None:
@@ -217,6 +218,7 @@ class RoundWork:
         meta = {**({"eval": report} if report is not None else {}), "rejected": dict(self.stats.rejected)}
         rnd, task = frame.header.round, frame.header.task
         payload = self.uplink.frame(Kind.EVAL, rnd, task, meta, {}, self.device.fed.value_coding, self.device.run_id)
+        self.final_eval = payload
         self.uplink.deliver(payload, f"eval:{rnd}")
         self.writer.submit(served)
         self.writer.wait()  # the final model is in service before the daemon exits

@@ -14,6 +14,7 @@ from pathlib import Path
 from edge_client.ledger import RoundLedger
 from fclcore.health import device_health, meter_kinds
 from fclcore.procmem import peak_rss_mb, rss_mb
+from fclcore.runid import check_run_id
 from fclcore.transport import parse_status
 
 log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
@@ -25,11 +26,16 @@ class AggregatorWatch:
         self.lost_since: float | None = None  # since when the aggregator is gone (status or link)
         self.state = "unknown"
         self.told_lost = False
+        self.run: str | None = None  # the run the aggregator's status last named (its last-will names none)
+        self.ended: str | None = None  # the run whose end it last said is committed
 
     def on_status(self, payload: bytes) -> None:
         """The aggregator's retained status changed."""
         status = parse_status(payload)
         self.state = status["state"] if status else "unknown"
+        if status and _is_run(status.get("run")):
+            self.run = status["run"]
+            self.ended = status.get("ended") if _is_run(status.get("ended")) else None
         if self.state == "online":
             if self.told_lost:
                 log.info("the aggregator is back")
@@ -52,6 +58,14 @@ class AggregatorWatch:
             log.warning("no aggregator for %.0f s (%s); still waiting for it", gone, why)
             self.link.publish_status("online", aggregator="lost")
             self.told_lost = True
+
+
+def _is_run(value: object) -> bool:
+    try:
+        check_run_id(value)
+    except ValueError:
+        return False
+    return True
 
 
 class RoundStats:

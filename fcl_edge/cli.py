@@ -444,16 +444,28 @@ def _broker(args: argparse.Namespace) -> int:
     return run_embedded_broker(args.host, args.port, args.ready_file)
 
 
+def _ignore_stop_signals() -> None:
+    """From the last ``atexit`` call on, a stop signal changes nothing: the exit code is decided."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _serve(run: Callable[[threading.Event], int]) -> int:
     """Run a daemon; SIGTERM/SIGINT only set an event that its loop checks.  A directory it
-    cannot write (out_dir, state_dir: permissions, a read-only or full disk) is STATE_ERROR."""
+    cannot write (out_dir, state_dir: permissions, a read-only or full disk) is STATE_ERROR.
+    The handlers stay until the process exits (the interpreter's teardown would otherwise
+    restore the default action, and a late SIGTERM would end it as 143): a stop that came
+    during the daemon's own teardown makes a clean exit INTERRUPTED."""
+    import atexit
     import errno
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    atexit.register(_ignore_stop_signals)
     try:
-        return int(run(stop))
+        code = int(run(stop))
+        return int(ExitCode.INTERRUPTED) if stop.is_set() and code == ExitCode.OK else code
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
             raise

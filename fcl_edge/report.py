@@ -19,12 +19,16 @@ writes PNGs and a markdown summary:
 * ``report.md``: the final numbers in a table, with a ``fleet acc`` column (the fleet
   matrix's ``avg_accuracy``) when some run has one, and a ``run-level`` column when some run
   has ``bytes.run_level`` (``fcl_edge.attribution``): the share of the devices' bytes no round
-  row counts (statuses, EVAL, FINISH, re-sends, ...), with its up and down bytes.
+  row counts (statuses, EVAL, FINISH, re-sends, ...), with its up and down bytes; above it, a
+  warning for every run that is not complete (``summary.json`` ``status``: interrupted or
+  failed) or misses some devices' final evaluation (``run_warnings``, also printed on stderr
+  by ``fcl report``).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
@@ -72,6 +76,8 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
     if fleets := {name: f for name, (s, _) in runs.items() if (f := _fleet_accuracy(s))}:
         written.append(_task_accuracy(fleets, out_dir))
     written.append(_table(runs, out_dir))
+    for line in run_warnings(runs):
+        print(f"fcl report: warning: {line}", file=sys.stderr)
     return written
 
 
@@ -178,10 +184,24 @@ def _task_accuracy(fleets: dict[str, dict], out_dir: Path) -> Path:
     return save(fig, out_dir / "task_accuracy.png")
 
 
+def run_warnings(runs: dict) -> list[str]:
+    """One line per run whose numbers are not those of a finished run: its status is not
+    ``complete``, or devices' final evaluations are missing (summaries written before runs had
+    a status say nothing)."""
+    out = []
+    for name, (s, _) in runs.items():
+        status, missing = s.get("status"), s.get("missing_final_evaluations") or []
+        if status not in (None, "complete"):
+            out.append(f"run {name} is {status}: its numbers are not those of a finished run")
+        if missing:
+            out.append(f"run {name}: no final evaluation from {', '.join(missing)}; its final metrics leave them out")
+    return out
+
+
 def _table(runs: dict, out_dir: Path) -> Path:
     fleet_col = any((s.get("fleet") or {}).get("avg_accuracy") is not None for s, _ in runs.values())
     run_col = any("run_level" in s["bytes"] for s, _ in runs.values())
-    lines = [
+    lines = [f"> **Warning**: {w}\n" for w in run_warnings(runs)] + [
         "| run | method | metric | value | forgetting | bytes up | bytes down "
         "| dense fp32 up | dense fp32 down |"
         + (" fleet acc |" if fleet_col else "")

@@ -550,11 +550,17 @@ class ClientConfig:
     on_new_run: Literal["join", "refuse"] = "join"  # a newer run of the federation: start over in it, or exit 8
     aggregator_timeout_s: float = 300.0  # no aggregator this long: say so in the status and the log (never exit)
     memory_budget_mb: Optional[float] = None  # told in the status: dashboards and alerts compare peak RSS with it
+    # a run id may start at most this far ahead of this device's clock (a later one is a forgery or a wrong clock)
+    max_clock_skew_s: float = 30.0
+    # with nothing to do in any run this long (its run ended before it came; its aggregator runs another
+    # run), the device exits 9 / 10; its final evaluation is held this long for the end to be acknowledged
+    run_over_s: float = 300.0
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
-        if not self.aggregator_timeout_s > 0:
-            raise ValueError(f"aggregator_timeout_s: expected a positive number, got {self.aggregator_timeout_s}")
+        for name in ("aggregator_timeout_s", "max_clock_skew_s", "run_over_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)}")
         if self.memory_budget_mb is not None and not 0 < self.memory_budget_mb < 2**30:
             raise ValueError(f"memory_budget_mb: expected a positive number of MiB, got {self.memory_budget_mb}")
         validate_id(self.federation, "federation")

@@ -72,8 +72,8 @@ REQUIRED = {  # (section, key) -> exact value, or None for "present"
 }
 
 
-PREVENT = {  # exit codes a restart cannot help: bad input; a device refusing a newer run
-    "client": f"{int(ExitCode.BAD_INPUT)} {int(ExitCode.OTHER_RUN)}",
+PREVENT = {  # exit codes a restart cannot help: bad input; a device refusing a newer run, or stuck in a stale one
+    "client": f"{int(ExitCode.BAD_INPUT)} {int(ExitCode.OTHER_RUN)} {int(ExitCode.RUN_STALLED)}",
     "aggregator": str(int(ExitCode.BAD_INPUT)),
 }
 
