@@ -12,6 +12,7 @@ every round announcement, so devices never need to be reconfigured to change a r
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
@@ -513,6 +514,24 @@ class ServeSpec:
             raise ValueError(f"serve.export_timeout_s must be > 0, got {self.export_timeout_s}")
 
 
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+@dataclass
+class TrainPlacement:
+    """Where and in what precision this device trains (``fclcore.device``): its own hardware,
+    so it lives in the device's config, not in the federation's ``train``.  ``cpu``/``off``
+    leave every number as it was before these settings existed."""
+
+    device: str = "cpu"  # auto (CUDA when torch has it, else CPU), cpu, cuda, cuda:N
+    # mixed precision of the training step; bf16 on the quickstart's ConFedMADE: see docs/accelerators.md
+    amp: Literal["off", "bf16", "fp16"] = "off"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
 @dataclass
 class ClientConfig:
     client_id: str
@@ -528,6 +547,7 @@ class ClientConfig:
     allow_embedding_upload: bool = False  # privacy opt-in: this device may upload embeddings of its data
     on_new_run: Literal["join", "refuse"] = "join"  # a newer run of the federation: start over in it, or exit 8
     aggregator_timeout_s: float = 300.0  # no aggregator this long: say so in the status and the log (never exit)
+    train: TrainPlacement = field(default_factory=TrainPlacement)
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
@@ -547,6 +567,8 @@ class Scenario:
     sign_updates: bool = False  # fcl simulate provisions a key per device and the aggregator requires signatures
     membership: Optional[str] = None  # a preset (fully, decreasing, increasing, scattered) -> federation.membership
     allow_embedding_upload: bool = False  # copied into every client config
+    device: str = "cpu"  # train.device of every client config (TrainPlacement)
+    amp: Literal["off", "bf16", "fp16"] = "off"  # train.amp of every client config
     # ``fcl simulate`` runs the scenario once per method listed, each into OUT/<method>, and
     # prints one comparison table; empty or absent: one run of federation.method
     compare: Optional[list[str]] = None
@@ -557,6 +579,7 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.clients < 1:
             raise ValueError(f"clients: expected >= 1, got {self.clients}")
+        TrainPlacement(self.device, self.amp)  # ValueError naming the bad one
         for name in self.method_options:
             validate_id(name, "method_options: method name")
         for name in self.compare or ():
