@@ -80,7 +80,7 @@ class ClientDaemon:
             self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8, cfg.serve.export_timeout_s
         )
         self.control = ControlServer(
-            self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path
+            self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path, cfg.serve.providers
         )
         self.subscribed = (  # exact topics: a message on any other was misrouted by the broker
             topics.round_topic(cfg.federation),
@@ -175,6 +175,9 @@ class ClientDaemon:
             "tasks_on_device": len(self.device.data.train),
             "waiting_for_task": waiting[0].header.task if waiting else None,
             "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
+            "serve_provider": self.control.provider,
+            "train_device": str(self.device.train_device),
+            "train_amp": self.cfg.train.amp,
             "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")},
         }
 

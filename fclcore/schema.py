@@ -501,6 +501,24 @@ class ClientDataSpec:
         return self.seed if self.split_seed is None else self.split_seed
 
 
+# every execution provider onnxruntime 1.32 names (ort.get_all_providers()); a build has a few
+ORT_PROVIDERS = (
+    "TensorrtExecutionProvider", "CUDAExecutionProvider", "MIGraphXExecutionProvider",
+    "OpenVINOExecutionProvider", "DnnlExecutionProvider", "VitisAIExecutionProvider", "QNNExecutionProvider",
+    "NnapiExecutionProvider", "VSINPUExecutionProvider", "JsExecutionProvider", "CoreMLExecutionProvider",
+    "DmlExecutionProvider", "RknpuExecutionProvider", "WebNNExecutionProvider", "WebGpuExecutionProvider",
+    "XnnpackExecutionProvider", "CANNExecutionProvider", "AzureExecutionProvider", "CPUExecutionProvider",
+)  # fmt: skip
+
+
+def check_providers(names: list[str]) -> None:
+    """ValueError unless ``names`` are distinct onnxruntime provider names (checked without
+    importing onnxruntime, which the daemon loads only when it first serves)."""
+    unknown = [n for n in names if n not in ORT_PROVIDERS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(f"providers: expected distinct onnxruntime provider names, got {names} (unknown: {unknown})")
+
+
 @dataclass
 class ServeSpec:
     """When the device re-exports the model it serves (out_dir/model.onnx)."""
@@ -508,10 +526,14 @@ class ServeSpec:
     every: Literal["task", "round", "never"] = "task"
     int8: bool = False  # also write model.int8.onnx (dynamic int8 weights)
     export_timeout_s: float = 600.0  # an export child (MADE, FedET text) still running after this is killed
+    # onnxruntime execution providers of the served MADE model (the control socket), in order of
+    # preference: the first the installed onnxruntime has runs it (export/providers.py)
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
 
     def __post_init__(self) -> None:
         if not self.export_timeout_s > 0:
             raise ValueError(f"serve.export_timeout_s must be > 0, got {self.export_timeout_s}")
+        check_providers(self.providers)
 
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
