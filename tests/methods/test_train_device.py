@@ -150,3 +150,30 @@ def test_simulate_asked_for_cuda_without_it_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.device: cuda asked for" in lines[0], proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        ("train:\n  device: cuda\n", "train.device: cuda asked for"),
+        ("serve:\n  providers: [FpgaExecutionProvider]\n", "unknown: ['FpgaExecutionProvider']"),
+    ],
+)
+def test_fcl_client_refuses_what_this_machine_lacks_with_one_line(tmp_path, setting, says):
+    (tmp_path / "data").mkdir()
+    config = tmp_path / "client.yaml"
+    config.write_text(
+        f"client_id: c0\nfederation: f\ndata_dir: {tmp_path / 'data'}\nout_dir: {tmp_path / 'out'}\n"
+        f"broker:\n  url: mqtt://127.0.0.1:1\n{setting}"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "fcl_edge.cli", "client", "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr
