@@ -18,6 +18,7 @@ from edge_client.taskdir import TaskDirectory
 from fclcore.codec import CodecLimits, Frame, decode
 from fclcore.config import to_dict
 from fclcore.data import ClientTasks
+from fclcore.device import place
 from fclcore.device import resolve as resolve_device
 from fclcore.learner import Learner
 from fclcore.procmem import release_free_memory
@@ -58,8 +59,7 @@ class DeviceLearner:
         with BUILD_LOCK:
             self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
         self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
-        if self.train_device.type != "cpu" or self.cfg.train.amp != "off":  # the CPU path is left as it was
-            self.learner.place(self.train_device, self.cfg.train.amp)
+        place(self.learner, self.cfg.train.device, self.train_device, self.cfg.train.amp)
         self.learner.fleet_data = self.data.fleet
         self._fit_pixels()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 
@@ -36,6 +36,22 @@ def resolve(spec: str) -> torch.device:
     if (device.index or 0) >= torch.cuda.device_count():
         raise ConfigError(f"train.device: {spec} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def place(learner: Any, spec: str, device: torch.device, amp: str) -> None:
+    """``learner`` (a ``fclcore.learner.Learner``) onto ``device`` (resolved from ``spec``) with
+    ``amp``; ValueError when its method cannot train there.  The CPU without amp is left as it
+    always was.  ``auto``: a method that cannot leave the CPU stays there, and the log says so."""
+    if device.type == "cpu" and amp == "off":
+        return
+    try:
+        learner.place(device, amp)
+    except ValueError as exc:
+        if spec != "auto" or device.type == "cpu":
+            raise
+        log.warning("train.device auto: %s; it trains on the CPU", exc)
+        if amp != "off":
+            learner.place(torch.device("cpu"), amp)
 
 
 def autocast(device: torch.device, amp: str) -> ContextManager:

@@ -33,7 +33,6 @@ from fclbases.made.options import step_order, upload_order
 from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
-from fclcore.learner import Learner
 from fclcore.made_spec import made_masks, mask_for_param
 from fclcore.masked_upload import MIN_GATE, dense, pack, selection, top_units
 from fclcore.procmem import release_free_memory
@@ -78,7 +77,7 @@ class DecomposedLearner(MadeLearner):
         """amp on the CPU only, for now: the knowledge base, the anchors, the penalty's workspace
         and the optimiser's split moments are still made as CPU tensors (issue 35)."""
         if device.type != "cpu":
-            Learner.place(self, device, amp)
+            raise ValueError(f"method {self.fed.method} trains on the CPU only (asked: {device})")
         super().place(device, amp)
 
     # -- federation ----------------------------------------------------------------------

@@ -177,3 +177,24 @@ def test_fcl_client_refuses_what_this_machine_lacks_with_one_line(tmp_path, sett
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], proc.stderr
+
+
+def test_auto_leaves_a_method_that_cannot_move_on_the_cpu_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = fcl_device.resolve("auto")
+    learner = learner_for(_fed("confedmade"), D, 1)
+    with caplog.at_level("WARNING", logger="fclcore.device"):
+        fcl_device.place(learner, "auto", cuda, "bf16")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "train.device auto: method confedmade trains on the CPU only (asked: cuda); it trains on the CPU"
+    ]
+    assert (learner.device, learner.amp) == (torch.device("cpu"), "bf16")
+    with pytest.raises(ValueError, match="confedmade trains on the CPU"):
+        fcl_device.place(learner, "cuda", cuda, "off")  # asked for by name: refused
+
+
+def test_auto_resolves_and_logs_once_per_process(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("INFO", logger="fclcore.device"):
+        assert fcl_device.resolve("auto") == fcl_device.resolve("auto") == torch.device("cpu")
+    assert [r.getMessage() for r in caplog.records] == ["train.device auto: training on cpu"]
