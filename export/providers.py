@@ -16,13 +16,14 @@ log = logging.getLogger(__name__)
 CPU = "CPUExecutionProvider"
 
 
-@functools.cache  # one line in the log per list, however often a model is (re)loaded
+@functools.cache  # one line in the log per list (none for the default), however often a model is (re)loaded
 def usable(wanted: tuple[str, ...]) -> tuple[str, ...]:
     """The wanted providers (names checked by ``fclcore.schema.check_providers``) this
     onnxruntime has, in order; the CPU when it has none of them."""
     have = set(ort.get_available_providers())
     chosen = tuple(name for name in wanted if name in have) or (CPU,)
     lacking = [name for name in wanted if name not in have]
-    note = f" (this onnxruntime {ort.__version__} lacks {', '.join(lacking)})" if lacking else ""
-    log.info("serving with %s%s", chosen[0], note)
+    if wanted != (CPU,):  # the default, as before these settings existed, goes unsaid
+        note = f" (this onnxruntime {ort.__version__} lacks {', '.join(lacking)})" if lacking else ""
+        log.info("serving with %s%s", chosen[0], note)
     return chosen
