@@ -85,7 +85,7 @@ class ClientDaemon:
             self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8, cfg.serve.export_timeout_s
         )
         self.control = ControlServer(
-            self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path
+            self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path, cfg.serve.providers
         )
         self.nack_topic = topics.nack_topic(cfg.federation, cfg.client_id)  # why a frame of ours was dropped
         self.subscribed = (  # exact topics: a message on any other was misrouted by the broker
@@ -195,6 +195,9 @@ class ClientDaemon:
             "tasks_on_device": len(self.device.data.train),
             "waiting_for_task": waiting[0].header.task if waiting else None,
             "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
+            "serve_provider": self.control.provider,
+            "train_device": str(self.device.train_device),
+            "train_amp": self.cfg.train.amp,
             "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")},
             "health": self.stats.health(self.work.sync_report(), self.link.meter.snapshot(), self.cfg.memory_budget_mb),
             "retained_status": dict(self.link.status_fields),  # health; protocol fields where the daemon sets them

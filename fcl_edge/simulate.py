@@ -40,6 +40,7 @@ from fclcore.data import (
     pool_task_split,
     random_client_tasks,
 )
+from fclcore.device import resolve as resolve_device
 from fclcore.errors import BrokerUnreachable
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership, preset
@@ -51,6 +52,7 @@ from fclcore.schema import (
     ClientDataSpec,
     Scenario,
     ServeSpec,
+    TrainPlacement,
     parse_broker_url,
 )
 from fclcore.signing import write_key
@@ -81,6 +83,7 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     """Load and check everything up front, so a bad scenario fails before any process starts."""
     sc = load_config(Scenario, scenario_path, overrides)
     _check_method_options(sc, scenario_path)
+    resolve_device(sc.device)  # ConfigError: a CUDA device this machine lacks
     spec, options, fed = methods.resolve(sc.run_federation(), scenario_path)
     sc = dataclasses.replace(sc, federation=fed)
     pool_ids = None
@@ -445,6 +448,7 @@ def write_configs(
             out_dir=str(out_dir / "clients" / cid),
             key_file=str(keys_dir / f"{cid}.key") if keys_dir else None,
             allow_embedding_upload=p.scenario.allow_embedding_upload,
+            train=TrainPlacement(p.scenario.device, p.scenario.amp),
         )
     written = {}
     for name, cfg in configs.items():

@@ -12,6 +12,7 @@ every round announcement, so devices never need to be reconfigured to change a r
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
@@ -521,6 +522,24 @@ class ClientDataSpec:
         return self.seed if self.split_seed is None else self.split_seed
 
 
+# every execution provider onnxruntime 1.32 names (ort.get_all_providers()); a build has a few
+ORT_PROVIDERS = (
+    "TensorrtExecutionProvider", "CUDAExecutionProvider", "MIGraphXExecutionProvider",
+    "OpenVINOExecutionProvider", "DnnlExecutionProvider", "VitisAIExecutionProvider", "QNNExecutionProvider",
+    "NnapiExecutionProvider", "VSINPUExecutionProvider", "JsExecutionProvider", "CoreMLExecutionProvider",
+    "DmlExecutionProvider", "RknpuExecutionProvider", "WebNNExecutionProvider", "WebGpuExecutionProvider",
+    "XnnpackExecutionProvider", "CANNExecutionProvider", "AzureExecutionProvider", "CPUExecutionProvider",
+)  # fmt: skip
+
+
+def check_providers(names: list[str]) -> None:
+    """ValueError unless ``names`` are distinct onnxruntime provider names (checked without
+    importing onnxruntime, which the daemon loads only when it first serves)."""
+    unknown = [n for n in names if n not in ORT_PROVIDERS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(f"providers: expected distinct onnxruntime provider names, got {names} (unknown: {unknown})")
+
+
 @dataclass
 class ServeSpec:
     """When the device re-exports the model it serves (out_dir/model.onnx)."""
@@ -528,10 +547,33 @@ class ServeSpec:
     every: Literal["task", "round", "never"] = "task"
     int8: bool = False  # also write model.int8.onnx (dynamic int8 weights)
     export_timeout_s: float = 600.0  # an export child (MADE, FedET text) still running after this is killed
+    # onnxruntime execution providers of the served MADE model (the control socket), in order of
+    # preference: the first the installed onnxruntime has runs it (export/providers.py)
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
 
     def __post_init__(self) -> None:
         if not self.export_timeout_s > 0:
             raise ValueError(f"serve.export_timeout_s must be > 0, got {self.export_timeout_s}")
+        check_providers(self.providers)
+
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+@dataclass
+class TrainPlacement:
+    """Where and in what precision this device trains (``fclcore.device``): its own hardware,
+    so it lives in the device's config, not in the federation's ``train``.  ``cpu``/``off``
+    leave every number as it was before these settings existed."""
+
+    device: str = "cpu"  # auto (CUDA when torch has it, else CPU), cpu, cuda, cuda:N
+    # mixed precision of the training step; on the quickstart (CPU) bf16 moved avg NLL by under
+    # 0.005 nats (confedmade 20.9486 -> 20.9478, fedavg 22.7763 -> 22.7807): docs/accelerators.md
+    amp: Literal["off", "bf16", "fp16"] = "off"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
 @dataclass
@@ -555,6 +597,7 @@ class ClientConfig:
     # with nothing to do in any run this long (its run ended before it came; its aggregator runs another
     # run), the device exits 9 / 10; its final evaluation is held this long for the end to be acknowledged
     run_over_s: float = 300.0
+    train: TrainPlacement = field(default_factory=TrainPlacement)
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
@@ -577,6 +620,8 @@ class Scenario:
     sign_updates: bool = False  # fcl simulate provisions a key per device and the aggregator requires signatures
     membership: Optional[str] = None  # a preset (fully, decreasing, increasing, scattered) -> federation.membership
     allow_embedding_upload: bool = False  # copied into every client config
+    device: str = "cpu"  # train.device of every client config (TrainPlacement)
+    amp: Literal["off", "bf16", "fp16"] = "off"  # train.amp of every client config
     # ``fcl simulate`` runs the scenario once per method listed, each into OUT/<method>, and
     # prints one comparison table; empty or absent: one run of federation.method
     compare: Optional[list[str]] = None
@@ -590,6 +635,7 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.clients < 1:
             raise ValueError(f"clients: expected >= 1, got {self.clients}")
+        TrainPlacement(self.device, self.amp)  # ValueError naming the bad one
         for name in self.method_options:
             validate_id(name, "method_options: method name")
         for name in self.compare or ():
