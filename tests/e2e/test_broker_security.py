@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from support.mosquitto import Mosquitto
+from support.timescale import scaled
 
 from fclcore import topics
 from fclcore.codec import CodecLimits
@@ -196,7 +197,7 @@ def pki(tmp_path_factory) -> Path:
             check=False,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
         )
         assert done.returncode == 0, done.stderr
     return base
@@ -208,7 +209,9 @@ def passwd(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("auth") / "passwd"
     for i, (user, password) in enumerate(PASSWORDS.items()):
         create = [] if i else ["-c"]
-        subprocess.run([tool, *create, "-b", str(path), user, password], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [tool, *create, "-b", str(path), user, password], check=True, capture_output=True, timeout=scaled(30)
+        )
     return path
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from support.timescale import scaled
 
 from fclcore.codec import SparseTensor, decode
 from tests.support.fleet import Fleet
@@ -54,7 +55,7 @@ def c_device(tmp_path_factory) -> Path:
 def test_the_c_device_decodes_every_vector(c_device: Path, tmp_path: Path) -> None:
     """Section 15: every frame decodes to its JSON, every invalid one is rejected, the digest
     (P-7.6) and SplitMix64 (P-7.8) match."""
-    run = subprocess.run([str(c_device), "--vectors", str(VECTORS)], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([str(c_device), "--vectors", str(VECTORS)], capture_output=True, text=True, timeout=scaled(60))
     assert run.returncode == 0, run.stdout + run.stderr
     frames = json.loads((VECTORS / "frames.json").read_text())
     invalid = json.loads((VECTORS / "invalid.json").read_text())
@@ -68,7 +69,9 @@ def test_the_c_device_decodes_every_vector(c_device: Path, tmp_path: Path) -> No
     invalid[0]["hex"] = frames[1]["hex"]  # a valid frame among the invalid ones must be reported
     (changed / "frames.json").write_text(json.dumps(frames))
     (changed / "invalid.json").write_text(json.dumps(invalid))
-    failing = subprocess.run([str(c_device), "--vectors", str(changed)], capture_output=True, text=True, timeout=60)
+    failing = subprocess.run(
+        [str(c_device), "--vectors", str(changed)], capture_output=True, text=True, timeout=scaled(60)
+    )
     assert failing.returncode == 1
     assert f"FAIL frame {frames[0]['name']}" in failing.stdout
     assert f"FAIL invalid {invalid[0]['name']}: accepted" in failing.stdout
@@ -124,8 +127,8 @@ def test_the_c_device_completes_a_fedavg_federation(run: str, c_device: Path, mo
                 fleet.start(name)
         with open(c_log, "w") as err:
             device = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
-            codes = fleet.wait(timeout=420)
-            out, _ = device.communicate(timeout=60)
+            codes = fleet.wait(timeout=scaled(420))
+            out, _ = device.communicate(timeout=scaled(60))
     finally:
         fleet.stop()
         recorder.stop()
@@ -169,13 +172,13 @@ def test_a_restarted_c_device_fetches_the_full_model_and_finishes(c_device: Path
                 fleet.start(name)
         with open(tmp_path / "c-device.1.log", "w") as err:
             first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
-            fleet.wait_for_round(1, timeout=300)
+            fleet.wait_for_round(1, timeout=scaled(300))
             first.kill()
             first.wait(10)
         with open(tmp_path / "c-device.2.log", "w") as err:
             second = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
-            codes = fleet.wait(timeout=420)
-            out, _ = second.communicate(timeout=60)
+            codes = fleet.wait(timeout=scaled(420))
+            out, _ = second.communicate(timeout=scaled(60))
     finally:
         fleet.stop()
     logs = fleet.logs() + "\n--- c-device (restarted)\n" + (tmp_path / "c-device.2.log").read_text()[-3000:]

@@ -26,6 +26,7 @@ import yaml
 from support.fleet import QUICK_OVERRIDES as OVERRIDES
 from support.fleet import QUICK_SCENARIO as SCENARIO
 from support.fleet import Fleet, matrices
+from support.timescale import scaled
 
 from aggregator.state import StateStore
 from fclcore.exitcodes import ExitCode
@@ -107,7 +108,7 @@ def test_sigint_while_waiting_for_devices_stops_and_the_restart_continues_the_ru
             [sys.executable, "-m", "fcl_edge.cli", "report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=scaled(300),
         )
         assert report.returncode == 0, report.stderr
         assert "warning: run run is interrupted" in report.stderr
@@ -130,7 +131,7 @@ def test_sigint_while_waiting_for_devices_stops_and_the_restart_continues_the_ru
             [sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(tmp_path / "late.yaml")],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=scaled(120),
         )
         assert proc.returncode == ExitCode.RUN_ENDED, proc.stderr[-2000:]
         assert "ended before this device took part" in proc.stderr

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import run_fcl
 from support.mqtt_counter import MqttCounter
+from support.timescale import scaled
 
 from methods import REGISTRY
 
@@ -56,7 +57,7 @@ def _attributed_run(mosquitto, tmp_path: Path, repo_root: Path, name: str, *extr
     args = ["--out", str(out), "--broker", f"mqtt://127.0.0.1:{counter.port}"]
     args += [item for s in sets for item in ("--set", s)]
     try:
-        result = run_fcl("simulate", str(repo_root / spec.example_scenario), *args, timeout=600)
+        result = run_fcl("simulate", str(repo_root / spec.example_scenario), *args, timeout=scaled(600))
         assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         summary = json.loads((out / "summary.json").read_text())
         relay = {c: {d: counter.publish_bytes(f"fcl-{fed}-{c}", d) for d in WAYS} for c in summary["client_ids"]}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--set", "compare=[]", "--set", "federation.method=confedmade", "--set", "federation.rounds_per_task=2"]
@@ -19,7 +20,7 @@ RUN = ["--set", "compare=[]", "--set", "federation.method=confedmade", "--set", 
 def _final(out: Path, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "fcl_edge.cli", "simulate", "configs/scenarios/quickstart.yaml", "--in-process"]
     proc = subprocess.run(
-        [*cmd, *RUN, *extra, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900
+        [*cmd, *RUN, *extra, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=scaled(900)
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())

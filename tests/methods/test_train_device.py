@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.timescale import scaled
 
 from fclcore import device as fcl_device
 from fclcore.config import ConfigError, from_dict
@@ -145,7 +146,7 @@ def test_simulate_asked_for_cuda_without_it_exits_2_with_one_line(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -172,7 +173,7 @@ def test_fcl_client_refuses_what_this_machine_lacks_with_one_line(tmp_path, sett
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

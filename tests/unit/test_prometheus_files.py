@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.prometheus import DEPLOY, binary, shipped_config
+from support.timescale import scaled
 
 from aggregator.metrics import AggregatorMetrics
 
@@ -24,7 +25,7 @@ def promtool(*args: str, cwd: Path = DEPLOY) -> subprocess.CompletedProcess:
         tool = binary("promtool")
     except RuntimeError as exc:
         pytest.fail(str(exc))
-    return subprocess.run([tool, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run([tool, *args], cwd=cwd, capture_output=True, text=True, timeout=scaled(120))
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from support.timescale import scaled
 
 from export import providers
 from export.onnx_made import ServedModel, export_served_model
@@ -75,7 +76,9 @@ def test_the_jetson_config_lists_tensorrt_cuda_cpu(monkeypatch):
 def test_fcl_infer_takes_providers_and_refuses_an_unknown_one(model_file):
     def infer(names: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "export.cli", "infer", str(model_file), "--op", "sample", "--n", "2"]
-        return subprocess.run([*cmd, "--providers", names], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [*cmd, "--providers", names], cwd=ROOT, capture_output=True, text=True, timeout=scaled(120)
+        )
 
     ok = infer(",".join(JETSON))
     assert ok.returncode == 0, ok.stderr
