@@ -66,7 +66,7 @@ class Announcer:
         ``failed``: a FINISH saying the run failed (no model, the reason)."""
         meta = {
             "run": self.outbox.run_id,
-            "clock_us": time.time_ns() // 1000,  # devices keep their sequence numbers on this clock
+            "clock_us": time.time_ns() // 1000,  # protocol-1 devices number their frames on it (P-SEQ-7)
             "federation": to_dict(self.fed),
             "input_dim": self.input_dim,
             "total_rounds": self.fed.total_rounds,

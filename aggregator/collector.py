@@ -46,23 +46,30 @@ class Collector:
             self.resend = ResendClock(self.rounds.resend_after_s)
 
     def quorum(self, enrolled: int) -> int:
-        """Updates a round needs: the configured share of the clients enrolled for it, as a count."""
+        """Updates a round needs: the configured share of the clients enrolled for it, as a count
+        (buffered rounds: ``buffer_k``, from whichever devices send them)."""
+        if self.rounds.mode == "buffered":
+            return self.rounds.buffer_k
         return quorum_count(self.rounds.quorum, enrolled)
 
     def wait_online(self, expected: set[str], open_round: int, carried: dict[str, Update], model: Model) -> None:
         """Wait for the ``expected`` clients' online status.  After a restart the round in
         progress is open already (its announcement is retained), so updates queued for it are
         taken into ``carried`` here (``open_round``: -1 before the first round)."""
-        deadline = time.monotonic() + self.rounds.start_timeout_s
+        started = time.monotonic()
+        deadline = started + self.rounds.start_timeout_s
         need, notice = self.quorum(len(expected)), WaitNotice("start")
         while not expected <= self.clients.online and time.monotonic() < deadline and not self.stop.is_set():
             self._take(open_round, carried, POLL_S, model, Kind.UPDATE)
             notice.check(expected - self.clients.online, len(expected & self.clients.online), need, len(expected))
         online = len(self.clients.online & expected)
+        if self.stop.is_set():  # a stop is not a failed federation: the run stays resumable
+            log.info("stopped while waiting for devices (%d/%d online)", online, len(expected))
+            return
         if online < need:
             raise NotEnoughClients(
                 f"{online} of {len(expected)} clients online after "
-                f"{self.rounds.start_timeout_s:.0f} s; quorum needs {need}"
+                f"{time.monotonic() - started:.0f} s; quorum needs {need}"
             )
         log.info("%d/%d clients online", online, len(expected))
 
@@ -81,18 +88,21 @@ class Collector:
         expected = set(roster)
         need = self.quorum(len(expected))
         notice = WaitNotice(f"round {rnd + 1}" if kind is Kind.UPDATE else "final evaluation")
-        while not self.complete(received, expected) and time.monotonic() < deadline and not self.stop.is_set():
+        while not self.complete(received, expected, kind) and time.monotonic() < deadline and not self.stop.is_set():
             self._take(rnd, received, min(POLL_S, max(0.0, deadline - time.monotonic())), model, kind)
             resend.arrived(len(received))
             notice.check(expected - set(received), len(received), need, len(expected))
             self.outbox.republish_after_outage()
+            self.outbox.repair()  # a foreign message replaced a retained one (garbage, a forgery)
             if resend.due() and set(received) < expected:
                 self.announcer.request(kind, rnd, sorted(expected - set(received)))
                 resend.asked()
         resend.close()
         return received
 
-    def complete(self, received: dict[str, Update], expected: set[str]) -> bool:
+    def complete(self, received: dict[str, Update], expected: set[str], kind: Kind = Kind.UPDATE) -> bool:
+        if self.rounds.mode == "buffered" and kind is Kind.UPDATE:
+            return len(received) >= self.rounds.buffer_k  # the version is published, whoever is still training
         if set(received) >= expected:
             return True
         return len(received) >= self.quorum(len(expected)) and set(received) >= (expected & self.clients.online)

@@ -22,7 +22,17 @@ from typing import Callable, Mapping
 import numpy as np
 
 from fclcore.codec import SparseTensor, Tensor
-from fclcore.model_sync import VALUE_BYTES, ModelRef, apply, catchup, changes, delta, lossless_dtype, model_hash
+from fclcore.model_sync import (
+    VALUE_BYTES,
+    ModelRef,
+    apply,
+    catchup,
+    changes,
+    delta,
+    lossless_dtype,
+    model_digest,
+    model_hash,
+)
 
 Roundtrip = Callable[[dict[str, Tensor]], Mapping[str, Tensor]]  # tensors -> what a device decodes
 
@@ -41,6 +51,7 @@ class ModelDownlink:
         self.version: int | None = None
         self.served: dict[str, np.ndarray] | None = None
         self.hash = ""
+        self.digest: str | None = None  # the protocol 2 digest of ``served`` (``model_digest``)
         self.last: tuple[dict[str, Tensor], ModelRef] | None = None  # the latest announcement's content
         self.steps: deque[dict[str, np.ndarray]] = deque(maxlen=max(1, catchup_versions))  # changes per version
 
@@ -70,7 +81,8 @@ class ModelDownlink:
         else:
             self.steps.append(step)
         self.version, self.served, self.hash = version, served, model_hash(served)
-        ref = ModelRef(version, ref.base, self.hash, derived, removed)
+        self.digest = model_digest(served)
+        ref = ModelRef(version, ref.base, self.hash, derived, removed, self.digest)
         self.last = (tensors, ref)  # encoded again exactly as in the round trip: devices decode ``sent``
         return self.last
 
@@ -79,10 +91,16 @@ class ModelDownlink:
         ``full`` always, ``catchup`` when the last versions are known (from two steps back)."""
         if self.served is None or self.version is None:
             return {}
-        out = {"full": (self.served, ModelRef(self.version, None, self.hash), lossless_dtype(self.served))}
+        out = {
+            "full": (
+                self.served,
+                ModelRef(self.version, None, self.hash, digest=self.digest),
+                lossless_dtype(self.served),
+            )
+        }
         steps = list(self.steps)[-self.catchup_versions :] if self.catchup_versions else []
         if len(steps) >= 2:
             tensors = catchup(steps, self.served, 4)
-            ref = ModelRef(self.version, self.version - len(steps), self.hash)
+            ref = ModelRef(self.version, self.version - len(steps), self.hash, digest=self.digest)
             out["catchup"] = (tensors, ref, lossless_dtype(tensors))
         return out

@@ -3,29 +3,38 @@
 A bad message becomes a ``Rejection`` (a reason string that is logged and counted), never
 an exception in the round loop.  Checks, in order: the sender is an expected client; its
 signature (when device keys are configured); codec validity (size, version, checksum,
-finiteness, index ranges); federation, sender, kind and round in the header; the sequence
-number against the last one accepted from that device (replays) and against this service's
-clock (more than ``max_skew_us`` ahead of it is never accepted, so no single frame can push
-the mark out of a device's reach); duplicates; the metadata
-the round loop relies on; tensor names and shapes (the strategy's ``normalize``); and the
+finiteness, index ranges); the sequence window (more than ``SEQUENCE_WINDOW`` past the
+device's mark is never accepted, so no single frame can push the mark out of a device's reach);
+federation, sender, kind and round in the header; the sequence against the run's floor and the
+last one accepted from that device in this run (replays); duplicates; the metadata the round
+loop relies on; tensor names and shapes (the strategy's ``normalize``); and the
 update's L2 distance to the global model (``max_update_norm``).
+
+No wall clock takes part (docs/protocol.md, "Sequences and clocks"): a device numbers its frames
+with a counter it keeps per run, so a clock that steps on either side changes nothing here.  A
+rejection of a decoded frame carries its header and the device's mark, which the device reads
+in its NACK (``aggregator.nacks``).
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Container, Mapping
 
 import numpy as np
 
-from fclcore.codec import CodecError, CodecLimits, Frame, Kind, SparseTensor, Tensor, decode
+from aggregator.buffered import STALE, Buffer
+from fclcore.codec import MAGIC, SPOKEN, CodecError, CodecLimits, Frame, Header, Kind, SparseTensor, Tensor, decode
 from fclcore.signing import SignatureError, verify
 from fclcore.sparsify import DELTA
 from fclcore.strategy import Checked, Update
 
 MAX_SAMPLES = 2**31 - 1  # a sample count is a FedAvg weight: it must stay a sane float
+# how far one accepted frame may move a device's mark (P-SEQ-4): ~12.7 days of microseconds, so
+# devices that still number frames on a clock (protocol 1) fit between two frames; a counter never
+# comes near it, and 2**64 holds ~16 million such steps above any run's start
+SEQUENCE_WINDOW = 2**40
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,8 @@ class Rejection:
     detail: str  # what was received and what was expected
     client: str | None = None
     late: bool = False
+    header: Header | None = None  # the rejected frame's, once it decoded
+    mark: int | None = None  # once the frame decoded: its next number must be above this (P-SEQ-6)
 
 
 # The strategy's view of an update: full-shape tensors (or a ``Checked`` with its parse), or
@@ -54,9 +65,9 @@ class Inbox:
     max_update_norm: float | None = None
     last_seq: dict[str, int] = field(default_factory=dict)  # highest sequence accepted per device
     min_samples: int = 1  # 0 for methods where a device may have nothing to train in a task (fedet)
-    max_skew_us: int = 30_000_000  # a sequence may run at most this far ahead of this service's clock
-    min_seq: int = 0  # no sequence below this: the run's start (minus the skew) on this service's clock
-    clock_us: Callable[[], int] = field(default=lambda: time.time_ns() // 1000)
+    max_skew_us: int = 30_000_000  # how far before the run's start a protocol-1 device's clock may number
+    min_seq: int = 0  # no sequence below this: the run's start (minus the skew); a counter starts above it
+    buffer: Buffer | None = None  # buffered rounds: updates of recent earlier versions are taken too
 
     def check(
         self,
@@ -77,22 +88,39 @@ class Inbox:
                 frame_bytes = verify(payload, self.keys[client])
             except SignatureError as exc:
                 return Rejection("signature", str(exc), client)
+        version = frame_bytes[4] if len(frame_bytes) > 4 and frame_bytes[:4] == MAGIC else None
+        if version is not None and version not in SPOKEN:  # P-VER-3: the NACK names the versions spoken
+            spoken = ", ".join(map(str, SPOKEN))
+            return Rejection("version", f"frame version {version}; this aggregator speaks {spoken}", client)
         try:
             frame = decode(frame_bytes, self.limits)
         except CodecError as exc:
             return Rejection("codec", str(exc), client)
-        ahead = frame.header.sequence - (self.clock_us() + self.max_skew_us)
-        if ahead > 0:  # never accepted, so one forged frame cannot move the replay mark out of reach
-            return Rejection(
-                "sequence",
-                f"sequence {frame.header.sequence} is {ahead / 1e6:.0f} s past this aggregator's clock "
-                f"+ max_clock_skew_s",
-                client,
-            )
+        result = self._check_frame(frame, client, payload, packet_bytes, open_round, received, kind, current)
+        if isinstance(result, Rejection):
+            return replace(result, header=frame.header, mark=max(self.last_seq.get(client, -1), self.min_seq))
+        self.last_seq[client] = frame.header.sequence
+        return result
+
+    def _check_frame(
+        self,
+        frame: Frame,
+        client: str,
+        payload: bytes,
+        packet_bytes: int,
+        open_round: int,
+        received: set[str],
+        kind: Kind,
+        current: Mapping[str, np.ndarray] | None,
+    ) -> Update | Rejection:
+        ceiling = max(self.last_seq.get(client, -1), self.min_seq) + SEQUENCE_WINDOW
+        if frame.header.sequence > ceiling:  # P-SEQ-4: checked first, so one forged frame cannot move the mark
+            past = frame.header.sequence - ceiling
+            return Rejection("sequence", f"sequence {frame.header.sequence} is {past} past the window", client)
         problem = self._header_problem(frame, client, open_round, kind)
         if problem is not None:
             return problem
-        if frame.header.sequence < self.min_seq:
+        if frame.header.sequence < self.min_seq:  # P-SEQ-3
             return Rejection("replay", f"sequence {frame.header.sequence} is older than this run", client)
         last = self.last_seq.get(client, -1)
         if frame.header.sequence <= last:
@@ -120,7 +148,6 @@ class Inbox:
                         f"max_update_norm {self.max_update_norm:.4g}",
                         client,
                     )
-        self.last_seq[client] = frame.header.sequence
         n_samples = frame.meta["n_samples"] if kind is Kind.UPDATE else 0
         return Update(client, frame, n_samples, packet_bytes, len(payload), tensors, parsed)
 
@@ -132,6 +159,9 @@ class Inbox:
             return Rejection("sender", f"header client {h.client!r} does not match topic client {client!r}", client)
         if h.kind != kind:
             return Rejection("kind", f"kind {h.kind.name}, expected {kind.name}", client)
+        if self.buffer is not None and kind is Kind.UPDATE and h.round < open_round:
+            stale = self.buffer.stale_problem(h.round, open_round)
+            return None if stale is None else Rejection(STALE, stale, client, late=True)
         if h.round != open_round:
             late = h.round < open_round
             what = "closed" if late else "not yet open"

@@ -15,12 +15,15 @@ from __future__ import annotations
 import logging
 import queue
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
+from aggregator.buffered import Buffer
 from aggregator.clients import ClientSet
 from aggregator.inbox import Inbox, Rejection
 from aggregator.metrics import AggregatorMetrics
+from aggregator.nacks import Nacks
 from aggregator.partial import Sites
 from aggregator.progress import still_working
 from aggregator.report import RunReport
@@ -55,7 +58,10 @@ class Intake:
         runlog: RunLog,
         metrics: AggregatorMetrics,
         report: RunReport,
+        nacks: Nacks | None = None,
+        buffer: Buffer | None = None,
     ) -> None:
+        """``nacks``: where a dropped frame's sender is told why (None: nobody is)."""
         self.federation = federation
         self.strategy = strategy
         self.schedule = strategy.schedule
@@ -66,9 +72,15 @@ class Intake:
         self.runlog = runlog
         self.metrics = metrics
         self.report = report
+        self.nacks = nacks
+        self.buffer = buffer  # buffered rounds: each update weighed by its staleness as it is folded
+        # buffered: (version, client, its second update in that version), at most one per client
+        self.held: list[tuple[int, str, Incoming]] = []
         self.queue: queue.Queue[Incoming] = queue.Queue()
         # a streaming strategy's open round: (round, its sums, the clients whose update was folded)
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
+        # topics the service publishes on and listens to, each with what takes its messages
+        self.own_topics: dict[str, Callable[[str, bytes], None]] = {}
 
     def put(self, topic: str, payload: bytes, packet_bytes: int) -> None:
         """A message from the broker (paho's thread): queued for the service's thread."""
@@ -79,19 +91,28 @@ class Intake:
     ) -> None:
         """Take the next message, waiting up to ``timeout`` s for one, into ``received`` (the
         replies to ``open_round`` so far; ``model``: the global model they are checked against)."""
-        try:
-            item = self.queue.get_nowait()
-        except queue.Empty:
-            self.store.sync()  # the queue ran dry: one fdatasync for what was journaled since the last
+        if self.held and self.held[0][0] < open_round:  # held back from an earlier version: first
+            item = self.held.pop(0)[2]
+        else:
             try:
-                item = self.queue.get(timeout=timeout)
+                item = self.queue.get_nowait()
             except queue.Empty:
-                return
+                self.store.sync()  # the queue ran dry: one fdatasync for what was journaled since the last
+                try:
+                    item = self.queue.get(timeout=timeout)
+                except queue.Empty:
+                    return
+        if item.topic in self.own_topics:
+            self.own_topics[item.topic](item.topic, item.payload)
+            return
         who = topics.parse_status_topic(self.federation, item.topic)
         if who is not None:
             self._on_status(who, item.payload, open_round)
             return
         client = topics.parse_update_topic(self.federation, item.topic)
+        if self.buffer is not None and kind is Kind.UPDATE and client in received and not self._holds(client):
+            self.held.append((open_round, client, item))  # one update per device per version: into the next
+            return
         task = self.schedule.task_of(max(0, open_round))
         if client is not None and client in self.clients and not self.clients.active(client, task):
             why = Rejection("inactive", f"{client} is not active in task {task}", client)
@@ -101,7 +122,7 @@ class Intake:
         if isinstance(result, Rejection):
             self.reject(item.topic, result, open_round)
             return
-        self.accept(result, open_round, item.payload, received, model, journal=kind is Kind.UPDATE, kind=kind)
+        self.accept(result, open_round, item.payload, received, model, journal=True, kind=kind)
 
     def accept(
         self,
@@ -115,7 +136,9 @@ class Intake:
     ) -> None:
         """Take a checked message into round ``rnd``: an update is folded (streaming strategies)
         before it is journaled, so a crash in between loses nothing that a restart would not
-        replay; a replayed update (``journal=False``) is folded into the rebuilt sum once."""
+        replay; a replayed update (``journal=False``) is folded into the rebuilt sum once.  A final
+        evaluation is journaled too (in the journal of round ``total_rounds``): the end of a run
+        interrupted after it arrived still counts it."""
         if kind is Kind.UPDATE:
             self.report.measure(update, payload)
             if self.strategy.streams:
@@ -123,28 +146,34 @@ class Intake:
                 if update.client in folded:  # the inbox refuses a second update per round; never fold one
                     raise AssertionError(f"round {rnd}: a second fold for {update.client}")
                 try:
-                    update = self.sites.fold(self.strategy, running, update)
+                    if self.buffer is not None:
+                        update = self.buffer.fold(self.strategy, running, update, rnd)
+                    else:
+                        update = self.sites.fold(self.strategy, running, update)
                     folded.add(update.client)
                 except ValueError as exc:  # the sums are unchanged (RunningSum checks before it adds)
                     why = Rejection("fold", str(exc), update.client)
                     self.reject(topics.update_topic(self.federation, update.client), why, rnd)
                     return
-            if journal:
-                self.store.journal(rnd, update.client, payload, update.packet_bytes)
             self.report.arrived()
+            self.metrics.devices.update(update.client, rnd)
+        if journal:
+            self.store.journal(rnd, update.client, payload, update.packet_bytes)
         if "eval" in update.frame.meta:
             self.runlog.evaluation(update.client, update.frame.meta["eval"])
         received[update.client] = update
 
-    def replay(self, rnd: int, model: Model) -> dict[str, Update]:
-        """Updates accepted in round ``rnd`` before a restart, checked again like new arrivals."""
+    def replay(self, rnd: int, model: Model, kind: Kind = Kind.UPDATE) -> dict[str, Update]:
+        """Updates (``kind``: or final evaluations) accepted in round ``rnd`` before a restart,
+        checked again like new arrivals."""
         received: dict[str, Update] = {}
         for client, payload, packet_bytes in self.store.journaled(rnd):
-            result = self.inbox.check(client, payload, packet_bytes, rnd, set(received), Kind.UPDATE, model)
+            result = self.inbox.check(client, payload, packet_bytes, rnd, set(received), kind, model)
             if isinstance(result, Update):
-                self.accept(result, rnd, payload, received, model, journal=False)
+                self.accept(result, rnd, payload, received, model, journal=False, kind=kind)
         if received:
-            log.info("round %d: %d update(s) recovered from the journal", rnd, len(received))
+            what = "update(s)" if kind is Kind.UPDATE else "final evaluation(s)"
+            log.info("round %d: %d %s recovered from the journal", rnd, len(received), what)
         return received
 
     def close(self, rnd: int, received: dict[str, Update], model: Model) -> Model:
@@ -165,12 +194,19 @@ class Intake:
             self.round_sum = (rnd, self.strategy.running_sum(model), set())
         return self.round_sum[1], self.round_sum[2]
 
+    def _holds(self, client: str) -> bool:
+        return any(held == client for _, held, _ in self.held)
+
     def reject(self, topic: str, rejection: Rejection, open_round: int) -> None:
         log.warning("dropped message on %s: %s: %s", topic, rejection.reason, rejection.detail)
         self.metrics.rejected(rejection.reason)
+        if rejection.client is not None and self._tracked(rejection.client):
+            self.metrics.devices.rejected(rejection.client, rejection.reason)
         self.runlog.rejected(
             rejection.reason, rejection.detail, topic=topic, client=rejection.client, open_round=open_round
         )
+        if self.nacks is not None and topics.parse_update_topic(self.federation, topic) is not None:
+            self.nacks.send(rejection, open_round)  # P-NACK-1: every dropped frame, rate limits permitting
 
     def _on_status(self, who: str, payload: bytes, open_round: int) -> None:
         if who == topics.AGGREGATOR_ID or not payload:
@@ -184,6 +220,13 @@ class Intake:
             )
             return
         self.clients.on_status(who, status["state"])  # any state but "online" ("retired" too): offline
+        if self._tracked(who):
+            self.metrics.devices.status(who, status)
         if status["state"] != "online":
             log.info("client %s is %s", who, status["state"])
         self.metrics.clients_online(len(self.clients.online & set(self.clients.enrolled)))
+
+    def _tracked(self, client: str) -> bool:
+        """Whether ``client`` has per-device series: enrolled, enrolling, or tracked before (so a
+        stream of made-up ids cannot grow them)."""
+        return client in self.clients or client in self.clients.waiting or self.metrics.devices.get(client) is not None

@@ -5,18 +5,26 @@ Every frame carries the next number of the service's sequence (committed with ea
 restart goes on counting) and its run id (``meta.run``: a device acts only on its own run's
 frames).  What is published retained is remembered per topic, so that after a reconnect the
 service can publish it again: a broker that restarted without persistence has lost it, and
-devices that reconnect need it.
+devices that reconnect need it.  The service also sees what the broker delivers on its own
+round topic (``observe``): a message there that it did not send (garbage, a forgery, a deletion)
+may have replaced its retained announcement, so that one is published again (``repair``, at
+most once a second), and a device that restarts meanwhile finds the genuine one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
+from collections import deque
 from typing import Iterable, Protocol
 
 from fclcore import topics
 from fclcore.codec import Header, Kind
 
 log = logging.getLogger(__name__)
+REPAIR_EVERY_S = 1.0  # a topic's retained message is published again at most this often
+OWN_REMEMBERED = 256  # digests of the latest payloads this service sent (its own, echoed back)
 
 
 class Link(Protocol):
@@ -36,6 +44,9 @@ class Outbox:
         self.sequence = sequence
         self.retained: dict[str, bytes] = {}  # what this service last published retained, per topic
         self.seen_connects = 0
+        self._own: deque[bytes] = deque(maxlen=OWN_REMEMBERED)
+        self.foreign: set[str] = set()  # topics where a message this service did not send was seen
+        self._repaired: dict[str, float] = {}  # topic -> when its retained message was last published again
 
     def header(self, kind: Kind, rnd: int, task: int) -> Header:
         """The header of the next frame the aggregator sends (it takes the next sequence number)."""
@@ -43,13 +54,32 @@ class Outbox:
         return Header(kind, self.federation, rnd, task, topics.AGGREGATOR_ID, self.sequence)
 
     def publish(self, topic: str, payload: bytes, tag: str, retain: bool = True) -> None:
+        self._own.append(_digest(payload))
         self.link.publish(topic, payload, retain=retain, tag=tag)
         if retain:
             self.retained[topic] = payload
 
+    def observe(self, topic: str, payload: bytes) -> None:
+        """A message the broker delivered on one of this service's topics: one it did not send
+        puts its retained message there up for ``repair`` (nothing to do where it holds none)."""
+        if topic not in self.retained or _digest(payload) in self._own or topic in self.foreign:
+            return
+        log.warning("a message this service did not send on %s (%d bytes): re-publishing its own", topic, len(payload))
+        self.foreign.add(topic)
+
+    def repair(self, now: float | None = None) -> None:
+        """Publish the retained message again on every topic where a foreign one was seen."""
+        now = time.monotonic() if now is None else now
+        for topic in sorted(self.foreign):
+            if now - self._repaired.get(topic, -REPAIR_EVERY_S) >= REPAIR_EVERY_S:
+                self._own.append(_digest(self.retained[topic]))
+                self.link.publish(topic, self.retained[topic], retain=True, tag="republish")
+                self._repaired[topic] = now
+                self.foreign.discard(topic)
+
     def clear(self, topics_: Iterable[str]) -> None:
         """Delete the retained messages on ``topics_`` (an empty retained payload)."""
-        for topic in topics_:
+        for topic in topics_:  # its echo changes nothing: a new run holds no retained message there yet
             self.link.publish(topic, b"", retain=True, tag="clear")
 
     def republish_after_outage(self) -> None:
@@ -61,3 +91,7 @@ class Outbox:
             for topic, payload in self.retained.items():
                 self.link.publish(topic, payload, retain=True, tag="republish")
         self.seen_connects = self.link.connects
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()

@@ -92,9 +92,10 @@ class RunReport:
         frames published for it), and the mean evaluation of the round before."""
         bytes_before = byte_totals(self.runlog.bytes)
         dense_fp32 = self.strategy.dense_fp32_bytes  # a property that sums the model's shapes: once, not per row
+        full = self.strategy.full_finetune_fp32_bytes
         for client in roster:
             frame = frames.get(client, (0, 0))
-            self._client_row(rnd, task, client, received.get(client), sent, frame, dense_fp32)
+            self._client_row(rnd, task, client, received.get(client), sent, frame, dense_fp32, full)
         self.runlog.write(
             "round",
             round=rnd,
@@ -110,6 +111,8 @@ class RunReport:
         self.metrics.add_bytes(
             up=sum(u.packet_bytes for u in received.values()),
             down=sum(sent.packet_bytes + frames.get(c, (0, 0))[0] for c in roster),
+            dense_up=dense_fp32 * len(received),
+            dense_down=dense_fp32 * len(roster),
         )
         self.up_kinds.clear()
         meter = self.link.meter.snapshot()
@@ -123,23 +126,45 @@ class RunReport:
         )
         if rnd > 0:
             self.runlog.round_summary(rnd - 1, self.schedule.task_of(rnd - 1))
+            self._learning(rnd - 1)
         up, down = (after - then for after, then in zip(byte_totals(self.runlog.bytes), bytes_before))
         log.info("%s", round_line(rnd, self.fed.total_rounds, task, len(received), len(roster), up, down, duration))
 
-    def summary(self, duration: float, run_id: str, clients: list[str]) -> None:
-        """The run's ``summary.json`` (``duration``: seconds this start ran)."""
-        self.runlog.summary(
+    def _learning(self, rnd: int, fleet: dict | None = None) -> None:
+        """The learning gauges from the evaluations of the model after round ``rnd``: each task's
+        fleet mean, and at a task's end (or with ``fleet``, the run's) the continual metrics."""
+        found = self.runlog.round_means(rnd)
+        if found is None:
+            return
+        metric, means = found
+        ends = [e for e in self.task_ends if e <= rnd]
+        if fleet is None and rnd in ends:
+            fleet = self.runlog.fleet_scores(list(self.runlog.evals), ends)
+        self.metrics.learning(metric, means, fleet, len(ends))
+
+    @property
+    def task_ends(self) -> list[int]:
+        return [self.schedule.last_round(t) for t in range(self.schedule.num_tasks)]
+
+    def summary(self, duration: float, run_id: str, clients: list[str], status: str, final_roster: list[str]) -> None:
+        """The run's ``summary.json`` (``duration``: seconds this start ran; ``status``: complete,
+        interrupted or failed; ``final_roster``: the devices whose final evaluation it needs)."""
+        last = self.fed.total_rounds - 1  # a final evaluation reports on the model after the last round
+        out = self.runlog.summary(
             method=self.fed.method,
             federation=self.fed.name,
+            status=status,
+            missing_final_evaluations=[c for c in sorted(final_roster) if last not in self.runlog.evals.get(c, {})],
             run=run_id,
             clients=clients,
             tasks=self.fed.num_tasks,
             rounds=self.fed.total_rounds,
             rounds_per_task=self.fed.rounds_per_task,
-            task_ends=[self.schedule.last_round(t) for t in range(self.schedule.num_tasks)],
+            task_ends=self.task_ends,
             duration_s=round(duration, 2),
             meter=self.link.meter.snapshot(),
         )
+        self._learning(self.fed.total_rounds - 1, out["fleet"])
 
     def _client_row(
         self,
@@ -150,13 +175,29 @@ class RunReport:
         sent: Announced,
         frame: tuple[int, int],
         dense_fp32: int,
+        full_finetune: int | None,
     ) -> None:
         meta = update.frame.meta if update else {}
+        references = (
+            {}
+            if full_finetune is None
+            else {"full_finetune_fp32_up": full_finetune if update else 0, "full_finetune_fp32_down": full_finetune}
+        )
         frame_bytes, frame_payload = frame
         sync = self._new_syncs(client, meta.get("sync")) if update else {}  # fetched since its last report
         sync_bytes = sync.pop("bytes", 0)
         frame_sync = sync.pop(SYNC_KNOWLEDGE_BYTES, 0)  # the full client frames it fetched
         frame_bytes, frame_payload = frame_bytes + frame_sync, frame_payload + frame_sync
+        up_kinds = self.up_kinds.get(client, {}) if update else _kinds(0, 0, 0)
+        down_kinds = _kinds(sent.model_bytes + sync_bytes, frame_bytes, sent.packet_bytes - sent.model_bytes)
+        self.metrics.devices.round_closed(
+            client,
+            update is not None,
+            update.packet_bytes if update else 0,
+            sum(down_kinds.values()),
+            up_kinds,
+            down_kinds,
+        )
         self.runlog.round_client(
             rnd,
             task,
@@ -167,10 +208,12 @@ class RunReport:
             payload_down=sent.payload_bytes + frame_payload + sync_bytes,
             dense_fp32_up=dense_fp32 if update else 0,
             dense_fp32_down=dense_fp32,
-            up_kinds=self.up_kinds.get(client, {}) if update else _kinds(0, 0, 0),
-            down_kinds=_kinds(sent.model_bytes + sync_bytes, frame_bytes, sent.packet_bytes - sent.model_bytes),
+            **references,
+            up_kinds=up_kinds,
+            down_kinds=down_kinds,
             **({"sync": sync} if sync else {}),
             status="accepted" if update else "missing",
+            **({"trained_on": update.frame.header.round} if update and update.frame.header.round != rnd else {}),
             n_samples=meta.get("n_samples"),
             train_nll=_number(meta.get("train_nll")),
             rejected_by_client=_counts(meta.get("rejected")),

@@ -5,9 +5,10 @@ Event kinds written to metrics.jsonl (field ``event``):
 * ``round_client`` — one per (round, client): bytes_up/bytes_down (MQTT PUBLISH packet
   bytes), payload_up/payload_down, up_kinds/down_kinds (the packet bytes by kind: ``model``,
   ``knowledge``: the per-client frames' tensors, ``control``), dense_fp32_up/dense_fp32_down
-  (what dense float32 FedAvg would have sent: the reference), sync (the sync frames the device fetched: model
-  "full", "catchup", ...; "knowledge", the full per-client frames), status (accepted |
-  missing), n_samples, train_nll;
+  (what dense float32 FedAvg would have sent: the reference), full_finetune_fp32_up/_down
+  (methods that train adapters on a frozen backbone: the whole model each way), sync (the
+  sync frames the device fetched: model "full", "catchup", ...; "knowledge", the full
+  per-client frames), status (accepted | missing), n_samples, train_nll;
 * ``round`` — one per closed round: accepted clients, duration, attempt, and the wall-clock
   times (Unix seconds) of its first and last accepted update (``first_update_t``,
   ``last_update_t``; what the fleet benchmark times folding and closing by);
@@ -21,10 +22,16 @@ Event kinds written to metrics.jsonl (field ``event``):
 * ``membership`` — with a membership table: a client ``retired`` when a task started, or
   ``enrolled`` (a late client's first round in a roster).
 
-``summary.json`` has ``final`` (the mean of per-client continual metrics, over clients with a
-report at every task end) and ``fleet``: the continual metrics of one matrix whose row t is,
-per test task, the mean over every client that reported after task t (so devices that
-enrolled late or retired count in the rows they reported; a row nobody reported is null).
+``fcl simulate`` appends one ``run_level`` line per device once every participant has exited:
+the bytes of its meter no ``round_client`` row counts, by kind (``fcl_edge.attribution``).
+
+``summary.json`` has ``status`` (``complete``: the run's end is committed; ``interrupted``:
+stopped, a restart goes on; ``failed``: the aggregator gave up), ``missing_final_evaluations``
+(the devices of the last task whose final evaluation is not in ``final``), ``final`` (the mean
+of per-client continual metrics, over clients with a report at every task end) and ``fleet``:
+the continual metrics of one matrix whose row t is, per test task, the mean over every client
+that reported after task t (so devices that enrolled late or retired count in the rows they
+reported; a row nobody reported is null).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ MAX_REJECTION_EVENTS = 10_000  # beyond this, rejections are only counted (a flo
 # what ``up_vs_dense`` / ``down_vs_dense`` divide by: every round's exchange with each trained
 # tensor sent whole, in float32, both ways (the FedAvg reference of the run's own method)
 DENSE_REFERENCE = "dense fp32 FedAvg of the tensors the method trains"
+# the second reference of a method that trains adapters on a frozen backbone (FedET's paper's)
+FULL_FINETUNE_REFERENCE = "dense fp32 full fine-tuning: the whole model, frozen backbone included"
 
 
 def share(sent: int, dense: int) -> float | None:
@@ -65,6 +74,7 @@ class RunLog:
         self.bytes: dict[str, Counter] = defaultdict(Counter)  # client -> up/down/payload totals
         self.dense_fp32_up = 0
         self.dense_fp32_down = 0
+        self.full_finetune: Counter[str] = Counter()  # up/down: the full fine-tuning reference's bytes
         self.kinds: dict[str, Counter] = {"up": Counter(), "down": Counter()}  # direction -> kind -> bytes
         self.syncs: Counter[str] = Counter()  # sync frames fetched by devices, by reason
         self.evals: dict[str, dict[int, dict]] = defaultdict(dict)  # client -> round -> report
@@ -156,6 +166,8 @@ class RunLog:
     def _note_kinds(self, record: dict) -> None:
         for direction in ("up", "down"):
             self.kinds[direction].update(record.get(f"{direction}_kinds") or {})
+            if f"full_finetune_fp32_{direction}" in record:  # rows of a method with that reference
+                self.full_finetune[direction] += record[f"full_finetune_fp32_{direction}"]
         self.syncs.update(record.get("sync") or {})
 
     def _note_client_rejections(self, client: str, counts: object) -> None:
@@ -182,6 +194,19 @@ class RunLog:
         self.write("round_summary", round=rnd, task=task, **{f"mean_{metric}": mean}, clients=len(reports))
         return mean
 
+    def round_means(self, rnd: int) -> tuple[str, dict[int, float]] | None:
+        """(metric, task -> mean over clients) of the evaluations of the model after ``rnd``:
+        every task some client scored (mid-task rounds score the current task only)."""
+        reports = [e[rnd] for e in self.evals.values() if rnd in e]
+        if not reports:
+            return None
+        metric, sums = eval_metric(reports[0]), defaultdict(list)
+        for report in reports:
+            for task, value in enumerate(report.get(metric, ())):
+                if value is not None:
+                    sums[task].append(value)
+        return metric, {task: round(float(np.mean(v)), 4) for task, v in sorted(sums.items())}
+
     def summary(
         self,
         *,
@@ -192,6 +217,8 @@ class RunLog:
         rounds: int,
         rounds_per_task: int,
         task_ends: list[int],
+        status: str = "complete",
+        missing_final_evaluations: list[str] | None = None,
         **extra: object,
     ) -> dict:
         """``task_ends``: the last round of each task (the schedule's), whose evaluations are
@@ -206,6 +233,8 @@ class RunLog:
         up = sum(c["up"] for c in self.bytes.values())
         down = sum(c["down"] for c in self.bytes.values())
         out = {
+            "status": status,
+            "missing_final_evaluations": missing_final_evaluations or [],
             "method": method,
             "federation": federation,
             "clients": len(clients),
@@ -223,6 +252,7 @@ class RunLog:
                 "reference": DENSE_REFERENCE,
                 "up_vs_dense": share(up, self.dense_fp32_up),
                 "down_vs_dense": share(down, self.dense_fp32_down),
+                **self._full_finetune(up, down),
                 "up_by_kind": dict(self.kinds["up"]),
                 "down_by_kind": dict(self.kinds["down"]),
                 "syncs": dict(self.syncs),
@@ -231,13 +261,26 @@ class RunLog:
             "rejected": dict(self.rejections),
             "rejected_by_client": {c: n for c, n in sorted(self.client_rejections.items()) if n},
             "final": {**mean_metrics(per_client), "per_client": per_client},
-            "fleet": self._fleet(clients, task_ends),
+            "fleet": self.fleet_scores(clients, task_ends),
             **extra,
         }
         tmp = self.dir / "summary.json.tmp"
         tmp.write_text(json.dumps(out, indent=2), encoding="utf-8")
         os.replace(tmp, self.dir / "summary.json")
         return out
+
+    def _full_finetune(self, up: int, down: int) -> dict:
+        """The full fine-tuning reference and the run's shares of it, where the method has one."""
+        if not self.full_finetune:
+            return {}
+        full_up, full_down = self.full_finetune["up"], self.full_finetune["down"]
+        return {
+            "full_finetune_fp32_up_total": full_up,
+            "full_finetune_fp32_down_total": full_down,
+            "reference_full_finetune": FULL_FINETUNE_REFERENCE,
+            "up_vs_full_finetune": share(up, full_up),
+            "down_vs_full_finetune": share(down, full_down),
+        }
 
     def _task_matrix(self, client: str, task_ends: list[int]) -> tuple[str, np.ndarray] | None:
         """(metric, n[t][i]) from the evaluation after the last round of each task, if all are present."""
@@ -250,7 +293,7 @@ class RunLog:
             rows.append([np.nan if v is None else v for v in report[metric]])
         return metric, loss_matrix(rows)
 
-    def _fleet(self, clients: list[str], task_ends: list[int]) -> dict | None:
+    def fleet_scores(self, clients: list[str], task_ends: list[int]) -> dict | None:
         """The continual metrics of the fleet's matrix: row t, per test task, the mean over the
         clients that reported an evaluation after ``task_ends[t]`` (None if nobody ever did)."""
         rows, counts, metric = [], [], None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import methods
 from aggregator.announcer import Announced, Announcer
+from aggregator.buffered import Buffer
 from aggregator.checkpoints import Checkpoints
 from aggregator.client_frames import ClientFrames
 from aggregator.clients import ClientSet
@@ -25,13 +26,15 @@ from aggregator.downlink import ModelDownlink
 from aggregator.inbox import Inbox
 from aggregator.intake import Intake
 from aggregator.metrics import AggregatorMetrics
+from aggregator.nacks import Nacks
 from aggregator.outbox import Outbox
 from aggregator.partial import Sites
 from aggregator.report import RunReport
 from aggregator.runlog import RunLog
 from aggregator.state import StateStore, fingerprint
 from fclcore import fastfold, topics
-from fclcore.codec import CodecLimits, Kind
+from fclcore.capabilities import aggregator_capabilities
+from fclcore.codec import SPOKEN, CodecLimits, Kind
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError, NotEnoughClients
 from fclcore.exitcodes import ExitCode
@@ -80,6 +83,10 @@ class AggregatorService:
             membership=self.membership,
         )
         self.sites = Sites(cfg.sites, self.strategy, self.fed.method)  # senders whose frames are partial sums
+        rounds = self.fed.rounds
+        buffer = Buffer(rounds.buffer_k, rounds.max_staleness) if rounds.mode == "buffered" else None
+        if buffer is not None and cfg.sites:
+            raise ConfigError("aggregator config: sites: buffered rounds take updates from devices only")
         self.inbox = Inbox(
             self.fed.name,
             self.clients,
@@ -90,6 +97,7 @@ class AggregatorService:
             max_update_norm=self.fed.rounds.max_update_norm,
             min_samples=self.strategy.min_samples,
             max_skew_us=int(cfg.max_clock_skew_s * 1e6),
+            buffer=buffer,
         )
         self.runlog = RunLog(cfg.out_dir)
         self.open_round = 0  # the round being run (a failure announcement names it)
@@ -108,14 +116,24 @@ class AggregatorService:
         self.inbox.min_seq = started_us(self.run_id) - self.inbox.max_skew_us
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
-        self.metrics = AggregatorMetrics(self.fed.name, cfg.metrics_port, cfg.metrics_addr)
+        self.metrics = AggregatorMetrics(
+            self.fed.name, cfg.metrics_port, cfg.metrics_addr, None, cfg.max_clients, cfg.metrics_linger_s, self.stop
+        )
+        self.metrics.configure(self.fed.total_rounds, self.fed.rounds.deadline_s)
         self.link = link_factory(
             cfg.broker,
             f"fcl-{self.fed.name}-aggregator",
             status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
-            subscriptions=[topics.update_filter(self.fed.name), topics.status_filter(self.fed.name)],
+            # its own round topic too: what the broker holds there is checked (``Outbox.observe``)
+            subscriptions=[
+                topics.update_filter(self.fed.name),
+                topics.status_filter(self.fed.name),
+                topics.round_topic(self.fed.name),
+            ],
             on_message=lambda t, p, n: self.intake.put(t, p, n),
         )
+        self.link.status_fields.update(aggregator_capabilities())  # P-VER-6
+        self.link.status_fields.update(run=self.run_id)  # devices join a run only once its aggregator names it
         self.report = RunReport(self.strategy, self.runlog, self.metrics, self.link, self.fed, self.limits)
         self.intake = Intake(
             self.fed.name,
@@ -127,8 +145,11 @@ class AggregatorService:
             self.runlog,
             self.metrics,
             self.report,
+            Nacks(self.link.publish, self.fed.name, self.run_id, SPOKEN),
+            buffer,
         )
         self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence)
+        self.intake.own_topics[topics.round_topic(self.fed.name)] = self.outbox.observe
         self.announcer = Announcer(
             self.outbox, self.fed, cfg.input_dim, self.strategy, downlink, self.limits, self.runlog
         )
@@ -146,6 +167,8 @@ class AggregatorService:
         if committed is None:
             self.run_id, self.next_round = new_run_id(), 0
             return 0
+        if committed.round < 0:
+            log.info("resuming run %s of %s before its first round", committed.run_id, self.fed.name)
         self.global_params = committed.global_params
         self.run_id = committed.run_id or new_run_id()  # a checkpoint from before run ids: this run gets one now
         self.next_round = committed.round + 1
@@ -180,15 +203,19 @@ class AggregatorService:
         started = time.monotonic()
         finished_before = self.next_round > self.fed.total_rounds
         log.info("run %s of %s (%s)", self.run_id, self.fed.name, "new" if self.fresh else "resumed")
-        if self.fresh:
-            self._clear_earlier_run()
+        complete = False
         try:
+            if self.fresh:
+                self._clear_earlier_run()
+                self._commit(-1)  # the run's identity: a restart before round 0 closes continues this run
             if finished_before:  # the end was committed: announce it again, for devices that missed it
                 log.info("%s finished before this start; announcing its end again", self.fed.name)
                 self._announce(Kind.FINISH, self.fed.total_rounds, self.schedule.task_of(self.fed.total_rounds))
+                self._tell_ended()
                 return ExitCode.OK
-            carried = self.intake.replay(self.next_round, self.global_params)
-            if self.next_round < self.fed.total_rounds:  # else every round is committed: only the end is left
+            last = self.next_round >= self.fed.total_rounds  # every round is committed: only the end is left
+            carried = self.intake.replay(self.next_round, self.global_params, Kind.EVAL if last else Kind.UPDATE)
+            if not last:
                 self._wait_for_clients(carried)
             for rnd in range(self.next_round, self.fed.total_rounds):
                 if self.stop.is_set():
@@ -196,8 +223,12 @@ class AggregatorService:
                 self._run_round(rnd, carried if rnd == self.next_round else {})
             if self.stop.is_set():
                 return ExitCode.INTERRUPTED
-            self._finish()
+            self._finish(carried if last else {})
+            if self.stop.is_set():  # the end is not committed: a restart takes the journaled evaluations back
+                return ExitCode.INTERRUPTED
             self._commit(self.fed.total_rounds)  # the federation's end: a restart does not run it again
+            self._tell_ended()
+            complete = True
         except NotEnoughClients as exc:
             log.error("%s", exc)
             self._announce_failure(str(exc))
@@ -209,7 +240,11 @@ class AggregatorService:
             self.notifier.stopping("shutting down")
             self.link.close("stopped")
             if not finished_before:  # the summary of a finished run stays as it was written
-                self.report.summary(time.monotonic() - started, self.run_id, list(self.clients.known))
+                status = "complete" if complete else "interrupted" if self.stop.is_set() else "failed"
+                final_roster = self.clients.roster(self.schedule.task_of(self.fed.total_rounds))
+                self.report.summary(
+                    time.monotonic() - started, self.run_id, list(self.clients.known), status, final_roster
+                )
             self.runlog.close()
             self.store.close()  # a round left open (SIGTERM): its journal synced for the restart
             self.store.wait_swept(timeout=10)  # the last round's journal files (a restart deletes what is left)
@@ -229,10 +264,17 @@ class AggregatorService:
         """Tell the devices, in a retained message of this run, that it failed: they end
         (``ExitCode.FEDERATION_FAILED``) instead of waiting for a round that will not come."""
         try:
+            self.metrics.run_failed()
             self._announce(Kind.FINISH, self.open_round, self.schedule.task_of(self.open_round), failed=reason)
             self.runlog.write("failed", round=self.open_round, reason=reason)
         except Exception as exc:  # noqa: BLE001  (the exit code says it failed; this is a courtesy)
             log.warning("could not announce the failure: %s", exc)
+
+    def _tell_ended(self) -> None:
+        """Say in the retained status that the run's end is committed: devices hold their final
+        evaluation (and re-send it when asked) until they see this, then exit."""
+        self.link.status_fields.update(ended=self.run_id)
+        self.link.publish_status("online")
 
     def _tell_roster(self, roster: list[str]) -> None:
         """Put the devices this service expects into its retained status (``fcl status`` lists
@@ -258,7 +300,7 @@ class AggregatorService:
             self.runlog.write("membership", round=rnd, task=task, client=client, state=state)
         frame_sizes = self.client_frames.publish(rnd, task, roster)
         frames = sorted(frame_sizes) if self.membership is not None else None
-        self.metrics.round_started(rnd, task)
+        self.metrics.round_started(rnd, task, len(roster))
         for attempt in range(1, self.fed.rounds.max_attempts + 1):
             started = time.monotonic()
             self.notifier.status(f"round {rnd + 1}/{self.fed.total_rounds}, task {task}, attempt {attempt}")
@@ -274,11 +316,12 @@ class AggregatorService:
                 self._commit(rnd)
                 return
             log.warning(
-                "round %d attempt %d: %d updates, quorum %d; re-announcing",
+                "round %d attempt %d: %d updates, quorum %d%s",
                 rnd,
                 attempt,
                 len(received),
                 self.collector.quorum(len(roster)),
+                "; re-announcing" if attempt < self.fed.rounds.max_attempts else "",
             )
         raise NotEnoughClients(f"round {rnd} missed its quorum in {self.fed.rounds.max_attempts} attempts")
 
@@ -298,11 +341,26 @@ class AggregatorService:
         return sent
 
     # -- the end of the run -----------------------------------------------------------
-    def _finish(self) -> None:
-        """Send the final model; clients answer with an evaluation of it."""
+    def _finish(self, received: dict[str, Update]) -> None:
+        """Send the final model; clients answer with an evaluation of it (journaled like updates:
+        ``received`` holds those taken back after a restart), with as many attempts as a round
+        (a device that restarts slowly still counts).  Stopped meanwhile, nothing is summed up:
+        the restart goes on collecting."""
         last = self.fed.total_rounds
-        self._announce(Kind.FINISH, last, self.schedule.task_of(last))
+        self.open_round = last
         roster = self.clients.roster(self.schedule.task_of(last))  # the last task's active clients
-        received = self.collector.collect(last, roster, self.global_params, kind=Kind.EVAL)
+        for attempt in range(1, self.fed.rounds.max_attempts + 1):
+            self._announce(Kind.FINISH, last, self.schedule.task_of(last), attempt)
+            self.collector.collect(last, roster, self.global_params, received, kind=Kind.EVAL)
+            if self.stop.is_set() or self.collector.complete(received, set(roster)):
+                break
+        if self.stop.is_set():
+            log.info("stopped during the final evaluation (%d/%d in); a restart goes on", len(received), len(roster))
+            return
         self.runlog.round_summary(last - 1, self.schedule.task_of(last - 1))
-        log.info("final evaluation from %d/%d clients", len(received), len(roster))
+        missing = sorted(set(roster) - set(received))
+        log.info("final evaluation from %d/%d clients%s", len(received), len(roster), _missing(missing))
+
+
+def _missing(clients: list[str]) -> str:
+    return f"; missing: {', '.join(clients)}" if clients else ""

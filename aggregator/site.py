@@ -320,8 +320,9 @@ class SiteAggregator:
         self.link.publish(topics.update_topic(self.fed.name, self.cfg.site_id), payload, tag=kind.name.lower())
 
     def _frame(self, open_: OpenRound, meta: dict, tensors: dict, kind: Kind) -> bytes:
-        """A frame from this site to the root, numbered on the microsecond clock devices use."""
-        self.sequence = max(self.sequence + 1, time.time_ns() // 1000)
+        """A frame from this site to the root, numbered as a device numbers its own (P-SEQ-1):
+        the site's counter, above the start of the root's run."""
+        self.sequence = max(self.sequence, started_us(self.run_id) if self.run_id else 0) + 1
         header = Header(kind, self.fed.name, open_.rnd, open_.task, self.cfg.site_id, self.sequence)
         payload = encode(Frame(header, meta, tensors), "float32", self.limits)
         return sign(payload, self.key) if self.key is not None else payload

@@ -5,7 +5,8 @@ Layout of ``state_dir``::
     committed.npz          last committed round: global model, strategy state (what the
                            method keeps across rounds), per-device sequence high-water marks,
                            metrics offset
-    open/<round>.journal   updates accepted in the round in progress, as received (raw,
+    open/<round>.journal   updates accepted in the round in progress (in the journal of
+                           round ``total_rounds``: the final evaluations), as received (raw,
                            possibly signed payloads), appended one record each
 
 A round commits by writing ``committed.npz`` (atomic rename) and then clearing ``open/``.
@@ -60,7 +61,8 @@ _U32 = struct.Struct("<I")
 
 @dataclass
 class Committed:
-    """What a restarted aggregator needs to continue after ``round`` (-1: nothing committed)."""
+    """What a restarted aggregator needs to continue after ``round`` (-1: no round yet, only
+    the run's identity, committed when a new run starts)."""
 
     fingerprint: str
     round: int = -1

@@ -21,6 +21,32 @@ every second, a free loopback port), and injects one kind of fault at seeded poi
                         consistent header with a sequence ~31 years ahead, an older sequence than
                         the device's last accepted one (taken from this run or an earlier run,
                         with other tensors), and verbatim replays of frames already accepted
+  device_clock_training one device's wall clock steps by +3600 s or -3600 s while it trains a
+                        round (as a Raspberry Pi's does when NTP first syncs after boot)
+  device_clock_upload   the same step just before or just after its update crosses the broker
+  aggregator_clock      the aggregator's wall clock steps by -120 s or +3600 s at a random point
+                        of a round (or of the final evaluation)
+  end_interrupted       the aggregator killed (-9) or stopped (SIGTERM) between FINISH and its end
+                        commit: one device is paused (SIGSTOP) as its last update crosses, the
+                        others' final evaluations come in, the aggregator goes down, the paused
+                        device evaluates meanwhile, then the aggregator restarts (issue 42)
+  forged_run            unsigned downlink, no ACL: a ROUND with a forged run id (far in the
+                        future, or a newer one within the clock skew) published next to a genuine
+                        announcement; no device may leave the genuine run
+  late_device           after the run has ended, one more device starts on a fresh state
+                        directory: it must exit RUN_ENDED (9) after run_over_s, not wait forever
+  garbage_retained      garbage published retained on the round topic mid-round, and a device
+                        killed and restarted right after: the aggregator must publish the
+                        round's announcement again before the round's deadline (else the
+                        round is "stalled": the device would wait for the next attempt)
+
+In the clock schedules every process runs under benchmarks/clock_shim.py, which adds the
+number of seconds in a file of the schedule's folder to ``time.time`` / ``time.time_ns``;
+only the stepped process's file changes (monotonic clocks stay, as with a real step).
+
+Final evaluations are data too: a finished run must have every device's final evaluation
+(``summary.json`` ``status: complete``, no ``missing_final_evaluations``: else they count as
+lost) and the reference's final avg NLL (else it counts as a hash mismatch).
 
 A quarter of the device kills are permanent (the device stays dead during rounds 1..R-2): with
 a quorum of 1.0 finishing is then impossible, and the documented ending is the aggregator
@@ -97,7 +123,16 @@ KINDS = (
     "stale_retained",
     "duplicate_delayed",
     "forged_replayed",
+    "device_clock_training",
+    "device_clock_upload",
+    "aggregator_clock",
+    "end_interrupted",
+    "forged_run",
+    "late_device",
+    "garbage_retained",
 )
+CLOCK_KINDS = ("device_clock_training", "device_clock_upload", "aggregator_clock")
+CLOCK_SHIM = ROOT / "benchmarks" / "clock_shim.py"
 SCENARIO = ROOT / "configs/scenarios/quickstart.yaml"
 # 2 tasks x 2 rounds; a round that misses an update asks for it again every second and gives up
 # after 2 attempts of 8 s (a killed device restarts in ~3-5 s, so 16 s is ample).
@@ -111,6 +146,13 @@ OVERRIDES = (
     "federation.rounds.start_timeout_s=30",
 )
 BROKER = {"reconnect_min_s": 0.2, "reconnect_max_s": 2.0}  # back within ~2 s of a broker restart
+# devices hold their final evaluation (and wait after an ended run) this long: longer than an
+# aggregator takes to restart under load; the late device gives up sooner
+RUN_OVER_S = 45
+LATE_RUN_OVER_S = 5
+RUN_ENDED = int(getattr(ExitCode, "RUN_ENDED", 9))
+FAR_FUTURE_RUN = "7fffffffffffffff-00000000"
+OVERRIDE_DEADLINE_S = 8.0  # federation.rounds.deadline_s above: a round's next attempt comes after it
 NOT_ENOUGH_CLIENTS = int(ExitCode.NOT_ENOUGH_CLIENTS)
 FEDERATION_FAILED = int(getattr(ExitCode, "FEDERATION_FAILED", 7))  # new in the protocol change
 FORGED_SAMPLES = 7777  # n_samples of every frame this harness forges: an accepted one shows in metrics
@@ -163,6 +205,19 @@ def make_schedule(kind: str, seed: int, rounds: int, clients: list[str], **force
         else:
             p["when"] = rng.choice(("before", "after"))
             p["lead_s"] = round(rng.uniform(0.0, 0.05), 3)  # "before": this long before the reference upload
+    elif kind in ("device_clock_training", "device_clock_upload"):
+        p["client"] = rng.choice(clients)
+        p["round"] = rng.randint(0, rounds - 1)
+        p["step_s"] = rng.choice((3600, -3600))
+        if kind == "device_clock_training":
+            p["frac"] = round(rng.uniform(0.05, 0.7), 3)  # of the reference's training time
+        else:
+            p["when"] = rng.choice(("before", "after"))
+            p["lead_s"] = round(rng.uniform(0.0, 0.05), 3)
+    elif kind == "aggregator_clock":
+        p["round"] = rng.randint(0, rounds)  # rounds: the final evaluation
+        p["frac"] = round(rng.uniform(0.0, 1.0), 3)
+        p["step_s"] = rng.choice((-120, 3600))
     elif kind == "stale_retained":
         p["old"] = rng.choice(("finished", "aborted"))
         p["abort_round"] = rng.randint(0, rounds - 1)
@@ -182,6 +237,21 @@ def make_schedule(kind: str, seed: int, rounds: int, clients: list[str], **force
         p["future_eval"] = rng.random() < 0.5  # a far-future EVAL frame when the final evaluation opens
         p["p_replay"] = round(rng.uniform(0.3, 1.0), 3)  # per genuine frame: a verbatim replay later
         p["replay_delay_s"] = [0.2, round(rng.uniform(2.0, 6.0), 3)]
+    elif kind == "end_interrupted":
+        p["signal"] = rng.choice(("kill", "term"))
+        p["client"] = rng.choice(clients)  # paused: its final evaluation comes while the aggregator is down
+        p["down_s"] = round(rng.uniform(0.0, 2.0), 3)
+    elif kind == "forged_run":
+        p["round"] = rng.randint(0, rounds - 1)
+        p["run"] = rng.choice(("far_future", "newer"))
+        p["copies"] = rng.randint(1, 3)
+    elif kind == "late_device":
+        p["client"] = rng.choice(clients)  # whose data and id the late device has
+    elif kind == "garbage_retained":
+        p["round"] = rng.randint(1, rounds - 1)
+        p["client"] = rng.choice(clients)
+        p["frac"] = round(rng.uniform(0.05, 0.5), 3)  # of the reference's training time: the kill
+        p["garbage_bytes"] = rng.randint(1, 256)
     p.update(force)
     return Schedule(kind, seed, p)
 
@@ -221,6 +291,7 @@ class Wire:
         self.injections = collections.Counter()  # what was injected, by label
         self.runs: set[str] = set()  # meta "run" ids seen on live downlink frames
         self.hooks: list[Callable[[str, Seen], None]] = []  # ("announce" | "update", Seen), paho's thread
+        self.round_payloads: list[tuple[float, bytes]] = []  # every live frame on the round topic
         self.timers: list[threading.Timer] = []
         self.closed = False
         self.client = mqtt.Client(
@@ -246,6 +317,8 @@ class Wire:
         h = frame.header
         events = []
         with self.lock:
+            if msg.topic == topics.round_topic(self.fed) and not msg.retain:
+                self.round_payloads.append((seen.t, seen.payload))
             if msg.topic == topics.round_topic(self.fed) and h.kind in (Kind.ROUND, Kind.FINISH) and not msg.retain:
                 if isinstance(frame.meta.get("run"), str):
                     self.runs.add(frame.meta["run"])
@@ -284,7 +357,7 @@ class Wire:
         return max((r for _, r in self.announced), default=-1)
 
     # -- injecting --------------------------------------------------------------------------
-    def inject(self, topic: str, payload: bytes, label: str, delay: float = 0.0) -> None:
+    def inject(self, topic: str, payload: bytes, label: str, delay: float = 0.0, retain: bool = False) -> None:
         """Publish ``payload`` on ``topic`` now (from any thread, paho's included) or after ``delay`` s."""
         if delay > 0:
             timer = threading.Timer(delay, self.inject, (topic, payload, label))
@@ -300,7 +373,7 @@ class Wire:
                 return
             self.injected.add(hashlib.sha1(payload).digest())
             self.injections[label] += 1
-        self.client.publish(topic, payload, qos=1)
+        self.client.publish(topic, payload, qos=1, retain=retain)
 
     def close(self) -> None:
         with self.lock:
@@ -316,13 +389,16 @@ class Wire:
 class Procs:
     """The aggregator and device processes of one run directory, started as on a fleet."""
 
-    def __init__(self, p: Plan, out: Path, url: str) -> None:
-        self.out = out
+    def __init__(self, p: Plan, out: Path, url: str, clocks: Path | None = None) -> None:
+        """``clocks``: run every process under the clock shim, its offset in ``clocks/<name>.offset``."""
+        self.out, self.clocks = out, clocks
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.configs = write_configs(p, out, url)
         for _, path in self.configs.values():  # reconnect quickly after a broker restart
             cfg = yaml.safe_load(path.read_text())
             cfg["broker"] = {**cfg.get("broker", {}), **BROKER}
+            if "client_id" in cfg:
+                cfg["run_over_s"] = RUN_OVER_S
             path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.procs: dict[str, subprocess.Popen] = {}
         self.starts: collections.Counter = collections.Counter()
@@ -335,14 +411,28 @@ class Procs:
     def start(self, name: str) -> None:
         kind, path = self.configs[name]
         self.starts[name] += 1
+        command = [sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(path)]
+        if self.clocks is not None:
+            command[1:3] = [str(CLOCK_SHIM), str(self.clock_file(name))]
         with open(self.out / "logs" / f"{name}.{self.starts[name]}.log", "w") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(path)],
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=ROOT,
             )
+
+    def clock_file(self, name: str) -> Path:
+        return self.clocks / f"{name}.offset"
+
+    def step_clock(self, name: str, seconds: float) -> None:
+        """Step ``name``'s wall clock by ``seconds`` (the shim reads the file within 20 ms)."""
+        path = self.clock_file(name)
+        offset = float(path.read_text()) if path.exists() else 0.0
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{offset + seconds}\n")
+        os.replace(tmp, path)
 
     def kill(self, name: str) -> bool:
         """SIGKILL (no handler runs, nothing is flushed); False if it had exited already."""
@@ -353,6 +443,21 @@ class Procs:
         proc.wait(10)
         self.killed.append(name)
         return True
+
+    def add_late(self, name: str, like: str, run_over_s: float) -> None:
+        """A device config like ``like``'s on a fresh state directory, started later as ``name``."""
+        kind, path = self.configs[like]
+        cfg = yaml.safe_load(path.read_text())
+        folder = self.out / "late" / name
+        cfg.update(out_dir=str(folder), state_dir=str(folder / "state"), run_over_s=run_over_s)
+        late = path.with_name(f"{name}.yaml")
+        late.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.configs[name] = (kind, late)
+
+    def pause(self, name: str, paused: bool) -> None:
+        """SIGSTOP / SIGCONT (its connection stays up; it acts on nothing meanwhile)."""
+        if self.alive(name):
+            os.kill(self.procs[name].pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     def alive(self, name: str) -> bool:
         return name in self.procs and self.procs[name].poll() is None
@@ -424,6 +529,7 @@ class Reference:
     frames: dict[tuple[int, str], bytes]  # (round, client) -> the genuine UPDATE payload
     broker_db: Path | None  # the reference broker's persistence folder (stopped cleanly)
     seconds: float
+    final_avg_nll: float | None = None  # summary.json final.avg_nll
 
 
 def run_reference(p: Plan, work: Path, timeout: float = DEFAULT_TIMEOUT) -> Reference:
@@ -462,8 +568,19 @@ def run_reference(p: Plan, work: Path, timeout: float = DEFAULT_TIMEOUT) -> Refe
         if kind is Kind.UPDATE and r in announce:
             train_s[(r, client)] = seen.t - t0 - announce[r]
             frames[(r, client)] = seen.payload
+    final = json.loads((procs.out / "summary.json").read_text())["final"].get("avg_nll")
     return Reference(
-        accepted, model_hash, rounds, p.client_ids, announce, round_s, train_s, frames, broker.persistence_dir, seconds
+        accepted,
+        model_hash,
+        rounds,
+        p.client_ids,
+        announce,
+        round_s,
+        train_s,
+        frames,
+        broker.persistence_dir,
+        seconds,
+        final,
     )
 
 
@@ -476,6 +593,7 @@ class Result:
     lost: list = field(default_factory=list)
     double: list = field(default_factory=list)
     hash_match: bool | None = None
+    stalled: list = field(default_factory=list)  # rounds whose genuine announcement garbage replaced for good
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what was done, where the faults landed
     landed: list[str] = field(default_factory=list)  # where each device kill landed: before-upload | after-upload
@@ -487,7 +605,13 @@ class Result:
     @property
     def ok(self) -> bool:
         wanted = "finished" if self.schedule.expect == "finish" else "failed_as_documented"
-        return self.outcome == wanted and not self.lost and not self.double and self.hash_match is not False
+        return (
+            self.outcome == wanted
+            and not self.lost
+            and not self.double
+            and not self.stalled
+            and self.hash_match is not False
+        )
 
     def to_json(self) -> dict:
         return {
@@ -502,6 +626,7 @@ class Result:
             "lost_updates": len(self.lost),
             "double_counted": len(self.double),
             "hash_match": self.hash_match,
+            "stalled_rounds": self.stalled,
             "problems": self.problems,
             "notes": self.notes,
             "landed": self.landed,
@@ -526,6 +651,7 @@ class Chaos:
         self.wire: Wire | None = None
         self.procs: Procs | None = None
         self.deadline = 0.0
+        self.paused: str | None = None  # a device stopped by SIGSTOP (end_interrupted)
 
     def note(self, text: str) -> None:
         self.result.notes.append(f"{time.monotonic() - self.started:6.2f}s {text}")
@@ -545,7 +671,10 @@ class Chaos:
             else:
                 self.broker.start()
             self.wire = Wire(self.broker.port, self.fed)
-            self.procs = Procs(self.p, self.folder / "run", self.broker.url)
+            clocks = self.folder / "clocks" if self.s.kind in CLOCK_KINDS else None
+            if clocks is not None:
+                clocks.mkdir(parents=True)
+            self.procs = Procs(self.p, self.folder / "run", self.broker.url, clocks)
             self._install_hooks()
             self._start()
             self._faults()
@@ -562,7 +691,7 @@ class Chaos:
 
     # -- start and stop ---------------------------------------------------------------------
     def _start(self) -> None:
-        devices = [n for n in self.procs.names if n != "aggregator"]
+        devices = [n for n in self.procs.names if n != "aggregator"]  # (the late device is added later)
         if self.s.kind == "stale_retained" and self.s.params["devices_first"]:
             for name in devices:
                 self.procs.start(name)
@@ -601,7 +730,7 @@ class Chaos:
         self.result.codes = {n: c for n, c in codes.items()}
         hung = [n for n, c in codes.items() if c is None] + self.late_start
         if self.s.expect == "finish":
-            self.result.expected_codes = {n: 0 for n in self.procs.names}
+            self.result.expected_codes = {n: RUN_ENDED if n == "late" else 0 for n in self.procs.names}
         else:
             self.result.expected_codes = {
                 n: NOT_ENOUGH_CLIENTS if n == "aggregator" else FEDERATION_FAILED for n in self.procs.names
@@ -626,6 +755,8 @@ class Chaos:
 
     def _stop(self) -> None:
         if self.procs is not None:
+            if self.paused:
+                self.procs.pause(self.paused, False)
             self.procs.kill_all()
         if self.wire is not None:
             self.result.injected = dict(self.wire.injections)
@@ -643,6 +774,16 @@ class Chaos:
             self._kill_device_training()
         elif kind == "device_kill_upload":
             self._kill_device_upload()
+        elif kind in ("device_clock_training", "device_clock_upload"):
+            self._step_device_clock()
+        elif kind == "aggregator_clock":
+            self._step_aggregator_clock()
+        elif kind == "end_interrupted":
+            self._interrupt_the_end()
+        elif kind == "late_device":
+            self._late_device()
+        elif kind == "garbage_retained":
+            self._garbage_and_restart()
 
     def _at(self, rnd: int, offset: float) -> float | None:
         """Wait until ``offset`` s after round ``rnd``'s announcement; when it was announced, or None."""
@@ -679,6 +820,71 @@ class Chaos:
                         raise
                     time.sleep(0.5)
             self.note("mosquitto restarted from its persistence file")
+
+    # -- the end of the run, late devices, retained garbage -------------------------------------
+    def _interrupt_the_end(self) -> None:
+        pr, client = self.s.params, self.s.params["client"]
+        others = [c for c in self.ref.clients if c != client]
+        got = self.wire.wait(
+            lambda: all((self.rounds, c, Kind.EVAL) in self.wire.updates for c in others) and self.paused, self.left()
+        )
+        if got is None:
+            self.note("the others' final evaluations never came (or the device was never paused): fault not applied")
+            self.procs.pause(client, False)
+            return
+        early = (self.rounds, client, Kind.EVAL) in self.wire.updates
+        agg = self.procs.procs["aggregator"]
+        if pr["signal"] == "kill":
+            self.procs.kill("aggregator")
+        else:
+            agg.send_signal(signal.SIGTERM)
+            code = agg.wait(min(60.0, self.left()))
+            if code != int(ExitCode.INTERRUPTED):
+                self.result.problems.append(f"SIGTERM in the final evaluation: aggregator exited {code}, not 130")
+        where = "its final evaluation had crossed already" if early else "its final evaluation not sent"
+        self.note(f"{pr['signal']} aggregator between FINISH and the end commit ({client} paused, {where})")
+        self.procs.pause(client, False)
+        self.paused = None
+        time.sleep(pr["down_s"])
+        self.procs.start("aggregator")
+        self.note(f"aggregator restarted after {pr['down_s']} s")
+
+    def _late_device(self) -> None:
+        """Once the run is over, a device on a fresh state directory: it must give up (RUN_ENDED)."""
+        agg = self.procs.procs["aggregator"]
+        try:
+            agg.wait(self.left())
+        except subprocess.TimeoutExpired:
+            return
+        self.wire.wait(lambda: not any(self.procs.alive(c) for c in self.ref.clients), self.left())
+        self.procs.add_late("late", self.s.params["client"], LATE_RUN_OVER_S)
+        self.procs.start("late")
+        self.note(f"the run is over (aggregator exited {agg.poll()}); a late device started on fresh state")
+
+    def _garbage_and_restart(self) -> None:
+        pr, client, rnd = self.s.params, self.s.params["client"], self.s.params["round"]
+        if self._at(rnd, pr["frac"] * self.ref.train_s.get((rnd, client), 0.3)) is None:
+            return
+        garbage = random.Random(self.s.seed).randbytes(pr["garbage_bytes"])
+        with self.wire.lock:
+            announced = self.wire.round_frames[rnd]
+            genuine = next(p for _, p in self.wire.round_payloads if decode(p).header == announced.header)
+        self.procs.kill(client)
+        at = time.monotonic()
+        self.wire.inject(topics.round_topic(self.fed), garbage, "garbage-retained", retain=True)
+        self.note(f"kill -9 {client} in round {rnd}; {len(garbage)} bytes of garbage retained on the round topic")
+        time.sleep(0.3)  # the broker holds the garbage when the device subscribes again
+        self.procs.start(client)
+        self.note(f"{client} restarted")
+        repaired = self.wire.wait(
+            lambda: next((t for t, p in self.wire.round_payloads if t > at and p == genuine), None),
+            min(self.left(), OVERRIDE_DEADLINE_S),
+        )
+        if repaired is None:  # the device would wait for the round's next attempt
+            self.result.stalled.append(rnd)
+            self.result.problems.append(f"round {rnd}'s announcement was not published again after the garbage")
+        else:
+            self.note(f"round {rnd}'s announcement published again {repaired - at:.2f} s after the garbage")
 
     def _kill_device_training(self) -> None:
         pr = self.s.params
@@ -741,12 +947,64 @@ class Chaos:
         self.procs.start(client)
         self.note(f"{client} restarted after {self.s.params['down_s']} s")
 
+    # -- clock steps ------------------------------------------------------------------------
+    def _step_device_clock(self) -> None:
+        pr = self.s.params
+        client, rnd = pr["client"], pr["round"]
+        if self.s.kind == "device_clock_training" or pr["when"] == "before":
+            train_s = self.ref.train_s.get((rnd, client), 0.3)
+            offset = pr["frac"] * train_s if "frac" in pr else max(0.0, train_s - pr["lead_s"])
+            if self._at(rnd, offset) is None:
+                return
+            with self.wire.lock:
+                uploaded = (rnd, client, Kind.UPDATE) in self.wire.updates
+            landed = "after-upload" if uploaded else "before-upload"
+            where = "after its upload" if uploaded else "before its upload (training or checkpointing)"
+        else:
+            crossed = self.wire.wait(lambda: self.wire.updates.get((rnd, client, Kind.UPDATE)), self.left())
+            if crossed is None:
+                self.note(f"{client}'s update for round {rnd} never seen: clock not stepped")
+                return
+            landed, where = "after-upload", "as its update crossed the broker"
+        self.procs.step_clock(client, pr["step_s"])
+        self.result.landed.append(landed)
+        self.note(f"{client}'s wall clock stepped {pr['step_s']:+d} s in round {rnd}, {where}")
+
+    def _step_aggregator_clock(self) -> None:
+        pr = self.s.params
+        if self._at(pr["round"], pr["frac"] * self.ref.round_s.get(pr["round"], 1.0)) is None:
+            return
+        where = f"round {self.wire.last_announced()} open" if pr["round"] < self.rounds else "final evaluation"
+        self.procs.step_clock("aggregator", pr["step_s"])
+        self.note(f"aggregator's wall clock stepped {pr['step_s']:+d} s ({where})")
+
     # -- injected frames (paho's thread) -----------------------------------------------------
     def _install_hooks(self) -> None:
         if self.s.kind == "duplicate_delayed":
             self.wire.hooks.append(self._duplicate)
         elif self.s.kind == "forged_replayed":
             self.wire.hooks.append(self._forge)
+        elif self.s.kind == "forged_run":
+            self.wire.hooks.append(self._forge_run)
+        elif self.s.kind == "end_interrupted":
+            self.wire.hooks.append(self._pause_at_last_update)
+
+    def _forge_run(self, event: str, seen: Seen) -> None:
+        """Next to round ``round``'s genuine announcement: copies under a forged run id."""
+        pr, h = self.s.params, seen.frame.header
+        if event != "announce" or h.kind is not Kind.ROUND or h.round != pr["round"]:
+            return
+        run = FAR_FUTURE_RUN if pr["run"] == "far_future" else f"{_now_us() + 5_000_000:016x}-00000000"
+        forged = encode(Frame(h, {**seen.frame.meta, "run": run}, seen.frame.tensors))
+        for _ in range(pr["copies"]):
+            self.wire.inject(topics.round_topic(self.fed), forged, f"forged-run-{pr['run']}")
+
+    def _pause_at_last_update(self, event: str, seen: Seen) -> None:
+        """SIGSTOP the chosen device as its last update crosses: it evaluates the final model later."""
+        h, client = seen.frame.header, self.s.params["client"]
+        if event == "update" and h.kind is Kind.UPDATE and h.client == client and h.round == self.rounds - 1:
+            self.procs.pause(client, True)
+            self.paused = client
 
     def _duplicate(self, event: str, seen: Seen) -> None:
         if event != "update":
@@ -878,6 +1136,23 @@ class Chaos:
             if not r.hash_match:
                 got = f"committed global model {model_hash} (round {meta.get('round')})"
                 r.problems.append(f"{got} != reference {self.ref.model_hash}")
+            self._check_end(summary_path)
+
+    def _check_end(self, summary_path: Path) -> None:
+        """Final evaluations are data: every device's is in, and the final metrics are the reference's."""
+        r = self.result
+        try:
+            summary = json.loads(summary_path.read_text())
+        except (OSError, ValueError):
+            summary = {}
+        missing = summary.get("missing_final_evaluations")
+        if summary.get("status") != "complete" or missing:
+            r.lost += [("final", c) for c in (missing or ["?"])]
+            r.problems.append(f"summary status {summary.get('status')!r}, final evaluations missing: {missing}")
+        final = (summary.get("final") or {}).get("avg_nll")
+        if final is None or self.ref.final_avg_nll is None or round(final, 4) != round(self.ref.final_avg_nll, 4):
+            r.hash_match = False
+            r.problems.append(f"final avg NLL {final} != reference {self.ref.final_avg_nll}")
 
 
 def _now_us() -> int:
@@ -917,6 +1192,7 @@ def _counts(rs: list[Result]) -> dict:
         "lost_updates": sum(len(r.lost) for r in rs),
         "double_counted": sum(len(r.double) for r in rs),
         "hash_mismatches": sum(r.hash_match is False for r in rs),
+        "stalled_rounds": sum(len(r.stalled) for r in rs),
         "ok": sum(r.ok for r in rs),
     }
 
@@ -988,7 +1264,10 @@ def markdown(res: dict) -> str:
         )
     landed = [f"{kind}: {json.dumps(f['landed'])}" for kind, f in res["by_fault"].items() if f.get("landed")]
     if landed:
-        lines += ["", "Where the device kills landed (relative to the device's update crossing the broker):"]
+        lines += [
+            "",
+            "Where the device faults (kills, clock steps) landed, relative to its update crossing the broker:",
+        ]
         lines += [f"- {x}" for x in landed]
     lines += ["", "## Failing schedules", ""]
     if not res["failing"]:

@@ -8,6 +8,7 @@ come from the run directories (``summary.json``, ``metrics.jsonl``, the aggregat
 
     python benchmarks/bench_fedseit.py                                  # the issue's grid, seeds 1,2
     python benchmarks/bench_fedseit.py --methods fedweit-cnn --lambda2 1.0 --seeds 1 --name fedseit_pilot
+    python benchmarks/bench_fedseit.py --compression off       # as before issue 40 (fedseit_bbc.md)
 
 Methods (``NAME/lambda2``): ``fedweit-cnn`` (FedWeIT: previous-task A of every client summed
 into the filters), ``fedseit`` (segregated branches over the same slots), ``fedseit+sit``
@@ -58,7 +59,13 @@ def overrides(args: argparse.Namespace, name: str, lam: float, seed: int) -> lis
     ]
     if args.per_class is not None:
         out.append(f"data.per_class={args.per_class}")
-    return out
+    if args.compression == "off":  # every unit's base, every entry of A, dense announcements
+        out += [
+            "federation.options.keep_units=1.0",
+            "federation.options.kb_density=1.0",
+            "federation.wire.down_sparsify=none",
+        ]
+    return out + args.set
 
 
 def _tensor_bytes(frame_tensors: dict) -> dict[str, int]:
@@ -184,6 +191,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=3, help="local epochs per round")
     p.add_argument("--max-length", type=int, default=32, help="wordpieces per text (the difficulty ladder's rung 1)")
     p.add_argument("--per-class", type=int, default=None, help="cap of training texts per (task, label)")
+    p.add_argument(
+        "--compression",
+        choices=("default", "off"),
+        default="default",
+        help="off: keep_units 1, every entry of A, dense announcements (the method before issue 40)",
+    )
+    p.add_argument("--set", action="append", default=[], help="another scenario override (KEY=VALUE), repeatable")
     p.add_argument("--rung", default="1 (max_length 32)", help="the difficulty rung, recorded")
     p.add_argument("--workers", type=int, default=2, help="runs at a time (one process each)")
     p.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
@@ -235,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "benchmarks/bench_fedseit.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "difficulty_rung": args.rung,
+        "compression": args.compression,
+        "overrides": args.set,
         "seeds": args.seeds,
         "workers": args.workers,
         "minutes": round((time.perf_counter() - started) / 60, 1),

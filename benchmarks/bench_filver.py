@@ -112,8 +112,18 @@ def bytes_per_round(events: list[dict], phase0_rounds: int) -> dict:
     }
 
 
-def reidentify(run: Path) -> dict | None:
-    """Both attackers over every item in the aggregator's buffer (None: no embeddings went up)."""
+def recoded(z: np.ndarray, value_dtype: str) -> np.ndarray:
+    """``z`` as the aggregator would decode it had it travelled in ``value_dtype`` (one frame:
+    int8 blocks run over rows in order, as an upload's rows do)."""
+    from fclcore.codec import Frame, Header, Kind, ValueCoding, decode, encode
+
+    frame = Frame(Header(Kind.UPDATE, "f", 0, 0, "c", 0), {}, {"z": np.asarray(z, np.float32)})
+    return np.asarray(decode(encode(frame, ValueCoding(value_dtype))).tensors["z"])
+
+
+def reidentify(run: Path, value_dtype: str | None = None) -> dict | None:
+    """Both attackers over every item in the aggregator's buffer (None: no embeddings went up);
+    ``value_dtype``: the items re-coded so first (for a run whose embeddings went as float32)."""
     import torch
 
     import methods
@@ -149,7 +159,8 @@ def reidentify(run: Path) -> dict | None:
             with torch.no_grad():
                 mu, log_sigma = encoder(torch.from_numpy(shard.x))
             mu = mu.numpy().astype(np.float64)
-            z = arrays["buffer/z"][rows].astype(np.float64)
+            z = arrays["buffer/z"][rows]
+            z = (z if value_dtype is None else recoded(z, value_dtype)).astype(np.float64)
             d2 = (z**2).sum(1)[:, None] - 2 * z @ mu.T + (mu**2).sum(1)[None, :]
             hits["nearest_mu"] += (d2.argmin(1) == source).tolist()
             if log_sigma is None:

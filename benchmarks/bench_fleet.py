@@ -22,6 +22,10 @@ Measured, per run:
   ``aggregator_cpu_s`` / ``broker_cpu_s``: utime + stime of those processes and the Mosquittos;
 * ``bytes_per_device``: the MQTT PUBLISH packet bytes a device sent (status, update) and received
   (the round announcement), averaged over devices;
+* ``scrape`` (``--scrape N``, flat): the aggregator's Prometheus endpoint scraped N times after
+  the round closed (while it waits for the devices' final evaluations), each device's status
+  carrying the ``health`` field a real device sends: seconds per scrape (median, max) plain and
+  gzipped, the series served (per device and in all) and the page's bytes;
 * ``completed``: every device's update acknowledged, the FINISH seen, and the root's run log
   counting each device once (flat: N accepted updates; sites: the sites' ``partial`` events
   name every device once and the root's accepted sample counts sum to the devices' total).
@@ -40,10 +44,12 @@ import os
 import resource
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -55,7 +61,7 @@ if str(REPO) not in sys.path:  # allow `python benchmarks/bench_fleet.py` withou
 
 from bench_codec import machine_info  # noqa: E402  (a sibling script: benchmarks/ is sys.path[0])
 
-from fcl_edge.broker import MosquittoProcess, site_bridge_config  # noqa: E402
+from fcl_edge.broker import MosquittoProcess, free_port, site_bridge_config  # noqa: E402
 from fclcore import topics  # noqa: E402
 from fclcore.codec import decode  # noqa: E402
 from fclcore.made_spec import param_shapes  # noqa: E402
@@ -81,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the update and the sample counts")
     parser.add_argument("--timeout", type=float, default=1800, help="give up on the round after this many seconds")
     parser.add_argument("--workdir", type=Path, default=None, help="brokers' and aggregators' files (default: tmp)")
+    parser.add_argument("--scrape", type=int, default=0, help="time this many scrapes of /metrics (flat layout)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 20 devices, 20,000 parameters, 2 sites")
     parser.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "fleet.json", help="JSON results (merged)"
@@ -90,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.devices, args.params, args.sites = min(args.devices, 20), min(args.params, 20_000), min(args.sites, 2)
     if args.devices < 1 or not 0 < args.density <= 1 or args.params < 2000 or args.window < 1:
         parser.error("expected devices >= 1, 0 < density <= 1, params >= 2000, window >= 1")
+    if args.scrape and args.layout != "flat":
+        parser.error("--scrape: the flat layout's aggregator is the one scraped")
     if args.layout == "sites" and not 1 <= args.sites <= args.devices:
         parser.error(f"--sites: expected 1 to {args.devices} (the devices), got {args.sites}")
     args.workers = args.workers or max(2, math.ceil(args.devices / DEVICES_PER_WORKER))
@@ -185,6 +194,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             if any(p.poll() is not None for p in (*aggregators.values(), *workers)):
                 break
             time.sleep(0.1)
+        scraped = args.scrape and "FINISH" in watcher.seen and aggregators["root"].poll() is None
+        scrape = time_scrapes(args.metrics_port, args.scrape, aggregators["root"].pid) if scraped else None
         peaks = {name: peak_rss_mb(p.pid) for name, p in aggregators.items()}
         agg_cpu = {name: cpu_seconds(p.pid) for name, p in aggregators.items() if p.poll() is None}
         broker_cpu = sum(cpu_seconds(b.proc.pid) for b in brokers)
@@ -195,7 +206,32 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             stop(proc)
         for broker in brokers:
             broker.stop()
-    return _result(args, devices, watcher.seen, peaks, agg_cpu, broker_cpu, counts, work)
+    return _result(args, devices, watcher.seen, peaks, agg_cpu, broker_cpu, counts, work) | (
+        {"scrape": scrape} if args.scrape else {}
+    )
+
+
+def time_scrapes(port: int, n: int, pid: int) -> dict:
+    """Seconds per GET of the whole /metrics page, plain and gzipped (as Prometheus asks), the
+    aggregator's CPU seconds per GET (``pid``: its process; barely moved by other load), and
+    what the page holds."""
+    out: dict = {"scrapes": n, "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    for name, headers in (("plain", {}), ("gzip", {"Accept-Encoding": "gzip"})):
+        times, cpu = [], cpu_seconds(pid)
+        for _ in range(n):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+            started = time.perf_counter()
+            with urllib.request.urlopen(request, timeout=60) as response:
+                body = response.read()
+            times.append(time.perf_counter() - started)
+        out[f"{name}_s_median"], out[f"{name}_s_max"] = round(statistics.median(times), 4), round(max(times), 4)
+        out[f"{name}_cpu_s"] = round((cpu_seconds(pid) - cpu) / n, 4)
+        out[f"{name}_bytes"] = len(body)
+        if name == "plain":
+            lines = [line for line in body.decode().splitlines() if line and not line.startswith("#")]
+            out["series"] = len(lines)
+            out["device_series"] = sum(line.startswith("fcl_device_") for line in lines)
+    return out
 
 
 def _topology(args, fed, devices, work, root, brokers, aggregators) -> list[dict]:
@@ -203,6 +239,8 @@ def _topology(args, fed, devices, work, root, brokers, aggregators) -> list[dict
     base = {"federation": fed, "input_dim": INPUT_DIM, "max_clients": max(10_000, len(devices))}
     if args.layout == "flat":
         cfg = {**base, "expected_clients": [d for d, _ in devices], "out_dir": str(work / "root")}
+        if args.scrape:
+            args.metrics_port = cfg["metrics_port"] = free_port()
         aggregators["root"] = start_fcl("aggregator", {**cfg, "broker": {"url": root.url}}, work, "root")
         return [{"port": root.port, "devices": devices}]
     sites = [f"site-{s:02d}" for s in range(args.sites)]
@@ -238,6 +276,7 @@ def _start_workers(args, fed, groups: list[dict]) -> list[subprocess.Popen]:
             "shapes": shapes,
             "update": [args.density, args.seed],
             "groups": [{"port": g["port"], "devices": g["devices"][w :: args.workers]} for g in groups],
+            "health": bool(args.scrape),
         }
         spec["groups"] = [g for g in spec["groups"] if g["devices"]]
         cmd = [sys.executable, str(Path(__file__).with_name("fleet_devices.py")), json.dumps(spec)]
@@ -389,6 +428,24 @@ def markdown(report: dict) -> str:
             f"({r['up_bytes_per_device']:,} + {r['down_bytes_per_device']:,}) | {r['loadavg_before'][0]} "
             f"| `{r['command']}` |"
         )
+    scraped = [r for r in report["runs"] if r.get("scrape")]
+    if scraped:
+        lines += [
+            "",
+            "Prometheus scrapes of the aggregator after the round closed (`--scrape N`; seconds per GET of "
+            "/metrics, median / max of N):",
+            "",
+            "| devices | series (per-device) | page bytes (gzip) | plain s | gzip s | aggregator CPU s per scrape "
+            "(plain, gzip) | load avg at scrape |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in scraped:
+            sc = r["scrape"]
+            lines.append(
+                f"| {r['devices']:,} | {sc['series']:,} ({sc['device_series']:,}) | {sc['plain_bytes']:,} "
+                f"({sc['gzip_bytes']:,}) | {sc['plain_s_median']} / {sc['plain_s_max']} | {sc['gzip_s_median']} / "
+                f"{sc['gzip_s_max']} | {sc.get('plain_cpu_s')}, {sc.get('gzip_cpu_s')} | {sc['loadavg'][0]} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -222,6 +222,11 @@ def main() -> None:
         help="do not run: measure the finished runs RUNS/<method> (minutes from the aggregator's "
         "run time), e.g. after a long benchmark was stopped part-way",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="train.device of every client (auto, cpu, cuda, cuda:N; docs/accelerators.md says which methods move)",
+    )
     parser.add_argument("--runs", default=str(ROOT / "runs" / "seqmnist"), help="where run directories go")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "seqmnist"))
     parser.add_argument(
@@ -231,6 +236,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     common = [f"federation.rounds_per_task={args.rounds_per_task}"] if args.rounds_per_task else []
+    common += [f"device={args.device}"] if args.device != "cpu" else []  # cpu: the very commands of before
     if args.measure_only:
         results, ablation = {}, []
         for method in args.methods:
@@ -242,6 +248,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "command": " ".join(["python", *sys.argv]),
         "rounds_per_task": args.rounds_per_task or 50,
+        "device": args.device,
     }
     previous = Path(args.out + ".json")
     if args.update and previous.exists():

@@ -9,7 +9,8 @@ last will), but no device has a thread: paho's external-loop hooks (``on_socket_
 A device follows the round protocol: it comes online (retained status), subscribes to the
 round topic once the round is announced, reads the retained announcement (the whole frame:
 every device receives the model's bytes), and answers with an UPDATE frame for that round,
-numbered on the aggregator's clock (``meta.clock_us``), with its ``n_samples``.  Once the
+numbered as docs/protocol.md says (P-SEQ-2: the run's start plus the device's counter, one
+frame a round here), with its ``n_samples``.  Once the
 broker acknowledged the update (PUBACK), the device unsubscribes from the round topic: the
 benchmark times one round's uplink, so the next global model is fanned out to the watchers
 only.  At most ``window`` devices per broker connect, or download-and-send, at a time.
@@ -17,8 +18,10 @@ only.  At most ``window`` devices per broker connect, or download-and-send, at a
 The update's tensors are encoded once (``UpdateFrames``): a device's frame is its own header
 and metadata in front of the same tensor records, with the CRC32 over the whole, which is the
 codec's frame layout (``fclcore/codec.py``); the first frame is decoded and compared before any
-is sent.  Run by bench_fleet.py as ``python fleet_devices.py SPEC_JSON``; prints one JSON line
-of counts when SIGTERM ends it.
+is sent.  With ``"health": true`` in the spec a device's status also carries the ``health``
+field a real device sends (``fclcore.health``), for the aggregator's per-device series.  Run by
+bench_fleet.py as ``python fleet_devices.py SPEC_JSON``; prints one JSON line of counts when
+SIGTERM ends it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ if str(REPO) not in sys.path:  # allow `python benchmarks/fleet_devices.py` with
 
 from fclcore import topics  # noqa: E402
 from fclcore.codec import CodecLimits, Frame, Header, Kind, SparseTensor, decode, encode  # noqa: E402
+from fclcore.health import device_health  # noqa: E402
+from fclcore.runid import started_us  # noqa: E402
 from fclcore.transport import publish_packet_bytes  # noqa: E402
 
 LIMITS = CodecLimits(max_frame_bytes=64 * 2**20)
@@ -102,7 +107,6 @@ class Group:
     rnd: int = 0
     task: int = 0
     run: str = ""
-    clock_offset_us: int = 0  # aggregator clock minus ours, from the announcement's meta.clock_us
     waiting: list[Device] = field(default_factory=list)  # online, not yet fetching
 
 
@@ -117,6 +121,9 @@ class DeviceFleet:
             Group(g["port"], [Device(cid, n, self._client(cid)) for cid, n in g["devices"]]) for g in spec["groups"]
         ]
         self.disconnects = 0
+        # with ``health``, each status carries what a real device's does (bench_fleet.py --scrape)
+        self.extra = {"task": 0, "health": device_health(1.0, {}, {"update": 0}, {"round": 0}, 1024.0)}
+        self.extra = self.extra if spec.get("health") else {}
 
     # -- paho on one selector -----------------------------------------------------------
     def _client(self, cid: str) -> mqtt.Client:
@@ -160,14 +167,13 @@ class DeviceFleet:
         frame = decode(payload, LIMITS)
         if frame.header.kind is Kind.ROUND:
             group.rnd, group.task, group.run = frame.header.round, frame.header.task, frame.meta["run"]
-            group.clock_offset_us = int(frame.meta["clock_us"]) - time.time_ns() // 1000
             group.announcement = payload
 
     def _online(self, group: Group, device: Device, rc) -> None:
         if rc.is_failure:
             self.disconnects += 1
             return
-        status = json.dumps({"state": "online", "time": round(time.time(), 3)}).encode()
+        status = json.dumps({"state": "online", "time": round(time.time(), 3), **self.extra}).encode()
         topic = topics.status_topic(self.fed, device.cid)
         device.client.publish(topic, status, qos=1, retain=True)
         device.up += publish_packet_bytes(topic, len(status))
@@ -186,7 +192,7 @@ class DeviceFleet:
             if header.kind is not Kind.ROUND:
                 return
             rnd, task = header.round, header.task
-        sequence = time.time_ns() // 1000 + group.clock_offset_us
+        sequence = started_us(group.run) + rnd + 1
         frame = self.frames.frame(device.cid, rnd, task, sequence, device.n_samples)
         update_topic = topics.update_topic(self.fed, device.cid)
         device.update_mid = device.client.publish(update_topic, frame, qos=1).mid

@@ -31,6 +31,10 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("Learning", "filver.md", "FIL-VER in four enrollment scenarios."),
     ("Learning", "ngfl.md", "NGFL's settings in two regimes."),
     ("Bytes on the wire", "wire_dtypes.md", "float32, float16 and int8 values on one scenario."),
+    ("Bytes on the wire", "fedseit_wire.md", "FedSeIT's compression stages on a small configuration (docs/wire.md)."),
+    ("Bytes on the wire", "fedseit_bbc_defaults_int8.md", "FedSeIT's compression stages on bbc_fedseit, int8 values."),
+    ("Bytes on the wire", "filver_wire.md", "FIL-VER compressed both ways against uncompressed (docs/filver.md)."),
+    ("Bytes on the wire", "filver_wire_curve.md", "FIL-VER: density and dtype against accuracy and re-identification."),
     ("Devices", "device_budget.md", "Peak memory, CPU per round and bytes per day on the device, per scenario."),
     ("Devices", "device_memory_profile.md", "Device memory phase by phase."),
     ("Devices", "fedet_daemon.md", "FedET through the client daemon: CPU per round, memory, upload."),
@@ -39,6 +43,9 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("Services", "aggregate.md", "Folding N sparse updates in one process."),
     ("Services", "fleet.md", "One round of many synthetic devices over Mosquitto."),
     ("Services", "chaos.md", "Seeded fault schedules over a persistent Mosquitto."),
+    ("Services", "chaos-clock.md", "Wall-clock steps of +/-1 h on a device and -2 min / +1 h on the aggregator."),
+    ("Services", "chaos_issue42.md", "The end of a run, forged run ids, late devices, retained garbage (issue 42)."),
+    ("Services", "chaos_issue42_all.md", "One schedule of every fault kind, on a heavily loaded machine."),
     ("Services", "bad_inputs.md", "The bad-input table: seconds per row."),
 ]
 SUPERSEDED = {
@@ -51,6 +58,14 @@ SUPERSEDED = {
     "fedet_cpu_seeds_after.md": "FedET's CPU switches on 4 seeds (README of methods/fedet)",
     "fedet_proto.md": "the in-process harness with proto_init",
     "method_packages.md": "a refactoring's same-numbers check",
+    "fedseit_wire_offint8.md": "a row of fedseit_wire.md's table (docs/wire.md, FedSeIT)",
+    "fedseit_bbc_defaults_int8_s2.md": "seed 2 of fedseit_bbc_defaults_int8.md (docs/wire.md, FedSeIT)",
+    "fedseit_bbc_probe_downoff.md": "a one-setting probe in docs/wire.md's FedSeIT table",
+    "fedseit_bbc_probe_kb0.3.md": "a one-setting probe in docs/wire.md's FedSeIT table",
+    "fedseit_bbc_probe_kb1.md": "a one-setting probe in docs/wire.md's FedSeIT table",
+    "fedseit_bbc_probe_keep1.md": "a one-setting probe in docs/wire.md's FedSeIT table",
+    "fedseit_bbc_probe_offint8.md": "the int8-only row of docs/wire.md's FedSeIT table (now the default)",
+    "fedseit_bbc_probe_offint8_s2.md": "seed 2 of the int8-only row (docs/wire.md, FedSeIT)",
 }
 
 

@@ -31,7 +31,11 @@ MAX_ROWS = 4096
 
 
 class ControlServer:
-    def __init__(self, path: str | os.PathLike, status: Callable[[], dict], model_path: Path) -> None:
+    def __init__(
+        self, path: str | os.PathLike, status: Callable[[], dict], model_path: Path, providers: list[str]
+    ) -> None:
+        """``providers``: ``serve.providers``, the onnxruntime execution providers in order of preference."""
+        self.providers = providers
         self.path = Path(path)
         self.status = status
         self.model_path = model_path
@@ -93,6 +97,12 @@ class ControlServer:
             raise ValueError(f"x: expected 1 to {MAX_ROWS} rows of numbers, got shape {rows.shape}")
         return self._model().log_likelihood(rows)
 
+    @property
+    def provider(self) -> str:
+        """The provider the served model runs on, once loaded (onnxruntime is imported on first use)."""
+        runtime = self._runtime
+        return runtime.provider if runtime is not None else f"none loaded yet (wants {self.providers[0]})"
+
     def _model(self):
         """The served model, loaded again when its file changes."""
         from export.runtime import MadeRuntime, ModelFileError  # onnxruntime: imported on first use
@@ -105,7 +115,7 @@ class ControlServer:
         with self._lock:
             if key != self._runtime_key:
                 try:
-                    self._runtime = MadeRuntime.load(self.model_path)
+                    self._runtime = MadeRuntime.load(self.model_path, providers=self.providers)
                 except ModelFileError as exc:
                     raise ValueError(f"served model unusable: {exc}") from None
                 self._runtime_key = key

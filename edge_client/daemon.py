@@ -9,8 +9,9 @@ The daemon runs the round protocol (which message is acted on, for which run, in
 membership state) and wires its parts together: the learner and its data
 (``edge_client.learning``), the frames sent to this device alone (``edge_client.frames``),
 the global model's replica and its resyncs (``edge_client.modelsync``), what it sends
-(``edge_client.uplink``), a round's work with its checkpoint (``edge_client.rounds``), and
-what it reports about itself (``edge_client.status``).  With ``key_file`` set, every frame
+(``edge_client.uplink``), a round's work with its checkpoint (``edge_client.rounds``), which
+run it may act on and when it stops waiting (``edge_client.rungate``), and what it reports
+about itself (``edge_client.status``).  With ``key_file`` set, every frame
 it sends is signed (``fclcore.signing``).
 """
 
@@ -29,15 +30,19 @@ from edge_client.control import ControlServer
 from edge_client.data import load_client_data
 from edge_client.frames import ClientFrames
 from edge_client.learning import DeviceLearner
+from edge_client.ledger import downlink_tag
 from edge_client.modelsync import ModelSync
+from edge_client.nacks import NackLog
 from edge_client.protocol import RejectedFrame, check_downlink, membership_state, places, run_of
 from edge_client.rounds import RoundWork
+from edge_client.rungate import RunGate
 from edge_client.serving import ServedModelWriter
 from edge_client.state import ClientStateStore
 from edge_client.status import AggregatorWatch, RoundStats
 from edge_client.taskdir import TaskDirectory
 from edge_client.uplink import Uplink
 from fclcore import topics
+from fclcore.capabilities import device_capabilities
 from fclcore.codec import CodecLimits, Frame, Kind
 from fclcore.config import ConfigError
 from fclcore.exitcodes import ExitCode
@@ -46,7 +51,7 @@ from fclcore.runid import is_newer
 from fclcore.schema import ClientConfig, FederationSpec
 from fclcore.sdnotify import Notifier, WatchdogThread
 from fclcore.signing import read_key
-from fclcore.transport import MqttLink, TransportError
+from fclcore.transport import MqttLink, TransportError, WireMeter
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
@@ -80,12 +85,14 @@ class ClientDaemon:
             self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8, cfg.serve.export_timeout_s
         )
         self.control = ControlServer(
-            self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path
+            self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path, cfg.serve.providers
         )
+        self.nack_topic = topics.nack_topic(cfg.federation, cfg.client_id)  # why a frame of ours was dropped
         self.subscribed = (  # exact topics: a message on any other was misrouted by the broker
             topics.round_topic(cfg.federation),
             topics.knowledge_topic(cfg.federation, cfg.client_id),
             topics.status_topic(cfg.federation, topics.AGGREGATOR_ID),
+            self.nack_topic,
         )
         self.link = link_factory(
             cfg.broker,
@@ -93,6 +100,7 @@ class ClientDaemon:
             status_topic=topics.status_topic(cfg.federation, cfg.client_id),
             subscriptions=list(self.subscribed),
             on_message=lambda t, p, n: self.queue.put((t, p, n, time.monotonic())),
+            meter=WireMeter(classify=downlink_tag(self.subscribed[2])),  # every byte received is named
         )
         # subscribed to only while a task's own frame names entries this device no longer holds
         full_topic = topics.knowledge_full_topic(cfg.federation, cfg.client_id)
@@ -101,6 +109,8 @@ class ClientDaemon:
         self.uplink = Uplink(cfg.federation, cfg.client_id, self.link, key, self.limits, self.stop)
         self.stats = RoundStats()
         self.watch = AggregatorWatch(self.link, cfg.aggregator_timeout_s)
+        self.nacks = NackLog(self.link)
+        self.gate = RunGate(self.watch, cfg.max_clock_skew_s, cfg.run_over_s)
         torch.set_num_threads(cfg.threads)
         self.notifier = Notifier()
         self.watchdog = WatchdogThread(self.notifier)
@@ -121,7 +131,9 @@ class ClientDaemon:
     def run(self) -> ExitCode:
         """Serve until the run finishes or ``stop`` is set (SIGTERM): a stop waits for the
         round in hand to be checkpointed and sent, then says "stopped" and disconnects."""
-        self.link.status_fields.update(role="client", task=self.device.task, round=self.device.done_round)
+        self.link.status_fields.update(
+            role="client", task=self.device.task, round=self.device.done_round, **device_capabilities()
+        )
         try:
             self.link.start()
         except TransportError as exc:
@@ -141,9 +153,9 @@ class ClientDaemon:
                     topic, payload, size, self.arrival = self.queue.get(timeout=POLL_S)
                 except queue.Empty:
                     self.watch.check()
-                    finished = self.work.retry_waiting()
+                    finished = self.work.retry_waiting() or self._done_waiting()
                     continue
-                finished = self._handle(topic, payload, size)
+                finished = self._handle(topic, payload, size) or self._done_waiting()
         finally:
             self.notifier.stopping("shutting down")
             self.serving.close()
@@ -162,6 +174,14 @@ class ClientDaemon:
             return self.exit_code
         return ExitCode.OK if finished else ExitCode.INTERRUPTED
 
+    def _done_waiting(self) -> bool:
+        """Whether the device stops waiting now (``RunGate.verdict``): its final evaluation's end
+        is committed, or it has nothing to do in any run (exit code set)."""
+        verdict = self.gate.verdict(self.device.run_id)
+        if verdict is not None and verdict is not ExitCode.OK:
+            self.exit_code = verdict
+        return verdict is not None
+
     def status_snapshot(self) -> dict:
         """What ``fcl ctl status`` shows (read from the control socket's thread)."""
         waiting = self.work.waiting
@@ -175,15 +195,26 @@ class ClientDaemon:
             "tasks_on_device": len(self.device.data.train),
             "waiting_for_task": waiting[0].header.task if waiting else None,
             "served_model": str(self.serving.model_path) if self.serving.model_path.exists() else None,
+            "serve_provider": self.control.provider,
+            "train_device": str(self.device.train_device),
+            "train_amp": self.cfg.train.amp,
             "bytes": {d: self.link.meter.snapshot()[d]["bytes"] for d in ("up", "down")},
+            "health": self.stats.health(self.work.sync_report(), self.link.meter.snapshot(), self.cfg.memory_budget_mb),
+            "retained_status": dict(self.link.status_fields),  # health; protocol fields where the daemon sets them
+            "last_nack": self.nacks.last,
         }
 
     def _handle(self, topic: str, payload: bytes, size: int) -> bool:
         """Act on one downlink message; True when the run is finished."""
         if not payload:
             return False  # a deleted retained message
+        self.stats.downlink(topic, size)
         if topic == topics.status_topic(self.cfg.federation, topics.AGGREGATOR_ID):
             self.watch.on_status(payload)
+            held = self.gate.release()  # a frame of the run the status names now
+            return self._handle(*held) if held is not None else False
+        if topic == self.nack_topic:
+            self._on_nack(payload)
             return False
         try:
             if topic not in self.subscribed and topic not in self.sync.topics and topic != self.frames.full_topic:
@@ -192,6 +223,15 @@ class ClientDaemon:
         except RejectedFrame as exc:
             self.stats.drop(exc, topic)
             return False
+
+    def _on_nack(self, payload: bytes) -> None:
+        """Why the aggregator dropped a frame of this device; an update whose number it does not
+        take is renumbered, checkpointed and sent again at once (P-SEQ-6)."""
+        nack = self.nacks.take(payload, self.device.run_id)
+        if nack is not None and self.uplink.renumber(nack):
+            self.work.checkpoint(self.uplink.unacked)
+            self.uplink.send(self.uplink.unacked, f"renumbered:{nack['round']}")
+            self.uplink.sent_at = time.monotonic()
 
     def _check(self, payload: bytes) -> tuple[Frame, FederationSpec | None]:
         device = self.device
@@ -210,6 +250,8 @@ class ClientDaemon:
         kind = frame.header.kind
         run = run_of(frame)
         device = self.device
+        if run == device.run_id:
+            self.gate.own_frame()
         if kind is Kind.KNOWLEDGE:
             if topic == self.frames.full_topic and run != device.run_id:
                 return False  # fetched only for a task of this device's run
@@ -229,14 +271,19 @@ class ClientDaemon:
         if kind is Kind.REQUEST:
             if run != device.run_id:
                 raise RejectedFrame(f"run: a request of run {run}, this device is in run {device.run_id}")
-            if self.cfg.client_id in frame.meta.get("missing", ()):
+            if self.cfg.client_id not in frame.meta.get("missing", ()):
+                return False
+            if frame.meta.get("kind") == Kind.EVAL.name and self.work.final_eval is not None:
+                self.uplink.send(self.work.final_eval, f"resend:eval:{frame.header.round}")
+            else:
                 self.uplink.resend(frame.header.round, device.done_round, self.arrival, "the aggregator asked for it")
             return False
         if device.run_id is None or run != device.run_id:
-            ended = self._meet_run(frame, run)
-            if ended:
+            met = self._meet_run(frame, run, (topic, payload, size))
+            if met is None:
+                return False  # held until the aggregator's status names the run
+            if met:
                 return True
-        self.uplink.note_clock(frame)
         if kind is Kind.FINISH and (frame.meta.get("failed") is not None or frame.header.round != fed.total_rounds):
             return self._finish_early(frame, fed)
         state = membership_state(fed, self.cfg.client_id, frame.header.task)
@@ -249,7 +296,11 @@ class ClientDaemon:
                 self.told_not_enrolled = True
             return False
         if kind is Kind.FINISH and device.done_round < 0:
+            self.gate.saw_end_of_other_run()
             log.info("ignoring the end of a run this device did not take part in")
+            return False
+        if kind is Kind.FINISH and self.work.final_eval is not None:  # announced again (a restarted aggregator)
+            self.uplink.send(self.work.final_eval, f"resend:eval:{frame.header.round}")
             return False
         if kind is Kind.ROUND and frame.header.round <= device.done_round:
             # seen again after a reconnect or a restart, or re-announced: the round is still open
@@ -263,11 +314,19 @@ class ClientDaemon:
         device.load(frame, fed)
         if kind is Kind.FINISH:
             self.work.finish(frame)
-            return True
+            self.gate.final_sent = time.monotonic()  # held until the aggregator says the end is committed
+            return False
+        if fed.rounds.mode == "buffered" and self._announced_since():
+            return False  # buffered rounds: the model is applied, the newest version is trained on
         if self.frames.wanted(frame, device.task, device.done_round):
             self.work.pending = (frame, size)  # the device's own frame is on its way on another topic
             return False
         return self.work.handle_round(frame, size)
+
+    def _announced_since(self) -> bool:
+        """A later announcement is queued already (docs/buffered.md)."""
+        with self.queue.mutex:
+            return any(topic == topics.round_topic(self.cfg.federation) for topic, *_ in self.queue.queue)
 
     def _on_own_frame(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
         """A frame sent to this device alone (or the full one it fetched): kept; the round that
@@ -281,21 +340,27 @@ class ClientDaemon:
             return work.take_pending()
         return False
 
-    def _meet_run(self, frame: Frame, run: str) -> bool:
+    def _meet_run(self, frame: Frame, run: str, message: tuple[str, bytes, int]) -> bool | None:
         """A round or FINISH of a run this device is not in: adopt it (a fresh device, at a
         round), join it (a newer run, ``on_new_run: join``: start over), refuse it (exit
-        ``OTHER_RUN``), or drop it (an earlier run's retained message, or the end of a run this
-        device took no part in).  True when the daemon must stop."""
+        ``OTHER_RUN``), drop it (an earlier run's retained message, the end of a run this device
+        took no part in, a run id from the future), or hold it until the aggregator's status names
+        its run (``RunGate``).  True when the daemon must stop; None when held."""
         kind, current = frame.header.kind, self.device.run_id
+        if current is None and kind is Kind.FINISH and frame.meta.get("failed") is None:
+            self.gate.saw_end_of_other_run()
+            raise RejectedFrame(f"run: the end of run {run}, which this device took no part in")
+        if current is not None and not is_newer(run, current):
+            raise RejectedFrame(f"run: a {kind.name} of run {run}, an earlier run than this device's {current}")
+        if current is not None and kind is Kind.FINISH:
+            raise RejectedFrame(f"run: the end of run {run}, a newer run this device has not joined")
+        self.gate.check_bound(run)
+        if not self.gate.confirmed(run):
+            self.gate.hold(run, message)
+            return None
         if current is None:
-            if kind is Kind.FINISH and frame.meta.get("failed") is None:
-                raise RejectedFrame(f"run: the end of run {run}, which this device took no part in")
             self._adopt_run(run)
             return False
-        if not is_newer(run, current):
-            raise RejectedFrame(f"run: a {kind.name} of run {run}, an earlier run than this device's {current}")
-        if kind is Kind.FINISH:
-            raise RejectedFrame(f"run: the end of run {run}, a newer run this device has not joined")
         if self.cfg.on_new_run == "refuse":
             log.error(
                 "a newer run %s of %s started; this device belongs to run %s and on_new_run is refuse: exiting",
@@ -318,6 +383,7 @@ class ClientDaemon:
     def _adopt_run(self, run: str) -> None:
         """Belong to ``run``: the device's own frames of other runs go; those of this run kept aside come in."""
         self.device.run_id = run
+        self.gate.own_frame()
         self.frames.adopt(run)
         self.link.status_fields.update(run=run)
 

@@ -18,6 +18,8 @@ from edge_client.taskdir import TaskDirectory
 from fclcore.codec import CodecLimits, Frame, decode
 from fclcore.config import to_dict
 from fclcore.data import ClientTasks
+from fclcore.device import place
+from fclcore.device import resolve as resolve_device
 from fclcore.learner import Learner
 from fclcore.procmem import release_free_memory
 from fclcore.schedule import RoundPlace
@@ -41,6 +43,7 @@ class DeviceLearner:
         self.task = -1  # the last task started
         self.done_round = -1  # the last round trained
         self.run_id: str | None = None  # the run this device belongs to (fclcore.runid); None until its first round
+        self.train_device = resolve_device(cfg.train.device)  # ConfigError (exit 2): a CUDA device this machine lacks
 
     @property
     def client_index(self) -> int:
@@ -56,6 +59,7 @@ class DeviceLearner:
         with BUILD_LOCK:
             self.learner = methods.learner_for(fed, self.input_dim, self.client_index)
         self.learner.allow_embedding_upload = self.cfg.allow_embedding_upload
+        place(self.learner, self.cfg.train.device, self.train_device, self.cfg.train.amp)
         self.learner.fleet_data = self.data.fleet
         self._fit_pixels()
 

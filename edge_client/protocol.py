@@ -56,7 +56,7 @@ def check_downlink(
         return frame, fed
     try:
         fed = from_dict(FederationSpec, frame.meta.get("federation"), "round message", "federation")
-        methods.resolve(fed, "round message")
+        _, _, fed = methods.resolve(fed, "round message")  # as the aggregator resolved it: one value dtype
         Membership.of(fed)
     except ValueError as exc:  # ConfigError, or a bad membership table
         raise RejectedFrame(f"federation: {exc}") from None

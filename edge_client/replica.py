@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from fclcore.codec import Frame, Tensor
-from fclcore.model_sync import ModelRef, apply, model_hash
+from fclcore.model_sync import ModelRef, apply
 
 FULL, CATCHUP = "full", "catchup"
 
@@ -47,7 +47,7 @@ class ModelReplica:
         except ValueError:
             self._note("bad_delta")
             return FULL
-        if model_hash(params) != ref.hash:
+        if not ref.matches(params):
             self._note("hash_mismatch")
             return FULL
         self.version, self.params, self.hash = ref.version, params, ref.hash

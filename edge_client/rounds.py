@@ -49,6 +49,7 @@ class RoundWork:
         self.handoff = ServeHandoff(writer, cfg.serve.every)
         self.waiting: tuple[Frame, int] | None = None  # a round whose task's data has not arrived yet
         self.pending: tuple[Frame, int] | None = None  # a round waiting for the device's own frame
+        self.final_eval: bytes | None = None  # the final evaluation sent, re-sent until the end is committed
 
     # -- checkpoints ---------------------------------------------------------------------
     def restore(self) -> None:
@@ -145,7 +146,7 @@ class RoundWork:
             self.pending = (frame, size)
             return False  # the round waits for the full frame
         own = self.frames.round_bytes(frame.header.round, frame.header.task, new_task)
-        self.stats.bytes_down[frame.header.round] = size + own
+        self.stats.ledger.counted(frame.header.round, size, own)
         self.round(frame)
         return False
 
@@ -185,7 +186,8 @@ class RoundWork:
             **learner.report(place),
             **({"allow_embedding_upload": True} if self.cfg.allow_embedding_upload else {}),
         }
-        payload = self.uplink.frame(Kind.UPDATE, rnd, task, meta, tensors, device.fed.value_coding)
+        self.stats.ledger.reported(rnd, sync)
+        payload = self.uplink.frame(Kind.UPDATE, rnd, task, meta, tensors, device.fed.value_coding, device.run_id)
         if learner.reads_upload:  # error feedback: what coding lost stays in the learner (checkpointed next)
             learner.uploaded(self.uplink.decoded_tensors(payload))
         device.done_round, self.uplink.unacked = rnd, payload
@@ -203,6 +205,7 @@ class RoundWork:
             bytes_up=meter["up"]["bytes"],
             bytes_down=meter["down"]["bytes"],
             waiting_for_task=None,
+            health=self.stats.health(self.sync_report(), meter, self.cfg.memory_budget_mb),
         )
         self.notifier.status(f"round {rnd}, task {task}")
         trained = "" if meta.get("train_nll") is None else f", train NLL {meta['train_nll']:.4f}"  # classifiers: none
@@ -214,7 +217,8 @@ class RoundWork:
         served = self.served(after_round=frame.header.round - 1, previous=previous, task_ended=True)
         meta = {**({"eval": report} if report is not None else {}), "rejected": dict(self.stats.rejected)}
         rnd, task = frame.header.round, frame.header.task
-        payload = self.uplink.frame(Kind.EVAL, rnd, task, meta, {}, self.device.fed.value_coding)
+        payload = self.uplink.frame(Kind.EVAL, rnd, task, meta, {}, self.device.fed.value_coding, self.device.run_id)
+        self.final_eval = payload
         self.uplink.deliver(payload, f"eval:{rnd}")
         self.writer.submit(served)
         self.writer.wait()  # the final model is in service before the daemon exits

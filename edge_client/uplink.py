@@ -1,6 +1,11 @@
-"""What the device sends: every uplink frame encoded, sequenced on the aggregator's clock and
-signed when the device has a key (``fclcore.signing``); the last update kept until a later
-round is announced, and sent again when the aggregator asks for it."""
+"""What the device sends: every uplink frame encoded, numbered by the device's own counter for its
+run and signed when the device has a key (``fclcore.signing``); the last update kept until a
+later round is announced, sent again when the aggregator asks for it, and renumbered when the
+aggregator says its number was behind (docs/protocol.md, "Sequences and clocks").
+
+No clock numbers a frame: a Raspberry Pi's clock steps when NTP first syncs after boot, and an
+aggregator's may step too, so a number taken from either could fall behind the device's mark or
+far ahead of it.  A counter kept in the checkpoint only rises."""
 
 from __future__ import annotations
 
@@ -11,12 +16,12 @@ import time
 import numpy as np
 
 from fclcore import topics
-from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode, max_value
+from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode, max_value, with_sequence
 from fclcore.errors import TrainingDiverged
+from fclcore.runid import started_us
 from fclcore.signing import sign, verify
 
 log = logging.getLogger("edge_client.daemon")  # its parts log as the daemon did before the split
-SEQUENCE_AHEAD_US = 10_000_000  # a sequence further ahead of the aggregator's clock is reset to it
 FINAL_SEND_S = 60.0  # how long the final evaluation is retried across broker outages
 
 
@@ -26,35 +31,49 @@ class Uplink:
     ) -> None:
         self.federation, self.client_id = federation, client_id
         self.link, self.key, self.limits, self.stop = link, key, limits, stop
-        self.sequence = time.time_ns() // 1000  # above anything sent before, even without saved state
-        self.clock_offset_us = 0  # the aggregator's clock minus ours (from its announcements): sequences follow it
+        self.sequence = 0  # the last number this device used (checkpointed with each update: P-SEQ-1)
         self.unacked: bytes | None = None  # the update for the last round done, until a later round is announced
         self.sent_at = 0.0  # when it was published (monotonic)
 
-    def note_clock(self, frame: Frame) -> None:
-        """The aggregator's clock, from its announcement: this device's sequence numbers follow it."""
-        clock = frame.meta.get("clock_us")
-        if isinstance(clock, int) and not isinstance(clock, bool) and clock > 0:
-            self.clock_offset_us = clock - time.time_ns() // 1000
-
-    def frame(self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict, value_coding: str) -> bytes:
-        """An uplink message: encoded, and signed when the device has a key.  Its sequence runs on
-        the aggregator's clock (which bounds what it accepts); one far ahead of it (a clock that
-        was wrong when the checkpoint was written) is brought back to it."""
-        now = time.time_ns() // 1000 + self.clock_offset_us
-        if self.sequence + 1 > now + SEQUENCE_AHEAD_US:
-            log.warning(
-                "this device's sequence was %.0f s ahead of the aggregator's clock: reset", (self.sequence - now) / 1e6
-            )
-            self.sequence = now
-        self.sequence = max(self.sequence + 1, now)
+    def frame(
+        self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict, value_coding: str, run: str | None = None
+    ) -> bytes:
+        """An uplink message: encoded, and signed when the device has a key.  Its number is the
+        next of this device's counter, above the start of ``run`` (P-SEQ-1, P-SEQ-2)."""
+        self.sequence = max(self.sequence, started_us(run) if run else 0) + 1
         header = Header(kind, self.federation, rnd, task, self.client_id, self.sequence)
         payload = encode(Frame(header, meta, tensors), value_coding, self.limits)
+        return self._signed(payload)
+
+    def renumber(self, nack: dict) -> bool:
+        """After a NACK that says the unacknowledged update's number is at or behind the device's
+        mark (its checkpoint was lost or older) or beyond the window: give it the number after
+        the mark, every other byte the same (P-SEQ-6).  True when it was renumbered (the caller
+        checkpoints and sends it)."""
+        mark, reason = nack.get("mark"), nack.get("reason")
+        if self.unacked is None or not isinstance(mark, int):
+            return False
+        header = decode(self._plain(self.unacked), self.limits, lambda h: False).header
+        named = (nack.get("kind"), nack.get("round"), nack.get("sequence"))
+        if (header.kind.name, header.round, header.sequence) != named:
+            return False  # not this device's update (a replayed or forged frame under its name)
+        behind = reason in ("replay", "duplicate") and header.sequence <= mark  # "duplicate": the mark's number
+        if not (behind or reason == "sequence"):
+            return False
+        self.sequence = mark + 1  # numbers above the mark were never accepted: none is a replay
+        log.warning("the aggregator's mark for this device is %d: update for round %d renumbered", mark, header.round)
+        self.unacked = self._signed(with_sequence(self._plain(self.unacked), self.sequence))
+        return True
+
+    def _signed(self, payload: bytes) -> bytes:
         return sign(payload, self.key) if self.key is not None else payload
+
+    def _plain(self, payload: bytes) -> bytes:
+        return verify(payload, self.key) if self.key is not None else payload
 
     def decoded_tensors(self, payload: bytes) -> dict:
         """The tensors of one of this device's own messages as the aggregator will decode them."""
-        return decode(verify(payload, self.key) if self.key is not None else payload, self.limits).tensors
+        return decode(self._plain(payload), self.limits).tensors
 
     def send(self, payload: bytes, tag: str):
         return self.link.publish(topics.update_topic(self.federation, self.client_id), payload, tag=tag)

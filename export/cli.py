@@ -28,6 +28,7 @@ import sys
 from typing import Any, Sequence
 
 from fclcore.exitcodes import ExitCode
+from fclcore.schema import check_providers
 
 __all__ = [
     "add_export_parser",
@@ -263,6 +264,12 @@ def add_infer_parser(subparsers: Any) -> None:
         help="with --watch: seconds between checks of the model file (0 = before every request; default: %(default)s)",
     )
     p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default: %(default)s)")
+    p.add_argument(
+        "--providers",
+        default="CPUExecutionProvider",
+        help="MADE models: onnxruntime execution providers, comma-separated, in order of preference; "
+        "the first this onnxruntime has runs the model (default: %(default)s)",
+    )
     p.set_defaults(run=run_infer)
 
 
@@ -437,12 +444,20 @@ def run_infer(args: argparse.Namespace) -> int:
     if args.threads < 1 or args.n < 0 or args.seed < 0 or args.interval < 0:
         _err("infer", "--threads must be >= 1; --n, --seed and --interval must be >= 0")
         return int(ExitCode.BAD_INPUT)
+    providers = args.providers.split(",")
+    try:
+        check_providers(providers)
+    except ValueError as exc:
+        _err("infer", f"--{exc}")
+        return int(ExitCode.BAD_INPUT)
     if args.watch:
         if args.input not in (None, "-"):
             _err("infer", "--watch reads its requests from stdin; drop --input")
             return int(ExitCode.BAD_INPUT)
         try:
-            watcher = ModelWatcher(args.model, interval=args.interval, intra_op_threads=args.threads)
+            watcher = ModelWatcher(
+                args.model, interval=args.interval, intra_op_threads=args.threads, providers=providers
+            )
         except ModelFileError as exc:
             _err("infer", str(exc) + _text_model_hint(args.model))
             return int(ExitCode.BAD_INPUT)
@@ -462,7 +477,7 @@ def run_infer(args: argparse.Namespace) -> int:
         return int(ExitCode.OK)
 
     try:
-        rt = MadeRuntime.load(args.model, intra_op_threads=args.threads)
+        rt = MadeRuntime.load(args.model, intra_op_threads=args.threads, providers=providers)
     except ModelFileError as exc:
         _err("infer", str(exc) + _text_model_hint(args.model))
         return int(ExitCode.BAD_INPUT)

@@ -24,13 +24,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
 from export import _meta
 from export._proto import INTEGRITY_KEY, ProtoError, integrity_digest, parse_model, weights_digest
+from export.providers import CPU, usable
 from fclcore.errors import BadInput
 from fclcore.npfile import refusal
 
@@ -113,13 +114,16 @@ def validate_model_bytes(
     return meta
 
 
-def _session(source: str | bytes, options: ort.SessionOptions, path: str) -> ort.InferenceSession:
+def _session(
+    source: str | bytes, options: ort.SessionOptions, path: str, providers: Sequence[str] = (CPU,)
+) -> ort.InferenceSession:
+    chosen = list(usable(tuple(providers)))  # ConfigError for an unknown name, before the try below
     try:
-        session = ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(source, sess_options=options, providers=chosen)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several private exception types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelFileError(f"{path}: onnxruntime cannot load the model: {first[:200]}") from None
-    if getattr(session, "_model_bytes", None) is source:
+    if session.get_providers() == [CPU] and getattr(session, "_model_bytes", None) is source:
         # onnxruntime keeps the bytes only to re-create the session on a provider fallback, which a
         # CPU-only session never does; holding them would double the model's memory for its lifetime.
         session._model_bytes = None
@@ -157,7 +161,10 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
 
 
 def open_validated(
-    path: str, options: ort.SessionOptions, validate: Callable[[bytes, str], dict[str, Any]]
+    path: str,
+    options: ort.SessionOptions,
+    validate: Callable[[bytes, str], dict[str, Any]],
+    providers: Sequence[str] = (CPU,),
 ) -> tuple[ort.InferenceSession, dict[str, Any], tuple[int, int, int]]:
     """Open ``path`` once, check its bytes with ``validate``, and let onnxruntime read the
     same open file; (session, metadata, (inode, mtime_ns, size)).  Shared by every runtime."""
@@ -183,9 +190,9 @@ def open_validated(
         fd_path = f"/proc/self/fd/{fh.fileno()}"
         if os.path.exists(fd_path):
             del data
-            session = _session(fd_path, options, path)
+            session = _session(fd_path, options, path, providers)
         else:  # pragma: no cover - non-Linux
-            session = _session(data, options, path)
+            session = _session(data, options, path, providers)
             del data
         after = os.fstat(fh.fileno())
         if (after.st_mtime_ns, after.st_size) != (st.st_mtime_ns, st.st_size):
@@ -210,6 +217,7 @@ class MadeRuntime:
         self.order = np.asarray(metadata["input_order"], dtype=np.int64)
         self.quantized = metadata["quantization"] != "none"
         self.stat_key = stat_key
+        self.provider: str = session.get_providers()[0]  # the one running it (after any fallback)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -220,6 +228,7 @@ class MadeRuntime:
         intra_op_threads: int | None = 1,
         cpu_mem_arena: bool = False,
         mem_pattern: bool = False,
+        providers: Sequence[str] = (CPU,),
     ) -> "MadeRuntime":
         """Read, validate and load ``path``; raise :class:`ModelFileError` with a one-line reason.
 
@@ -230,7 +239,7 @@ class MadeRuntime:
         """
         path = os.fspath(path)
         options = session_options(intra_op_threads, cpu_mem_arena, mem_pattern)
-        session, meta, key = open_validated(path, options, validate_model_bytes)
+        session, meta, key = open_validated(path, options, validate_model_bytes, providers)
         _check_io(session, meta, path)
         return cls(session, meta, path, key)
 

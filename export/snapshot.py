@@ -40,7 +40,7 @@ __all__ = ["SnapshotError", "save_snapshot", "load_snapshot", "SNAPSHOT_FORMAT"]
 SNAPSHOT_FORMAT = "fcl-served/1"
 META_KEY = "__meta__"
 _MADE_FIELDS = tuple(f.name for f in dataclasses.fields(MadeConfig))
-_MADE_DEFAULTS = {"connectivity_agnostic": False}  # fields added after the format was fixed
+_MADE_DEFAULTS = {"connectivity_agnostic": False, "mask_rng": "pcg64"}  # fields added after the format was fixed
 _OTHER_FIELDS = ("order_index", "method", "task", "binarize")
 
 

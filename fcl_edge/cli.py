@@ -155,6 +155,11 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to collect messages after subscribing (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--device",
+        metavar="ID",
+        help="only this device (needs --federation): its memory, CPU, resyncs, bytes by kind, version",
+    )
     p.add_argument("--username", help="broker user name")
     p.add_argument("--ca-file", help="CA bundle for mqtts:// (default: the system CAs)")
     p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="default: %(default)s")
@@ -339,6 +344,8 @@ def _status(args: argparse.Namespace) -> int:
         if not args.wait >= 0 or not args.connect_timeout > 0:
             raise ValueError("--wait: expected >= 0 and --connect-timeout > 0")
         options = BrokerOptions(args.broker, args.username, password_from_env(), args.ca_file, args.connect_timeout)
+        if args.device is not None:
+            return _device_status(args, options)
         status(options, args.federation, args.wait, args.json, sys.stdout)
     except ValueError as exc:
         print(f"fcl status: error: {exc}", file=sys.stderr)
@@ -347,6 +354,20 @@ def _status(args: argparse.Namespace) -> int:
         print(f"fcl status: error: {exc}", file=sys.stderr)
         return int(ExitCode.BROKER_UNREACHABLE)
     return int(ExitCode.OK)
+
+
+def _device_status(args: argparse.Namespace, options) -> int:
+    """``fcl status --device``: ValueError on bad arguments, StatusError when the broker is out of reach."""
+    import time
+
+    from fcl_edge.device_view import device_status
+    from fclcore.topics import validate_id
+
+    if args.federation is None:
+        raise ValueError("--device needs --federation")
+    validate_id(args.device, "--device")
+    found = device_status(options, args.federation, args.device, args.wait, args.json, sys.stdout, time.time())
+    return int(ExitCode.OK if found else ExitCode.BAD_INPUT)
 
 
 def _ctl(args: argparse.Namespace) -> int:
@@ -423,16 +444,28 @@ def _broker(args: argparse.Namespace) -> int:
     return run_embedded_broker(args.host, args.port, args.ready_file)
 
 
+def _ignore_stop_signals() -> None:
+    """From the last ``atexit`` call on, a stop signal changes nothing: the exit code is decided."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _serve(run: Callable[[threading.Event], int]) -> int:
     """Run a daemon; SIGTERM/SIGINT only set an event that its loop checks.  A directory it
-    cannot write (out_dir, state_dir: permissions, a read-only or full disk) is STATE_ERROR."""
+    cannot write (out_dir, state_dir: permissions, a read-only or full disk) is STATE_ERROR.
+    The handlers stay until the process exits (the interpreter's teardown would otherwise
+    restore the default action, and a late SIGTERM would end it as 143): a stop that came
+    during the daemon's own teardown makes a clean exit INTERRUPTED."""
+    import atexit
     import errno
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    atexit.register(_ignore_stop_signals)
     try:
-        return int(run(stop))
+        code = int(run(stop))
+        return int(ExitCode.INTERRUPTED) if stop.is_set() and code == ExitCode.OK else code
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
             raise

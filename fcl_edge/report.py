@@ -17,12 +17,18 @@ writes PNGs and a markdown summary:
   final mean accuracy: x is "after task t" (tasks from 0, as on every figure), one line per test task i starting at
   x = i, tasks nobody reported on are gaps; only written when some run has such a matrix;
 * ``report.md``: the final numbers in a table, with a ``fleet acc`` column (the fleet
-  matrix's ``avg_accuracy``) when some run has one.
+  matrix's ``avg_accuracy``) when some run has one, and a ``run-level`` column when some run
+  has ``bytes.run_level`` (``fcl_edge.attribution``): the share of the devices' bytes no round
+  row counts (statuses, EVAL, FINISH, re-sends, ...), with its up and down bytes; above it, a
+  warning for every run that is not complete (``summary.json`` ``status``: interrupted or
+  failed) or misses some devices' final evaluation (``run_warnings``, also printed on stderr
+  by ``fcl report``).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
@@ -70,6 +76,8 @@ def report(paths: Sequence[str], out: str) -> list[Path]:
     if fleets := {name: f for name, (s, _) in runs.items() if (f := _fleet_accuracy(s))}:
         written.append(_task_accuracy(fleets, out_dir))
     written.append(_table(runs, out_dir))
+    for line in run_warnings(runs):
+        print(f"fcl report: warning: {line}", file=sys.stderr)
     return written
 
 
@@ -176,12 +184,29 @@ def _task_accuracy(fleets: dict[str, dict], out_dir: Path) -> Path:
     return save(fig, out_dir / "task_accuracy.png")
 
 
+def run_warnings(runs: dict) -> list[str]:
+    """One line per run whose numbers are not those of a finished run: its status is not
+    ``complete``, or devices' final evaluations are missing (summaries written before runs had
+    a status say nothing)."""
+    out = []
+    for name, (s, _) in runs.items():
+        status, missing = s.get("status"), s.get("missing_final_evaluations") or []
+        if status not in (None, "complete"):
+            out.append(f"run {name} is {status}: its numbers are not those of a finished run")
+        if missing:
+            out.append(f"run {name}: no final evaluation from {', '.join(missing)}; its final metrics leave them out")
+    return out
+
+
 def _table(runs: dict, out_dir: Path) -> Path:
     fleet_col = any((s.get("fleet") or {}).get("avg_accuracy") is not None for s, _ in runs.values())
-    lines = [
+    run_col = any("run_level" in s["bytes"] for s, _ in runs.values())
+    lines = [f"> **Warning**: {w}\n" for w in run_warnings(runs)] + [
         "| run | method | metric | value | forgetting | bytes up | bytes down "
-        "| dense fp32 up | dense fp32 down |" + (" fleet acc |" if fleet_col else ""),
-        "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else ""),
+        "| dense fp32 up | dense fp32 down |"
+        + (" fleet acc |" if fleet_col else "")
+        + (" run-level |" if run_col else ""),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if fleet_col else "") + ("---:|" if run_col else ""),
     ]
     for name, (s, _) in runs.items():
         b, f = s["bytes"], s.get("final", {})
@@ -193,10 +218,18 @@ def _table(runs: dict, out_dir: Path) -> Path:
             f"{b['down_total']:,} | {b['dense_fp32_up_total']:,} "
             f"| {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,} |"
             + (f" {'' if fleet_acc is None else fleet_acc} |" if fleet_col else "")
+            + (f" {_run_level(b.get('run_level'))} |" if run_col else "")
         )
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _run_level(block: dict | None) -> str:
+    """The run-level cell: its share of the devices' bytes, and its bytes up / down."""
+    if not block or block.get("share") is None:
+        return ""
+    return f"{block['share']:.1%} ({block['up_total']:,} up / {block['down_total']:,} down)"
 
 
 def _recomputed(summary: dict) -> dict:

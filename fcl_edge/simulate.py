@@ -24,6 +24,7 @@ import yaml
 from tqdm import tqdm
 
 import methods
+from fcl_edge.attribution import attribute
 from fcl_edge.broker import free_port, probe_broker
 from fcl_edge.compare import headline, run_compare
 from fcl_edge.links import Links, check_can_shape, profiles_of
@@ -39,6 +40,7 @@ from fclcore.data import (
     pool_task_split,
     random_client_tasks,
 )
+from fclcore.device import resolve as resolve_device
 from fclcore.errors import BrokerUnreachable
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership, preset
@@ -50,6 +52,7 @@ from fclcore.schema import (
     ClientDataSpec,
     Scenario,
     ServeSpec,
+    TrainPlacement,
     parse_broker_url,
 )
 from fclcore.signing import write_key
@@ -80,6 +83,7 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     """Load and check everything up front, so a bad scenario fails before any process starts."""
     sc = load_config(Scenario, scenario_path, overrides)
     _check_method_options(sc, scenario_path)
+    resolve_device(sc.device)  # ConfigError: a CUDA device this machine lacks
     spec, options, fed = methods.resolve(sc.run_federation(), scenario_path)
     sc = dataclasses.replace(sc, federation=fed)
     pool_ids = None
@@ -444,6 +448,7 @@ def write_configs(
             out_dir=str(out_dir / "clients" / cid),
             key_file=str(keys_dir / f"{cid}.key") if keys_dir else None,
             allow_embedding_upload=p.scenario.allow_embedding_upload,
+            train=TrainPlacement(p.scenario.device, p.scenario.amp),
         )
     written = {}
     for name, cfg in configs.items():
@@ -568,6 +573,8 @@ def _outcome(out_dir: Path, procs: dict[str, subprocess.Popen], deadline: float,
             codes[name] = None
     summary_path = out_dir / "summary.json"
     if summary_path.exists() and not failed:
+        if all(code == 0 for code in codes.values()):  # every device has written its meter
+            attribute(out_dir)
         _print_result(out_dir, summary_path)
     if failed:
         first = failed[0]
@@ -606,6 +613,16 @@ def _print_result(out_dir: Path, summary_path: Path) -> None:
         f"bytes up {b['up_total']:,}  down {b['down_total']:,}  (dense fp32 up {b['dense_fp32_up_total']:,}"
         f"  down {b.get('dense_fp32_down_total', b['dense_fp32_up_total']):,})" + _vs_dense(b)
     )
+    if b.get("up_vs_full_finetune") is not None and b.get("down_vs_full_finetune") is not None:
+        print(
+            f"{summary['method']}: up / down vs full fine-tuning: {b['up_vs_full_finetune']:.2%} / "
+            f"{b['down_vs_full_finetune']:.2%} ({b['reference_full_finetune']})"
+        )
+    if run := b.get("run_level"):
+        print(
+            f"run-level bytes (no round row counts them: status, EVAL, FINISH, re-sends, ...): up "
+            f"{run['up_total']:,}  down {run['down_total']:,}  ({run['share']:.1%} of the devices' bytes)"
+        )
     print(f"wrote {out_dir / 'metrics.jsonl'} and {summary_path}")
 
 

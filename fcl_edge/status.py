@@ -41,7 +41,10 @@ STATUS_FIELDS: dict[str, str] = {
     "bytes_up": "int: MQTT PUBLISH bytes the daemon sent since it started (WireMeter up.bytes)",
     "bytes_down": "int: MQTT PUBLISH bytes it received since it started (WireMeter down.bytes)",
     "version": "str: fcl-edge version",
+    "health": "object (client): memory, last round's CPU, resyncs, its own byte meter, version (fclcore/health.py)",
     "expected": "list of str (aggregator): the devices of the round in progress; those with no status show as absent",
+    "protocol": "int: the protocol version the daemon speaks (none: 1); also decodes (client), accepts (aggregator)",
+    "nack": "object (client): the last NACK: why the aggregator dropped a frame of this device (docs/protocol.md)",
 }
 MAX_EXPECTED = 10_000  # ids in an aggregator's ``expected`` list; a longer list is garbage
 MAX_STATUS_BYTES = 64 * 1024  # a status is a few hundred bytes; anything huge is garbage
@@ -65,6 +68,8 @@ class MemberStatus:
     last_seen: float | None = None  # status_time, except for 'dead' (the will is written at connect)
     problem: str | None = None
     expected: list[str] | None = None  # the aggregator's: the devices of the round in progress
+    nack: str | None = None  # a client's last NACK, as one line
+    protocol: int | None = None  # the protocol version it says it speaks (None: it says none: 1)
 
 
 @dataclass
@@ -127,7 +132,29 @@ def read_status(who: str, payload: bytes) -> MemberStatus:
         last_seen=None if state == "dead" else status_time,
         problem=None if state else "state is not a short printable word",
         expected=_ids(raw.get("expected")),
+        nack=nack_line(raw.get("nack")),
+        protocol=_count(raw.get("protocol")),
     )
+
+
+def protocol_line(clients: dict[str, MemberStatus]) -> str:
+    """The devices by the protocol version they speak (docs/protocol.md P-VER-5): what a rolling
+    upgrade has reached.  A status that names none is a protocol-1 daemon's."""
+    groups: dict[str, list[str]] = {}
+    for who, s in sorted(clients.items()):
+        if s.state != ABSENT:
+            groups.setdefault(str(s.protocol) if s.protocol is not None else "1 (says none)", []).append(who)
+    return "; ".join(f"protocol {v}: {', '.join(ids)}" for v, ids in sorted(groups.items()))
+
+
+def nack_line(value: Any) -> str | None:
+    """A device's last NACK (``edge_client.nacks``) as one printable line, or None."""
+    if not isinstance(value, dict) or _word(value.get("reason")) is None:
+        return None
+    kind, rnd, detail = _word(value.get("kind")), _count(value.get("round")), value.get("detail")
+    what = f"{kind} round {rnd}" if kind and rnd is not None else "a frame"
+    text = detail[:120] if isinstance(detail, str) and detail.isprintable() else UNKNOWN
+    return f"{what} dropped: {value['reason']}: {text}"
 
 
 def _ids(value: Any) -> list[str] | None:
@@ -337,6 +364,8 @@ def print_table(views: dict[str, FederationView], now: float, out: TextIO) -> No
             f"federation {name}: aggregator {agg}; {_round_line(view)}; {online}/{len(view.clients)} clients online",
             file=out,
         )
+        if (versions := protocol_line(view.clients)) != "":
+            print(f"  devices by {versions}", file=out)
         rows = [header] + [
             (
                 who,
@@ -357,6 +386,9 @@ def print_table(views: dict[str, FederationView], now: float, out: TextIO) -> No
             )
         for problem in view.problems + [f"{s.who}: {s.problem}" for s in view.clients.values() if s.problem]:
             print(f"  note: {problem}", file=out)
+        for who, s in sorted(view.clients.items()):
+            if s.nack:
+                print(f"  last nack: {who}: {s.nack}", file=out)
 
 
 def status(options: BrokerOptions, federation: str | None, wait_s: float, as_json: bool, out: TextIO) -> None:

@@ -63,7 +63,8 @@ Nearest rounding (default): |x - q(x)| <= s / 2.  Stochastic rounding (``roundin
 "stochastic"``): |x - q(x)| < s and E[q(x)] = x; its random stream is seeded from
 ``ValueCoding.seed``, the header (kind, federation, round, task, client) and the tensor
 name, never from global RNG state, so a re-run (or a re-send of the same update) writes the
-same bytes.  The sequence number is left out on purpose: devices take it from a clock.
+same bytes.  The sequence number is left out on purpose: a device may renumber a frame
+(``with_sequence``) and the values must stay the same.
 Both bounds are on the exact product code * s; the decoder then rounds it to float32
 once (at most half a float32 ulp of the value more).
 """
@@ -88,6 +89,7 @@ from fclcore.errors import BadInput
 MAGIC = b"FCLW"
 VERSION = 1  # what a frame without int8 values is written as
 INT8_VERSION = 2  # the version that added dtype 3 (int8 blocks)
+SPOKEN = (VERSION, INT8_VERSION)  # the frame versions ``decode`` reads (a NACK names them)
 
 _HEAD = struct.Struct("<4sBBHIIQ")
 _TENSOR_HEAD = struct.Struct("<BBB")
@@ -285,6 +287,17 @@ class ValueCoding:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             _fail("int8 seed", repr(self.seed), "an integer")
 
+    def norm_error(self) -> float:
+        """A bound on ||decoded - sent||_2 / ||sent||_2 for any tensor written this way, for a
+        receiver's plausibility checks on norms.  int8: each value of a block errs by at most
+        s / 2 (nearest; < s stochastic) with s = max|block| / 127 <= ||block||_2 / 127, so a
+        block's error norm is at most sqrt(block) / 254 (/ 127) of its norm, and so the whole
+        tensor's; float16: 2^-11 of each value (normal range); float32: none."""
+        if self.dtype == "int8":
+            per_code = 254 if self.rounding == "nearest" else 127
+            return math.sqrt(self.block) / per_code * (1 + 1e-6)  # 1e-6: the scale's rounding up to float32
+        return 2.0**-11 if self.dtype == "float16" else 0.0
+
 
 # ---------------------------------------------------------------- shared checks
 
@@ -359,6 +372,18 @@ def encode(frame: Frame, value_dtype: str | ValueCoding = "float32", limits: Cod
         _fail("frame size", f"{size} bytes", f"<= {limits.max_frame_bytes} (max_frame_bytes)")
     parts.append(_U32.pack(crc))
     return b"".join(parts)
+
+
+def with_sequence(data: bytes, sequence: int) -> bytes:
+    """The same frame renumbered: ``sequence`` written into the header and the CRC made again.
+    Every other byte stays (int8 rounding never reads the sequence), so a device can send an
+    update again under a number its aggregator takes (docs/protocol.md, P-SEQ-6)."""
+    head = _HEAD.size
+    if len(data) < head + 4 or data[:4] != MAGIC:
+        _fail("frame", f"{len(data)} bytes", f"a frame starting with {MAGIC!r}")
+    body = bytearray(data[:-4])
+    struct.pack_into("<Q", body, head - 8, _uint(sequence, "header.sequence", _U64_MAX))
+    return bytes(body) + _U32.pack(crc32(body))
 
 
 def _uint(value: Any, where: str, maximum: int) -> int:
@@ -618,7 +643,7 @@ def _decode_header(reader: _Reader) -> tuple[Header, int]:
     magic, version, kind, flags, rnd, task, seq = reader.unpack(_HEAD, "header")
     if magic != MAGIC:
         _fail("header.magic", repr(magic), repr(MAGIC))
-    if version not in (VERSION, INT8_VERSION):
+    if version not in SPOKEN:
         _fail("header.version", version, f"{VERSION} or {INT8_VERSION} (supported versions)")
     if kind not in {int(k) for k in Kind}:
         _fail("header.kind", kind, f"one of {[int(k) for k in Kind]}")

@@ -18,4 +18,6 @@ class ExitCode(IntEnum):
     STATE_ERROR = 6
     FEDERATION_FAILED = 7  # fcl client: the aggregator announced that the run failed (e.g. a round missed its quorum)
     OTHER_RUN = 8  # fcl client: a newer run of the federation started and on_new_run is "refuse"
+    RUN_ENDED = 9  # fcl client: the run ended before this device took part, and no other run came (run_over_s)
+    RUN_STALLED = 10  # fcl client: the aggregator runs another run than the device's, one it cannot join (run_over_s)
     INTERRUPTED = 130  # stopped by SIGINT/SIGTERM before the run finished

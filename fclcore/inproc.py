@@ -353,8 +353,7 @@ class InProcessLink:
             self.connected.clear()
 
     def _handle_message(self, topic: str, payload: bytes) -> None:
-        tag = "status" if topic.startswith(self.status_topic.rsplit("/", 1)[0]) else None
-        size = self.meter.record("down", topic, len(payload), tag)
+        size = self.meter.received(topic, payload, self.status_topic.rsplit("/", 1)[0])
         try:
             self._on_message(topic, payload, size)
         except Exception:  # a handler bug must not kill the delivery thread

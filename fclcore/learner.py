@@ -53,6 +53,13 @@ class Learner:
         self.client_index = client_index
         self.task = -1
 
+    def place(self, device: Any, amp: str) -> None:
+        """Train on ``device`` (a ``torch.device``) with mixed precision ``amp`` (``fclcore.device``):
+        the model, optimiser state and batches go there, uploads come back to host memory.  The
+        daemon calls it right after building the learner, and only when the device's config asks
+        for something other than the CPU without amp.  A method not yet moved off the CPU says so."""
+        raise ValueError(f"method {self.fed.method} trains on the CPU without amp only (asked: {device}, amp {amp})")
+
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
         """Merge the aggregator's model (``meta``: the round message's metadata); ValueError if
         names or shapes do not fit."""

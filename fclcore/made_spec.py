@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fclcore.splitmix import SplitMix64
+
 __all__ = [
     "MadeConfig",
     "MadeMasks",
@@ -42,6 +44,9 @@ __all__ = [
     "init_params",
     "mask_for_param",
 ]
+
+
+MASK_RNGS = ("pcg64", "splitmix64")
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -73,6 +78,9 @@ class MadeConfig:
     num_orders: int = 1
     mask_seed: int = 0
     connectivity_agnostic: bool = False  # each order index also draws its own hidden degrees
+    # the generator orders and degrees are drawn from: NumPy's PCG64, or SplitMix64, which any
+    # language reproduces in a few lines (docs/protocol.md, rules P-7.8 and P-7.9)
+    mask_rng: str = "pcg64"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_dim", _check_int("input_dim", self.input_dim, 1))
@@ -90,6 +98,8 @@ class MadeConfig:
         object.__setattr__(self, "num_orders", _check_int("num_orders", self.num_orders, 1))
         # numpy SeedSequence only accepts non-negative entropy.
         object.__setattr__(self, "mask_seed", _check_int("mask_seed", self.mask_seed, 0))
+        if self.mask_rng not in MASK_RNGS:
+            raise ValueError(f"mask_rng must be one of {MASK_RNGS}, got {self.mask_rng!r}")
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,8 @@ def input_order(cfg: MadeConfig, order_index: int) -> np.ndarray:
     k = _check_int("order_index", order_index, 0) % cfg.num_orders
     if k == 0 and cfg.natural_order:
         return np.arange(cfg.input_dim, dtype=np.int64)
+    if cfg.mask_rng == "splitmix64":
+        return np.asarray(SplitMix64(cfg.mask_seed, 1, k).permutation(cfg.input_dim), dtype=np.int64)
     rng = np.random.default_rng((cfg.mask_seed, 1, k))
     return rng.permutation(cfg.input_dim).astype(np.int64)
 
@@ -133,7 +145,8 @@ def _hidden_degrees_cached(cfg: MadeConfig, k: int = 0) -> tuple[np.ndarray, ...
 
     Index 0 (and every index without connectivity-agnostic training) uses the stream
     ``(mask_seed, 0)``; index k > 0 of a connectivity-agnostic model uses ``(mask_seed, 0, k)``."""
-    rng = np.random.default_rng((cfg.mask_seed, 0, k) if k and cfg.connectivity_agnostic else (cfg.mask_seed, 0))
+    key = (cfg.mask_seed, 0, k) if k and cfg.connectivity_agnostic else (cfg.mask_seed, 0)
+    rng = SplitMix64(*key) if cfg.mask_rng == "splitmix64" else np.random.default_rng(key)
     d = cfg.input_dim
     low = 1
     out = []
@@ -141,7 +154,10 @@ def _hidden_degrees_cached(cfg: MadeConfig, k: int = 0) -> tuple[np.ndarray, ...
         # Upper bound D-1: a unit of degree D could only feed outputs of degree > D (none).
         # For D == 1 the range is empty; clamp so the model still builds (its output is constant).
         high = max(low, d - 1)
-        m = rng.integers(low, high + 1, size=h, dtype=np.int64)
+        if isinstance(rng, SplitMix64):
+            m = np.asarray(rng.integers(low, high, h), dtype=np.int64)
+        else:
+            m = rng.integers(low, high + 1, size=h, dtype=np.int64)
         m.flags.writeable = False
         out.append(m)
         # Lower bound min(previous): units below it would have no incoming connections.

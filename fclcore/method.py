@@ -18,6 +18,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from fclcore.codec import VALUE_DTYPES
 from fclcore.config import from_dict
 from fclcore.errors import ConfigError
 
@@ -51,6 +52,12 @@ class MethodSpec:
     # round ``rnd``'s aggregation can change, derived from the seed on both sides, so the model
     # delta sends their values without positions (``fclcore.model_sync``); "" for none
     downlink_positions: str = ""
+    # ``federation.wire.value_dtype`` when a scenario leaves it unset (``methods.resolve``): what
+    # the method's tensors lose little by; baselines keep float32, the dense FedAvg reference
+    value_dtype: str = "float32"
+    # the strategy may run ``federation.rounds.mode: buffered`` (FedBuff, docs/buffered.md): its
+    # fold takes each update's weight as given and needs nothing of the version it was trained on
+    buffered: bool = False
 
     @property
     def headline_key(self) -> str:
@@ -92,6 +99,8 @@ def register(*specs: MethodSpec) -> None:
     for spec in specs:
         if not dataclasses.is_dataclass(spec.options):
             raise TypeError(f"{spec.name}: options must be a dataclass")
+        if spec.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"{spec.name}: value_dtype {spec.value_dtype!r} is not one of {VALUE_DTYPES}")
         other = REGISTRY.get(spec.name)
         if other is not None and other != spec:
             raise ValueError(f"method {spec.name!r} registered twice ({other.package}, {spec.package})")

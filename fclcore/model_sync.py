@@ -12,10 +12,14 @@ each coded the cheapest of three ways:
 * **sparse**: a ``SparseTensor`` (the codec then picks an index list or a bitmap);
 * **dense**: the whole tensor (also for a tensor that is new or changed shape).
 
-Its metadata is ``meta.model = {"version": v, "base": b, "hash": h, "derived": [...],
-"removed": [...]}``: the frame turns any model of a version in ``[b, v)`` into version ``v``
-(``b = v - 1`` for a round's delta; ``base: null`` for a full model), and ``h`` is the hash of
-the whole model as the device must then hold it.  A device that does not hold a version in
+Its metadata is ``meta.model = {"version": v, "base": b, "hash": h, "digest": d, "derived":
+[...], "removed": [...]}``: the frame turns any model of a version in ``[b, v)`` into version
+``v`` (``b = v - 1`` for a round's delta; ``base: null`` for a full model), and ``h`` and ``d``
+are hashes of the whole model as the device must then hold it: ``h`` the protocol 1 hash (it
+hashes Python's ``repr`` of each shape, so only Python reproduces it easily), ``d`` the protocol
+2 digest over a byte encoding any language writes (docs/protocol.md, rules P-7.5 and P-7.6).
+The Python device checks both (the digest when the frame has one); a device in another
+language checks the digest.  A device that does not hold a version in
 ``[b, v)`` (it just joined, restarted or missed rounds), or whose hash differs after applying,
 fetches a sync frame instead: the catch-up frame (every entry changed over the last few
 versions) or the full model, both published retained and coded without loss.
@@ -24,6 +28,8 @@ versions) or the full model, both published retained and coded without loss.
 from __future__ import annotations
 
 import hashlib
+import re
+import struct
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -38,6 +44,10 @@ MAX_NAMES = 4096
 VALUE_BYTES = {"float32": 4, "float16": 2, "int8": 1}  # bytes per value on the wire, by ``wire.value_dtype``
 OUTSIDE = "@outside"  # suffix of a derived tensor's changes outside its derived positions
 _HASH_CHARS = 32
+DIGEST_CHARS = 64
+_HEX = re.compile(f"[0-9a-f]{{{DIGEST_CHARS}}}")
+_DIGEST_MAGIC = b"FCLM\x02"  # "FCLM", then the digest's format number
+_FLOAT32 = 1  # the codec's dtype code, the one dtype a held model has
 # a device's sync report (update ``meta.sync``, cumulative): besides the model's sync frames
 # ("full", "catchup", their "bytes", ...), the full knowledge frames it fetched because its own
 # named entries it no longer held, and their bytes
@@ -54,6 +64,17 @@ def model_hash(params: Mapping[str, np.ndarray]) -> str:
     return digest.hexdigest()[:_HASH_CHARS]
 
 
+def model_digest(params: Mapping[str, np.ndarray]) -> str:
+    """The protocol 2 digest of a whole model: SHA-256 over a little-endian byte encoding of each
+    tensor's name, dtype, shape and float32 values, in byte order of the UTF-8 names."""
+    digest = hashlib.sha256(_DIGEST_MAGIC + struct.pack("<I", len(params)))
+    for raw, name in sorted((n.encode(), n) for n in params):
+        value = np.asarray(params[name], dtype="<f4")  # (ascontiguousarray would make a scalar 1-D)
+        digest.update(struct.pack(f"<H{len(raw)}sBB{value.ndim}I", len(raw), raw, _FLOAT32, value.ndim, *value.shape))
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """What a frame says about the model it carries (``meta.model``)."""
@@ -63,15 +84,21 @@ class ModelRef:
     hash: str
     derived: tuple[str, ...] = ()  # tensors sent as values at derived positions
     removed: tuple[str, ...] = ()  # tensors the new version no longer has
+    digest: str | None = None  # the protocol 2 digest (``model_digest``); None from a protocol 1 aggregator
 
     def to_meta(self) -> dict:
         return {
             "version": self.version,
             "base": self.base,
             "hash": self.hash,
+            **({"digest": self.digest} if self.digest is not None else {}),
             "derived": list(self.derived),
             "removed": list(self.removed),
         }
+
+    def matches(self, params: Mapping[str, np.ndarray]) -> bool:
+        """Whether ``params`` is the model this ref names: its hash, and its digest when it has one."""
+        return model_hash(params) == self.hash and (self.digest is None or model_digest(params) == self.digest)
 
     def applies_to(self, held: int | None) -> bool:
         """Whether a device holding version ``held`` can apply this frame."""
@@ -90,10 +117,13 @@ class ModelRef:
             raise ValueError(f"model: expected version >= 0 and base null or below it, got {version!r}, {base!r}")
         if not isinstance(digest, str) or len(digest) != _HASH_CHARS:
             raise ValueError(f"model.hash: expected {_HASH_CHARS} hex characters")
+        neutral = raw.get("digest")
+        if neutral is not None and not (isinstance(neutral, str) and _HEX.fullmatch(neutral)):
+            raise ValueError(f"model.digest: expected {DIGEST_CHARS} lower-case hex characters")
         derived, removed = _names(raw.get("derived", []), "derived"), _names(raw.get("removed", []), "removed")
         if base is None and (derived or removed):
             raise ValueError("model: a full model has no derived or removed tensors")
-        return cls(int(version), None if base is None else int(base), digest, derived, removed)
+        return cls(int(version), None if base is None else int(base), digest, derived, removed, neutral)
 
 
 def delta(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import resource
 import sys
 
-__all__ = ["rss_mb", "peak_rss_mb"]
+__all__ = ["rss_mb", "peak_rss_mb", "gpu_peak_mb"]
 
 
 def _status_kb(field: str, pid: int | str = "self") -> int | None:
@@ -40,6 +40,15 @@ def peak_rss_mb(pid: int | None = None) -> float | None:
         if sys.platform == "darwin":  # bytes there, KiB on Linux
             kb //= 1024
     return round(kb / 1024, 1)
+
+
+def gpu_peak_mb() -> float | None:
+    """Peak GPU memory torch allocated in this process, MiB; None where no GPU was used (torch is
+    not imported for this: a device that trains on the CPU never loads CUDA to say so)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**20, 1)
 
 
 _LIBC: object = None

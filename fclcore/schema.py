@@ -12,6 +12,7 @@ every round announcement, so devices never need to be reconfigured to change a r
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
@@ -141,6 +142,12 @@ class ModelSpec:
     num_orders: int = 1  # > 1: order-agnostic training over a cycle of seeded orders
     mask_seed: int = 0
     connectivity_agnostic: bool = False  # with num_orders > 1: each order also redraws hidden degrees
+    # orders and degrees from NumPy's PCG64 or from SplitMix64 (protocol 2: docs/protocol.md P-7.9),
+    # which a device in any language derives; left out of ``to_dict`` at its default, so a
+    # federation that does not set it announces what protocol 1 devices read
+    mask_rng: Literal["pcg64", "splitmix64"] = "pcg64"
+
+    omit_when_default = ("mask_rng",)
 
     def __post_init__(self) -> None:
         if not self.hidden_sizes or any(h < 1 for h in self.hidden_sizes):
@@ -157,6 +164,7 @@ class ModelSpec:
             num_orders=self.num_orders,
             mask_seed=self.mask_seed,
             connectivity_agnostic=self.connectivity_agnostic,
+            mask_rng=self.mask_rng,
         )
 
 
@@ -180,8 +188,20 @@ class RoundSpec:
     max_attempts: int = 3  # re-announcements of a round that missed its quorum
     resend_after_s: float = 20.0  # ask clients whose update has not arrived to send it again, this often
     max_update_norm: Optional[float] = None  # reject an update whose L2 distance to the global model is larger
+    # "buffered" (FedBuff, docs/buffered.md): a model version is published every ``buffer_k``
+    # accepted updates, each trained on any of the last ``max_staleness`` versions or the current one
+    mode: Literal["sync", "buffered"] = "sync"
+    buffer_k: int = 2
+    max_staleness: int = 4
+
+    # left out of ``to_dict`` at their defaults: a synchronous federation hashes as before they existed
+    omit_when_default = ("mode", "buffer_k", "max_staleness")
 
     def __post_init__(self) -> None:
+        if self.buffer_k < 1 or self.max_staleness < 0:
+            raise ValueError(
+                f"rounds: expected buffer_k >= 1 and max_staleness >= 0, got {self.buffer_k}, {self.max_staleness}"
+            )
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum: expected a fraction in (0, 1], got {self.quorum}")
         if self.deadline_s <= 0 or self.start_timeout_s <= 0 or self.max_attempts < 1:
@@ -197,7 +217,10 @@ class WireSpec:
     """How tensor values travel, in every direction (updates, round downlinks, knowledge).
     int8 is block-scaled 8-bit (codec v2; error bound in ``fclcore.codec``)."""
 
-    value_dtype: Literal["float32", "float16", "int8"] = "float32"
+    # None: the method's choice (``MethodSpec.value_dtype``), filled in by ``methods.resolve``
+    # before anything is sent or hashed: announcements and fingerprints always carry a concrete
+    # dtype (so a float32 method's JSON is what it was when float32 was the federation default)
+    value_dtype: Optional[Literal["float32", "float16", "int8"]] = None
     max_frame_mb: float = 64.0  # frames above this are rejected on both sides
     int8_block: int = 64  # int8: consecutive values that share one float32 scale
     int8_rounding: Literal["nearest", "stochastic"] = "nearest"  # int8: stochastic is unbiased, seeded
@@ -261,6 +284,8 @@ class FederationSpec:
     @property
     def value_coding(self) -> ValueCoding:
         """What the runtimes pass to ``codec.encode``; stochastic int8 rounding is seeded from ``seed``."""
+        if self.wire.value_dtype is None:
+            raise ValueError("federation.wire.value_dtype: unset; methods.resolve fills in the method's choice")
         return ValueCoding(self.wire.value_dtype, self.wire.int8_block, self.wire.int8_rounding, self.seed)
 
     @property
@@ -286,11 +311,13 @@ class AggregatorConfig:
     keys_dir: Optional[str] = None  # <client>.key per device: when set, every update must be signed
     metrics_port: Optional[int] = None  # Prometheus endpoint (needs the "service" extra); None: off
     metrics_addr: str = "127.0.0.1"
+    metrics_linger_s: float = 0.0  # the endpoint stays up this long after the run ends (not on SIGTERM)
     aux_dir: Optional[str] = None  # server-side unlabelled data for methods that read it (FedET: .txt files)
     enrollment: Literal["closed", "open"] = "closed"  # open: a device that comes online enrolls (next round)
     max_clients: int = 10_000  # enrolled devices at most
     drop_after_missed: Optional[int] = None  # a device that missed this many rounds in a row leaves the roster
-    max_clock_skew_s: float = 30.0  # an update's sequence may run this far ahead of the aggregator's clock
+    # how far before the run's start a protocol-1 device (sequences on the aggregator's clock) may number
+    max_clock_skew_s: float = 30.0
     sites: list[str] = field(default_factory=list)  # ids in expected_clients that are site aggregators
 
     def __post_init__(self) -> None:
@@ -306,6 +333,8 @@ class AggregatorConfig:
             raise ValueError("expected_clients: duplicate client ids")
         if not self.max_clock_skew_s > 0:
             raise ValueError(f"max_clock_skew_s: expected a positive number of seconds, got {self.max_clock_skew_s}")
+        if not 0 <= self.metrics_linger_s <= 3600:
+            raise ValueError(f"metrics_linger_s: expected 0 to 3600 seconds, got {self.metrics_linger_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected a TCP port in [0, 65535], got {self.metrics_port}")
 
@@ -493,6 +522,24 @@ class ClientDataSpec:
         return self.seed if self.split_seed is None else self.split_seed
 
 
+# every execution provider onnxruntime 1.32 names (ort.get_all_providers()); a build has a few
+ORT_PROVIDERS = (
+    "TensorrtExecutionProvider", "CUDAExecutionProvider", "MIGraphXExecutionProvider",
+    "OpenVINOExecutionProvider", "DnnlExecutionProvider", "VitisAIExecutionProvider", "QNNExecutionProvider",
+    "NnapiExecutionProvider", "VSINPUExecutionProvider", "JsExecutionProvider", "CoreMLExecutionProvider",
+    "DmlExecutionProvider", "RknpuExecutionProvider", "WebNNExecutionProvider", "WebGpuExecutionProvider",
+    "XnnpackExecutionProvider", "CANNExecutionProvider", "AzureExecutionProvider", "CPUExecutionProvider",
+)  # fmt: skip
+
+
+def check_providers(names: list[str]) -> None:
+    """ValueError unless ``names`` are distinct onnxruntime provider names (checked without
+    importing onnxruntime, which the daemon loads only when it first serves)."""
+    unknown = [n for n in names if n not in ORT_PROVIDERS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(f"providers: expected distinct onnxruntime provider names, got {names} (unknown: {unknown})")
+
+
 @dataclass
 class ServeSpec:
     """When the device re-exports the model it serves (out_dir/model.onnx)."""
@@ -500,10 +547,33 @@ class ServeSpec:
     every: Literal["task", "round", "never"] = "task"
     int8: bool = False  # also write model.int8.onnx (dynamic int8 weights)
     export_timeout_s: float = 600.0  # an export child (MADE, FedET text) still running after this is killed
+    # onnxruntime execution providers of the served MADE model (the control socket), in order of
+    # preference: the first the installed onnxruntime has runs it (export/providers.py)
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
 
     def __post_init__(self) -> None:
         if not self.export_timeout_s > 0:
             raise ValueError(f"serve.export_timeout_s must be > 0, got {self.export_timeout_s}")
+        check_providers(self.providers)
+
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+@dataclass
+class TrainPlacement:
+    """Where and in what precision this device trains (``fclcore.device``): its own hardware,
+    so it lives in the device's config, not in the federation's ``train``.  ``cpu``/``off``
+    leave every number as it was before these settings existed."""
+
+    device: str = "cpu"  # auto (CUDA when torch has it, else CPU), cpu, cuda, cuda:N
+    # mixed precision of the training step; on the quickstart (CPU) bf16 moved avg NLL by under
+    # 0.005 nats (confedmade 20.9486 -> 20.9478, fedavg 22.7763 -> 22.7807): docs/accelerators.md
+    amp: Literal["off", "bf16", "fp16"] = "off"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
 @dataclass
@@ -521,11 +591,21 @@ class ClientConfig:
     allow_embedding_upload: bool = False  # privacy opt-in: this device may upload embeddings of its data
     on_new_run: Literal["join", "refuse"] = "join"  # a newer run of the federation: start over in it, or exit 8
     aggregator_timeout_s: float = 300.0  # no aggregator this long: say so in the status and the log (never exit)
+    memory_budget_mb: Optional[float] = None  # told in the status: dashboards and alerts compare peak RSS with it
+    # a run id may start at most this far ahead of this device's clock (a later one is a forgery or a wrong clock)
+    max_clock_skew_s: float = 30.0
+    # with nothing to do in any run this long (its run ended before it came; its aggregator runs another
+    # run), the device exits 9 / 10; its final evaluation is held this long for the end to be acknowledged
+    run_over_s: float = 300.0
+    train: TrainPlacement = field(default_factory=TrainPlacement)
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
-        if not self.aggregator_timeout_s > 0:
-            raise ValueError(f"aggregator_timeout_s: expected a positive number, got {self.aggregator_timeout_s}")
+        for name in ("aggregator_timeout_s", "max_clock_skew_s", "run_over_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)}")
+        if self.memory_budget_mb is not None and not 0 < self.memory_budget_mb < 2**30:
+            raise ValueError(f"memory_budget_mb: expected a positive number of MiB, got {self.memory_budget_mb}")
         validate_id(self.federation, "federation")
         if (self.data is None) == (self.data_dir is None):
             raise ValueError("data, data_dir: expected exactly one (a dataset shard, or a task directory)")
@@ -540,6 +620,8 @@ class Scenario:
     sign_updates: bool = False  # fcl simulate provisions a key per device and the aggregator requires signatures
     membership: Optional[str] = None  # a preset (fully, decreasing, increasing, scattered) -> federation.membership
     allow_embedding_upload: bool = False  # copied into every client config
+    device: str = "cpu"  # train.device of every client config (TrainPlacement)
+    amp: Literal["off", "bf16", "fp16"] = "off"  # train.amp of every client config
     # ``fcl simulate`` runs the scenario once per method listed, each into OUT/<method>, and
     # prints one comparison table; empty or absent: one run of federation.method
     compare: Optional[list[str]] = None
@@ -553,6 +635,7 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.clients < 1:
             raise ValueError(f"clients: expected >= 1, got {self.clients}")
+        TrainPlacement(self.device, self.amp)  # ValueError naming the bad one
         for name in self.method_options:
             validate_id(name, "method_options: method name")
         for name in self.compare or ():

@@ -68,6 +68,10 @@ Downlinks = dict[str, tuple[dict, dict[str, Tensor]]]  # client -> (meta, tensor
 
 class Strategy:
     min_samples = 1  # an update must report at least this many training samples
+    # bytes of one dense float32 exchange of the whole model, frozen parts included, for a method
+    # that trains only part of it (adapters on a frozen backbone): the full fine-tuning reference
+    # of summary.json; None where the trained tensors are the whole model
+    full_finetune_fp32_bytes: int | None = None
 
     def __init__(self, fed: FederationSpec, options: Any, input_dim: int, aux_dir: str | None = None) -> None:
         self.fed = fed

@@ -8,9 +8,11 @@
                                  (subscribed only while the device lacks an entry it should hold)
     fcl/<fed>/model/<which>      aggregator -> devices that must resync, retained: the global
                                  model, ``full`` or ``catchup`` (subscribed only while needed)
+    fcl/<fed>/nack/<client>      aggregator -> one client, NOT retained: JSON, why a frame of
+                                 its was dropped (``aggregator.nacks``, docs/protocol.md)
 
 A device's ACL can then grant it write access to its own ``update`` and ``status`` topics
-and read access to ``round``, ``model/+`` and its own ``kb`` topics only.
+and read access to ``round``, ``model/+`` and its own ``kb`` and ``nack`` topics only.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def knowledge_full_topic(fed: str, client: str) -> str:
 
 def model_topic(fed: str, which: str) -> str:
     return f"{ROOT}/{fed}/model/{which}"
+
+
+def nack_topic(fed: str, client: str) -> str:
+    return f"{ROOT}/{fed}/nack/{client}"
 
 
 def update_filter(fed: str) -> str:

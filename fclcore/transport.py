@@ -77,12 +77,17 @@ class WireCount:
 
 
 class WireMeter:
-    """Thread-safe PUBLISH counters per direction, optionally broken down by a tag."""
+    """Thread-safe PUBLISH counters per direction, optionally broken down by a tag.
 
-    def __init__(self) -> None:
+    ``classify(topic, payload)``: the tag of each message received (a device names every one,
+    so that each byte it meters is attributed: ``edge_client.ledger``); without it, only status
+    messages are tagged on the way in."""
+
+    def __init__(self, classify: Callable[[str, bytes], str] | None = None) -> None:
         self._lock = threading.Lock()
         self._totals = {"up": WireCount(), "down": WireCount()}
         self._tagged: dict[tuple[str, str], WireCount] = defaultdict(WireCount)
+        self.classify = classify
 
     def record(self, direction: str, topic: str, payload_len: int, tag: str | None = None) -> int:
         size = publish_packet_bytes(topic, payload_len)
@@ -91,6 +96,15 @@ class WireMeter:
             if tag is not None:
                 self._tagged[(direction, tag)].add(size, payload_len)
         return size
+
+    def received(self, topic: str, payload: bytes, status_prefix: str) -> int:
+        """Count one delivered message (its PUBLISH bytes are returned), tagged by ``classify``,
+        else as ``status`` when its topic is under ``status_prefix``."""
+        if self.classify is not None:
+            tag = self.classify(topic, payload)
+        else:
+            tag = "status" if topic.startswith(status_prefix) else None
+        return self.record("down", topic, len(payload), tag)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -335,8 +349,7 @@ class MqttLink:
 
     def _handle_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         payload = bytes(message.payload)
-        tag = "status" if message.topic.startswith(self.status_topic.rsplit("/", 1)[0]) else None
-        size = self.meter.record("down", message.topic, len(payload), tag)
+        size = self.meter.received(message.topic, payload, self.status_topic.rsplit("/", 1)[0])
         try:
             self._on_message(message.topic, payload, size)
         except Exception:

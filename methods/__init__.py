@@ -46,7 +46,8 @@ def describe(name: str) -> str:
     spec = lookup(name, "--help-method")
     lines = [
         f"{spec.name}: {spec.summary}",
-        f"package methods/{spec.package}; metric {spec.metric}; serves {spec.served_format}",
+        f"package methods/{spec.package}; metric {spec.metric}; serves {spec.served_format}; "
+        f"wire values {spec.value_dtype} unless federation.wire.value_dtype says",
         f"example: fcl simulate {spec.example_scenario} --out runs/{spec.name} --set federation.method={spec.name}",
         "",
         "federation.options:",
@@ -57,15 +58,23 @@ def describe(name: str) -> str:
 
 
 def resolve(fed: FederationSpec, source: str = "federation") -> tuple[MethodSpec, Any, FederationSpec]:
-    """(spec, parsed options, the federation with its options' defaults filled in);
-    ConfigError naming ``source`` and the key for an unknown method or option."""
+    """(spec, parsed options, the federation with its options' defaults and the method's value
+    dtype filled in); ConfigError naming ``source`` and the key for an unknown method or option.
+    Every runtime reads the federation through here, so the aggregator, its devices and the
+    byte counts all see one concrete ``wire.value_dtype`` (a scenario's own value wins)."""
     spec = lookup(fed.method, source)
     options = spec.parse_options(fed.options, source)
     try:
         fed.check_schedule()
     except ValueError as exc:
         raise ConfigError(f"{source}: federation.{exc}") from None
-    return spec, options, dataclasses.replace(fed, options=to_dict(options))  # defaults filled: sent and hashed
+    if fed.rounds.mode == "buffered" and not spec.buffered:
+        raise ConfigError(f"{source}: federation.rounds.mode: {fed.method} does not support buffered rounds")
+    if fed.rounds.mode == "buffered" and fed.wire.sparsify == "topk":
+        raise ConfigError(f"{source}: federation.rounds.mode: buffered rounds need dense uploads (wire.sparsify)")
+
+    wire = dataclasses.replace(fed.wire, value_dtype=fed.wire.value_dtype or spec.value_dtype)
+    return spec, options, dataclasses.replace(fed, options=to_dict(options), wire=wire)  # filled: sent and hashed
 
 
 def strategy_for(fed: FederationSpec, input_dim: int, aux_dir: str | None = None, source: str = "federation"):

@@ -69,7 +69,7 @@ class FedAvgLearner(MadeLearner):
     def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
         self.model.eval()
         self.model.set_order(0)
-        return [mean_nll(self.model.nll, d) for d in tests]
+        return [mean_nll(self.model.nll, d, self.device) for d in tests]
 
     def served_model(self, task: int, binarize: str = "") -> ServedModel:
         return ServedModel(

@@ -29,7 +29,15 @@ _DENSE = "fclbases.fedavg.learner:FedAvgLearner"
 _DECOMPOSED = "methods.confedmade.decomposed_learner:"
 
 
-def _spec(name: str, strategy: str, learner: str, summary: str, positions: str = "") -> MethodSpec:
+def _spec(
+    name: str,
+    strategy: str,
+    learner: str,
+    summary: str,
+    positions: str = "",
+    value_dtype: str = "float32",
+    buffered: bool = False,
+) -> MethodSpec:
     return MethodSpec(
         name=name,
         package="confedmade",
@@ -41,6 +49,8 @@ def _spec(name: str, strategy: str, learner: str, summary: str, positions: str =
         summary=summary,
         example_scenario="configs/scenarios/digits_continual.yaml",
         downlink_positions=positions,
+        value_dtype=value_dtype,
+        buffered=buffered,
         smoke_overrides=(
             "federation.model.hidden_sizes=[32]",
             "tasks.shared=[[0, 1], [2, 3]]",
@@ -56,6 +66,7 @@ register(
         _DECOMPOSED + "ConFedMADELearner",
         "ConFedMADE: decomposed MADE, uploads inside the round's MADE mask, knowledge base",
         "methods.confedmade.wire:delta_positions",
+        "int8",  # Sequential MNIST: 8.4% of dense fp32 both ways, 0.03 nats better than float16 (README)
     ),
     _spec(
         "fedweit-made-star",
@@ -69,7 +80,7 @@ register(
         _DECOMPOSED + "FedWeITMadeLearner",
         "FedWeIT on MADE, every client with its own MADE masks",
     ),
-    _spec("fedavg", _FEDAVG_STRATEGY, _DENSE, "FedAvg of a plain MADE"),
+    _spec("fedavg", _FEDAVG_STRATEGY, _DENSE, "FedAvg of a plain MADE", buffered=True),
     _spec("fedcl-finetune", _FEDAVG_STRATEGY, _DENSE, "FedAvg fine-tuned task after task"),
     _spec("fedprox", _FEDAVG_STRATEGY, _FEDAVG + "FedProxLearner", "FedProx (proximal term to the global model)"),
     _spec("fedcurv", _FEDAVG_STRATEGY, _FEDAVG + "FedCurvLearner", "federated EWC (diagonal Fisher per task)"),

@@ -73,6 +73,13 @@ class DecomposedLearner(MadeLearner):
         self.kb: KnowledgeStore | None = None
         self.num_tasks = TaskSchedule.from_federation(fed).num_tasks
 
+    def place(self, device: torch.device, amp: str) -> None:
+        """amp on the CPU only, for now: the knowledge base, the anchors, the penalty's workspace
+        and the optimiser's split moments are still made as CPU tensors (issue 35)."""
+        if device.type != "cpu":
+            raise ValueError(f"method {self.fed.method} trains on the CPU only (asked: {device})")
+        super().place(device, amp)
+
     # -- federation ----------------------------------------------------------------------
     @torch.no_grad()
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:

@@ -69,7 +69,7 @@ class FedCurvLearner(FedAvgLearner):
         meta, arrays = super().state()
         for t, (fisher, anchor) in enumerate(self.fisher):
             for i, (f, a) in enumerate(zip(fisher, anchor)):
-                arrays[f"fisher/{t}/{i}"], arrays[f"anchor/{t}/{i}"] = f.numpy().copy(), a.numpy().copy()
+                arrays[f"fisher/{t}/{i}"], arrays[f"anchor/{t}/{i}"] = f.cpu().numpy().copy(), a.cpu().numpy().copy()
         return {**meta, "fisher_tasks": len(self.fisher)}, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -78,8 +78,8 @@ class FedCurvLearner(FedAvgLearner):
         try:
             self.fisher = [
                 (
-                    [torch.from_numpy(arrays[f"fisher/{t}/{i}"].copy()) for i in range(n_params)],
-                    [torch.from_numpy(arrays[f"anchor/{t}/{i}"].copy()) for i in range(n_params)],
+                    [torch.from_numpy(arrays[f"fisher/{t}/{i}"].copy()).to(self.device) for i in range(n_params)],
+                    [torch.from_numpy(arrays[f"anchor/{t}/{i}"].copy()).to(self.device) for i in range(n_params)],
                 )
                 for t in range(int(meta.get("fisher_tasks", 0)))
             ]
@@ -88,7 +88,7 @@ class FedCurvLearner(FedAvgLearner):
 
     def _fisher(self, data: Dataset, max_samples: int = 512) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Diagonal empirical Fisher of the NLL on up to ``max_samples`` local samples."""
-        x = torch.from_numpy(data.x[:max_samples])
+        x = torch.from_numpy(data.x[:max_samples]).to(self.device)
         fisher = [torch.zeros_like(p) for p in self.model.parameters()]
         for i in range(0, len(x), 32):
             self.model.zero_grad(set_to_none=True)

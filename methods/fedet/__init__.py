@@ -56,6 +56,7 @@ register(
         served_format="text-groups",
         server_torch=True,
         needs_aux_data=True,
+        value_dtype="int8",  # the Enhancers and head rows it exchanges (docs/wire.md "Value dtype per method")
         summary="FedET: Enhancer groups on a frozen MiniLM, entropy-aware server distillation",
         example_scenario="configs/scenarios/bbc_fedet.yaml",
         smoke_overrides=_SMOKE,

@@ -19,7 +19,13 @@ from typing import Sequence
 import numpy as np
 
 from fclbases.minilm.backbone import FrozenBackbone, backbone_param_count, load_minilm, pooled_embeddings
-from fclbases.minilm.enhancer import EnhancerConfig, group_prefix, group_to_tensors, tensors_to_group
+from fclbases.minilm.enhancer import (
+    EnhancerConfig,
+    group_param_count,
+    group_prefix,
+    group_to_tensors,
+    tensors_to_group,
+)
 from fclcore.aggregation import weighted_average
 from fclcore.codec import Frame, SparseTensor
 from fclcore.errors import ConfigError
@@ -79,12 +85,22 @@ class FedETStrategy(Strategy):
         )
         self.changed: list[int] = []  # groups in the current downlink
 
-    # -- the reference for upload ratios: the whole fine-tuned model in float32 -------------
+    # -- the references of byte shares (docs/wire.md "References") ----------------------------
     @property
     def dense_fp32_bytes(self) -> int:
-        hidden = self.backbone.cfg.hidden
-        classes = max(1, len(self.server.group_of))
-        return 4 * (backbone_param_count(self.backbone) + hidden * classes + classes)
+        """Dense fp32 FedAvg of what FedET trains: every group's Enhancers and the head rows of
+        the classes so far (the frozen backbone never travels, so it is not counted)."""
+        enhancers = self.server.cfg.num_groups * group_param_count(self.enhancer, 0)
+        return 4 * (enhancers + self._head_params())
+
+    @property
+    def full_finetune_fp32_bytes(self) -> int:
+        """The paper's reference: full fine-tuning, the whole model (backbone and head) every round."""
+        return 4 * (backbone_param_count(self.backbone) + self._head_params())
+
+    def _head_params(self) -> int:
+        classes = len(self.server.group_of)
+        return (self.backbone.cfg.hidden + 1) * classes
 
     def phase(self, rnd: int) -> str:
         return phase_of(self.schedule.place(rnd).task_start)
@@ -130,8 +146,11 @@ class FedETStrategy(Strategy):
         sums = sums.to_dense() if isinstance(sums, SparseTensor) else sums
         if set(frame.tensors) != {"sums"} or tuple(sums.shape) != (len(classes), self.enhancer.hidden):
             raise ValueError(f"tensors: expected only 'sums' of shape {(len(classes), self.enhancer.hidden)}")
-        norms = np.linalg.norm(sums, axis=1)
-        if not (norms <= np.asarray(counts) * (1 + 1e-3)).all():  # a sum of n unit vectors has norm <= n
+        # a sum of n unit vectors has norm <= n; the wire's value coding may lengthen a row by up
+        # to its share of the whole tensor's norm (``ValueCoding.norm_error``: int8 rounds values)
+        error = self.fed.value_coding.norm_error()
+        spare = np.linalg.norm(sums) * error / (1 - error) if error < 1 else np.inf
+        if not (np.linalg.norm(sums, axis=1) <= np.asarray(counts) * (1 + 1e-3) + spare).all():
             raise ValueError("sums: a class sum is longer than its count of unit embeddings allows")
         return {c: (np.asarray(sums[i], np.float64), n) for i, (c, n) in enumerate(zip(classes, counts))}
 

@@ -12,8 +12,10 @@ batch order and dropout are seeded by (seed, client, round), so a device restore
 checkpoint continues identically.
 
 Each round the device uploads ``B * sigmoid(m_t)`` on its kept units and merges the average
-back as ``B <- G / sigmoid(m_t)`` on the entries it sent (notes G11); at a task's end, its
-thresholded A_t; with SIT, at a task's first round, the centres of the task's documents.
+back as ``B <- G / sigmoid(m_t)`` on the entries it sent (notes G11) that the announcement
+changed: under the default sparse announcements (``wire``) an entry it left as it was is stale,
+and the device's own value is the newer one; at a task's end, A_t's largest entries
+(``shared_adaptive``); with SIT, at a task's first round, the centres of the task's documents.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from fclcore.masked_upload import MIN_GATE, dense, pack, top_units
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
 from fclcore.served import TextTasksServed
+from fclcore.sparsify import kept_count, top_k
 from methods.fedseit import sit
 from methods.fedseit.config import FedSeITOptions
 from methods.fedseit.model import SPECIAL_IDS, ServedTextCNN, TextCNN, load_embedding
@@ -63,6 +66,7 @@ class FedSeITLearner(Learner):
         self.slot_ids: list[list[str]] = []  # per task: entry ids in its slots
         self.uploaded: dict[int, list[np.ndarray]] = {}  # own task -> the A it sent (per conv)
         self.sent: dict[str, np.ndarray] = {}  # base name -> entries uploaded last round
+        self.held: dict[str, np.ndarray] = {}  # base name -> the global model as last announced
         self.anchor: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # end of the previous task
         self._cache: dict[tuple[int, int], tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.values_sent = 0
@@ -92,12 +96,15 @@ class FedSeITLearner(Learner):
                 raise ValueError(f"{name}: NaN or infinite values in the global model")
         for name, d in bases.items():
             g = values[name]
+            before, self.held[name] = self.held.get(name), g.numpy().reshape(d.shape[0], -1).copy()
             if self.task < 0:
                 d.base.copy_(g)  # first contact: the global model is the base
                 continue
             sent = self.sent.get(name)
             if sent is None:
                 continue  # nothing sent yet in this life of the learner: keep the local base
+            if before is not None and before.shape == sent.shape:  # what the announcement left is stale
+                sent = sent & (before.view(np.uint32) != self.held[name].view(np.uint32))
             gate = torch.sigmoid(d.masks[self.task]).clamp_min(MIN_GATE).reshape(d.gate(self.task).shape)
             d.base.copy_(torch.where(torch.from_numpy(sent).reshape(d.shape), g / gate, d.base))
 
@@ -283,8 +290,7 @@ class FedSeITLearner(Learner):
         if place.task_end:
             kept = []
             for k, conv in zip(self.opts.kernel_sizes, self.model.convs):
-                a = conv.adaptive[self.task].detach().numpy().copy()
-                a[np.abs(a) < self.opts.kb_threshold] = 0.0
+                a = shared_adaptive(conv.adaptive[self.task].detach().numpy(), self.opts)
                 kept.append(a)
                 out[KB_PREFIX + conv_name(k)] = SparseTensor.from_dense(a.reshape(conv.shape[0], -1))
             self.uploaded[self.task] = kept
@@ -349,6 +355,8 @@ class FedSeITLearner(Learner):
                 arrays[f"foreign/{t}/{j}"] = fa.numpy().copy()
         for name, sent in self.sent.items():
             arrays[f"sent/{name}"] = sent.astype(np.uint8)
+        for name, held in self.held.items():
+            arrays[f"held/{name}"] = held
         for name, (base, adaptive) in self.anchor.items():
             arrays[f"anchor/{name}/base"] = base.numpy().copy()
             for i, a in enumerate(adaptive):
@@ -378,6 +386,7 @@ class FedSeITLearner(Learner):
                 for j in range(len(per_conv)):
                     per_conv[j] = torch.from_numpy(arrays[f"foreign/{t}/{j}"].copy())
             self.sent = {k[len("sent/") :]: v.astype(bool) for k, v in arrays.items() if k.startswith("sent/")}
+            self.held = {k[len("held/") :]: v.copy() for k, v in arrays.items() if k.startswith("held/")}
             self.anchor = {
                 name: (
                     torch.from_numpy(arrays[f"anchor/{name}/base"].copy()),
@@ -393,6 +402,16 @@ class FedSeITLearner(Learner):
             raise ValueError(f"fedseit checkpoint does not fit: {exc}") from None
         self.labels, self.slot_ids = labels, [list(s) for s in meta["slot_ids"]]
         self._cache = {}
+
+
+def shared_adaptive(a: np.ndarray, opts: FedSeITOptions) -> np.ndarray:
+    """What of A_t goes to the knowledge base: its ``kb_density`` largest entries by magnitude,
+    none below ``kb_threshold``; the rest 0.  The device keeps its own A_t whole."""
+    out = np.zeros_like(a)
+    flat = np.where(np.abs(a) < opts.kb_threshold, 0.0, a).reshape(-1)
+    index = top_k(flat, kept_count(flat.size, opts.kb_density))
+    out.reshape(-1)[index] = flat[index]
+    return out
 
 
 class FedWeITCNNLearner(FedSeITLearner):

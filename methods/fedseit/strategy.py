@@ -2,8 +2,10 @@
 of task-adaptive A's keyed by their task's document centres, and each device's slots.
 
 * Every round: the sample-weighted mean of ``B * sigmoid(m)`` over the devices that sent
-  each element (``fclcore.aggregation.weighted_average``), as FedWeIT does (notes G11).
-* A task's last round: each device's thresholded A_t becomes entry ``<client>/t<task>``.
+  each element (``fclcore.aggregation.weighted_average``), as FedWeIT does (notes G11).  By
+  default that mean is the true model ``W`` (``W`` where nobody sent) and the announcement
+  moves the held model towards it by top-k (``wire.COMPRESSION``).
+* A task's last round: each device's sparse A_t (its largest entries) becomes entry ``<client>/t<task>``.
 * Slots (the per-client downlink): without SIT, at a task's first round, the previous
   task's entries of up to ``slots`` clients, the device's own first (sent by id: it has
   it).  With SIT, the device's centres arrive with the task's first update; at the second
@@ -23,20 +25,25 @@ from fclcore.aggregation import RunningSum
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.masked_upload import UNITS, unpack
 from fclcore.schema import FederationSpec
+from fclcore.sparsify import REJECT, Compression, TrueModel, kept_count
 from fclcore.strategy import Checked, Downlinks, Rejected, Strategy, Update, tensor_nbytes, without_tensors
 from methods.fedseit import sit
 from methods.fedseit.config import FedSeITOptions
 from methods.fedseit.wire import (
     CENTRES,
+    COMPRESSION,
     KB_PREFIX,
     Entry,
     base_shapes,
     conv_name,
     embedding_dim,
     entry_id,
+    kept_units,
     knowledge_key,
     parse_report,
 )
+
+TRUE = "true/"  # checkpoint prefix of the bases' true mean (the announcement's residual is W - A)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,14 @@ class FedSeITStrategy(Strategy):
         self.knowledge: dict[tuple[str, int], dict[str, SparseTensor]] = {}  # (client, task) -> A_t per conv
         self.keys: dict[tuple[str, int], np.ndarray] = {}  # (client, task) -> centres (q, D)
         self.sent: dict[str, list[str]] = {}  # client -> entry ids in its slots for the task in hand
+        compression = Compression.of(fed.wire, COMPRESSION)
+        if compression.up_density is not None:
+            raise ValueError(
+                "federation.wire.sparsify: fedseit sends the masked base on its kept units "
+                "(options.keep_units); leave sparsify out or set it to none"
+            )
+        down = compression.down_density
+        self.true = None if down is None else TrueModel(down, fed.wire.error_feedback)
 
     def initial_model(self) -> dict[str, np.ndarray]:
         """Each base drawn like torch's default conv/linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
@@ -118,11 +133,18 @@ class FedSeITStrategy(Strategy):
         for name, shape in self.shapes.items():
             out[name] = unpack(name, frame.tensors, shape, None)
             expected |= {name, name + UNITS}
+            units, bound = out[name].nnz // shape[1], kept_units(self.opts.keep_units, shape[0])
+            if units > bound:
+                raise Rejected(REJECT, f"{name}{UNITS}: {units} units, at most {bound} (keep_units)")
         if place.task_end:
             for name in self.convs:
                 t = frame.tensors.get(KB_PREFIX + name)
                 if t is None or tuple(t.shape) != self.shapes[name]:
                     raise Rejected("knowledge", f"{KB_PREFIX}{name}: expected shape {self.shapes[name]} at a task end")
+                nnz = t.nnz if isinstance(t, SparseTensor) else int(np.count_nonzero(t))
+                bound = kept_count(int(np.prod(self.shapes[name])), self.opts.kb_density)
+                if nnz > bound:
+                    raise Rejected(REJECT, f"{KB_PREFIX}{name}: {nnz} entries, at most {bound} (kb_density)")
                 out[KB_PREFIX + name] = t
                 expected.add(KB_PREFIX + name)
         centres = None
@@ -161,7 +183,12 @@ class FedSeITStrategy(Strategy):
         return without_tensors(update, keep={k: v for k, v in update.tensors.items() if k.startswith(KB_PREFIX)})
 
     def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
-        merged = running.result(current)
+        if self.true is None:
+            merged = running.result(current)
+        else:  # W becomes the masked mean (W where nobody sent); devices get a top-k move towards it
+            true = {n: self.true.values.get(n, current[n]) for n in self.shapes}
+            merged = running.result(true)
+            merged = {n: self.true.step(n, current[n], merged[n].astype(np.float64) - true[n]) for n in merged}
         place = self.schedule.place(kept[0].frame.header.round)
         for u in kept:
             if u.parsed is not None and u.parsed.centres is not None:
@@ -185,6 +212,8 @@ class FedSeITStrategy(Strategy):
         for i, ((client, task), centres) in enumerate(sorted(self.keys.items())):
             arrays[f"key/{i}"] = centres
             keys.append({"client": client, "task": task})
+        if self.true is not None:
+            arrays.update(self.true.state(TRUE))
         return {"knowledge": entries, "keys": keys, "sent": self.sent}, arrays
 
     def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -200,6 +229,8 @@ class FedSeITStrategy(Strategy):
             keys = {(str(e["client"]), int(e["task"])): arrays[f"key/{i}"] for i, e in enumerate(meta.get("keys", []))}
         except (KeyError, TypeError) as exc:
             raise ValueError(f"fedseit checkpoint: missing or malformed {exc}") from None
+        if self.true is not None:  # a checkpoint from before compression has none: devices hold W
+            self.true.restore(arrays, TRUE, self.shapes)
         self.knowledge, self.keys = knowledge, keys
         self.sent = {str(c): [str(i) for i in ids] for c, ids in dict(meta.get("sent", {})).items()}
 

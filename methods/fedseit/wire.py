@@ -7,11 +7,21 @@ flattened, so ``fclcore.masked_upload`` codes it per output unit); with DLS also
 
 An update carries:
 
-* every round, each base as ``B * sigmoid(m_t)`` on the kept units (``masked_upload``);
-* at a task's last round, ``kb:conv<k>.weight``: the thresholded A_t (sparse, full shape);
+* every round, each base as ``B * sigmoid(m_t)`` on the kept units (``masked_upload``; at most
+  ``keep_units`` of them, else rejected as ``compression``);
+* at a task's last round, ``kb:conv<k>.weight``: A_t's largest entries (``kb_density`` of them,
+  none below ``kb_threshold``; more is rejected as ``compression``), sparse, full shape;
 * with SIT, in a task's first round, ``sit:centres`` (q, embed_dim): k-means centres of the
   task's documents' mean word embeddings (``methods.fedseit.sit``), the key of the entry;
 * metadata ``{"fedseit": {"task": t, "foreign": [ids of the entries in its slots]}}``.
+
+The announced model (``COMPRESSION``; ``fclcore.sparsify``): the aggregator keeps the true
+masked mean ``W`` of the bases (every round the mean of the uploads over the senders of each
+entry, ``W`` where nobody sent) and announces the model devices hold, ``A``, moved to ``W`` at
+the top-k entries of ``|W - A|``: a sparse delta whose hash devices verify.  A device merges
+only the entries the announcement changed (the others are stale; its own value is newer).
+``federation.wire.down_sparsify: none`` announces ``W`` itself.  ``federation.wire.sparsify``
+does not apply: the masked base on the kept units is this method's uplink compression.
 
 Nothing else leaves the device: no documents, no document vectors, no heads, no W_f / W_c
 unless DLS.
@@ -30,12 +40,16 @@ import json
 import re
 from dataclasses import dataclass
 
+from fclcore.sparsify import Compression
 from fclcore.text import default_tokenizer_json
 
 KB_PREFIX = "kb:"
 CENTRES = "sit:centres"
 META_KEY = "fedseit"
 MAX_ENTRIES = 64
+# dense announcements by default; ``down_sparsify: topk`` with ``down_density: 0.05`` is the
+# measured option (docs/wire.md, "FedSeIT": with keep_units 0.2 and kb_density 0.05, 6.6% of dense)
+COMPRESSION = Compression()
 _ENTRY_ID = re.compile(r"^(?P<client>[A-Za-z0-9_.-]{1,64})/t(?P<task>\d{1,4})$")
 
 
@@ -65,6 +79,11 @@ def base_shapes(kernel_sizes: list[int], filters: int, embed_dim: int, slots: in
         shapes.update({wf_name(k): (filters, slots * filters) for k in kernel_sizes})
         shapes[WC_NAME] = (n * filters, 2 * n * filters)
     return shapes
+
+
+def kept_units(share: float, units: int) -> int:
+    """Units of a base whose values go up each round, as ``masked_upload.top_units`` counts them."""
+    return max(1, int(round(share * units)))
 
 
 def entry_id(client: str, task: int) -> str:

@@ -12,6 +12,9 @@ rehearses its past tasks from the (mu, log sigma) it kept of them.
   (a sampled z, (mu, log sigma), or EBR's embedding), if this device allows embedding uploads;
   when the next task starts they join the kept store.  The store holds (mu, log sigma, y)
   only: no image outlives its task.
+* Compressed (``wire.COMPRESSION``, the default): what the device trains goes up as the top-k
+  of its change from the model it was announced (``held``) plus its residual; both are
+  checkpointed, and the encoder's residuals go with phase 0.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ from fclcore.learner import Learner, round_seed
 from fclcore.schedule import RoundPlace, TaskSchedule
 from fclcore.schema import FederationSpec
 from fclcore.served import ImageClassifierServed
+from fclcore.sparsify import DELTA, Compression, Residuals
 from methods.filver.config import FILVEROptions
 from methods.filver.model import Classifier, Encoder, get_params, load_params, sample, ver_loss
-from methods.filver.wire import CLS, EMB_LOG_SIGMA, EMB_MU, EMB_Y, EMB_Z, ENC
+from methods.filver.wire import CLS, COMPRESSION, EMB_LOG_SIGMA, EMB_MU, EMB_Y, EMB_Z, ENC
 
 log = logging.getLogger(__name__)
 EVAL_BATCH = 512
+RESIDUAL, HELD = "residual/", "held/"  # checkpoint prefixes: the upload's residuals, the announced model
 
 
 class Items:
@@ -98,10 +103,14 @@ class FILVERLearner(Learner):
         self.frozen = False  # the encoder is the federation's frozen one (after phase 0)
         self.store = Items.empty(options.latent, options.variational)  # kept items of finished tasks
         self.pending = Items.empty(options.latent, options.variational)  # the task in hand's items
-        self.uploaded = 0  # of ``pending``, sent so far
+        self.items_sent = 0  # of ``pending``, sent so far
         self.current: tuple[int, Items] | None = None  # (task, every row's stats): recomputed, never saved
         self.form = "none"  # what the last upload carried
         self.warned = False
+        density = Compression.of(fed.wire, COMPRESSION).up_density
+        self.residuals = None if density is None else Residuals(density, fed.wire.error_feedback)
+        self.reads_upload = self.residuals is not None
+        self.held: dict[str, np.ndarray] = {}  # the trained tensors as last announced (compressed uploads only)
 
     # -- what arrives ----------------------------------------------------------------------
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
@@ -114,12 +123,15 @@ class FILVERLearner(Learner):
         unknown = sorted(k for k in dense if not k.startswith((ENC, CLS)))
         if unknown:
             raise ValueError(f"filver: unexpected tensors {unknown[:3]}")
+        if self.residuals is not None:  # after phase 0 the encoder is no longer announced: its residuals go
+            self.held = {k: np.array(v, np.float32) for k, v in dense.items()}
+            self.residuals.residuals = {k: r for k, r in self.residuals.residuals.items() if k in dense}
 
     def start_task(self, task: int, downlink: Frame | None) -> None:
         if len(self.pending) and int(self.pending.task[0]) < task:  # the task that ended: its items are kept
             self.store = self.store.plus(self.pending)
             self.pending = Items.empty(self.o.latent, self.o.variational)
-            self.uploaded = 0
+            self.items_sent = 0
         self.current = None
         super().start_task(task, downlink)
         if downlink is not None:
@@ -180,7 +192,7 @@ class FILVERLearner(Learner):
         chooses the task's rehearsal items the first time."""
         if self.current is None or self.current[0] != task:
             self.current = (task, self.stats(data, task))
-            if not len(self.pending) and not self.uploaded:
+            if not len(self.pending) and not self.items_sent:
                 self.pending = self.current[1].take(self.rehearsal_rows(data.y, task))
         return self.current[1]
 
@@ -230,10 +242,11 @@ class FILVERLearner(Learner):
 
     # -- what goes up ----------------------------------------------------------------------
     def upload(self, rnd: int, place: RoundPlace) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = get_params(self.classifier, CLS)
+        params = get_params(self.classifier, CLS)
         self.form = "none"
         if self.in_phase0(rnd):
-            return {**get_params(self.encoder, ENC), **out}
+            return self._compressed({**get_params(self.encoder, ENC), **params})
+        out = self._compressed(params)
         items = self._items_to_send(rnd, place.task)
         if items is None:
             return out
@@ -247,9 +260,21 @@ class FILVERLearner(Learner):
         self.form = self.o.upload
         return out
 
+    def _compressed(self, params: dict[str, np.ndarray]) -> dict[str, Tensor]:
+        """``params`` as they go up: whole, or each as ``<name>@delta`` (top-k of change + residual)."""
+        if self.residuals is None:
+            return dict(params)
+        missing = sorted(set(params) - set(self.held))
+        if missing:
+            raise ValueError(f"filver: no announced model to compress {missing[:3]} against")
+        return {name + DELTA: self.residuals.compress(name, value - self.held[name]) for name, value in params.items()}
+
+    def uploaded(self, tensors: dict[str, Tensor]) -> None:
+        self.residuals.sent(tensors)
+
     def _items_to_send(self, rnd: int, task: int) -> Items | None:
         """This round's share of the task's items not yet sent, or None."""
-        remaining = len(self.pending) - self.uploaded
+        remaining = len(self.pending) - self.items_sent
         if self.o.upload == "none" or remaining <= 0:
             return None
         if not self.allow_embedding_upload:
@@ -259,8 +284,8 @@ class FILVERLearner(Learner):
             return None
         rounds_left = max(1, self.schedule.last_round(task) - rnd + 1)
         k = min(remaining, math.ceil(remaining / rounds_left), self.o.max_embed_per_round)
-        items = self.pending.take(np.arange(self.uploaded, self.uploaded + k))
-        self.uploaded += k
+        items = self.pending.take(np.arange(self.items_sent, self.items_sent + k))
+        self.items_sent += k
         return items
 
     def report(self, place: RoundPlace) -> dict:
@@ -313,7 +338,10 @@ class FILVERLearner(Learner):
         arrays = {**get_params(self.encoder, ENC), **get_params(self.classifier, CLS)}
         arrays.update(self.store.arrays("store"))
         arrays.update(self.pending.arrays("pending"))
-        return {"frozen": self.frozen, "uploaded": self.uploaded}, arrays
+        if self.residuals is not None:
+            arrays.update(self.residuals.state(RESIDUAL))
+            arrays.update({HELD + name: value for name, value in self.held.items()})
+        return {"frozen": self.frozen, "uploaded": self.items_sent}, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         load_params(self.encoder, ENC, arrays)
@@ -324,9 +352,18 @@ class FILVERLearner(Learner):
         uploaded = meta.get("uploaded")
         if not isinstance(uploaded, int) or not 0 <= uploaded <= len(self.pending):
             raise ValueError(f"filver checkpoint: uploaded {uploaded!r} does not fit {len(self.pending)} items")
-        self.uploaded, self.frozen, self.current = uploaded, bool(meta.get("frozen")), None
+        self.items_sent, self.frozen, self.current = uploaded, bool(meta.get("frozen")), None
         for p in self.encoder.parameters():
             p.requires_grad_(not self.frozen)
+        if self.residuals is not None:
+            shapes = {
+                k: v.shape for k, v in {**get_params(self.encoder, ENC), **get_params(self.classifier, CLS)}.items()
+            }
+            held = {k[len(HELD) :]: v for k, v in arrays.items() if k.startswith(HELD)}
+            if any(shapes.get(k) != v.shape for k, v in held.items()):
+                raise ValueError("filver checkpoint: the announced model does not fit")
+            self.residuals.load_state(arrays, RESIDUAL, shapes)
+            self.held = {k: np.array(v, np.float32) for k, v in held.items()}
 
 
 class FILVEROfflineLearner(FILVERLearner):

@@ -12,6 +12,10 @@ rehearsal buffer and server-side training (SST).
   adds items: items enter only when a round is aggregated), holds at most ``buffer_size``
   items, and is never pruned by device state.  Eviction when full: drop the oldest item of
   the largest (task, class) group, so no task or class crowds out the others.
+* Compressed (``wire.COMPRESSION``, the default): updates carry ``<name>@delta``; the
+  aggregator keeps the true model (``TrueModel``: phase 0's encoder and classifier, then the
+  classifier), adds the deltas' sample-weighted mean, runs SST on it, and announces the
+  model devices hold moved by the top-k towards it.  The frozen encoder is the true one.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from fclbases.update_checks import refuse_unexpected, task_report
-from fclcore.aggregation import weighted_average
+from fclcore.aggregation import RunningSum, weighted_average
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.schema import FederationSpec
+from fclcore.sparsify import DELTA, Compression, TrueModel, checked_delta, mean_change
 from fclcore.strategy import Checked, Downlinks, Rejected, Strategy, Update, tensor_nbytes
 from methods.filver.config import FILVEROptions
 from methods.filver.wire import (
+    COMPRESSION,
     EMB_LOG_SIGMA,
     EMB_MU,
     EMB_Y,
@@ -41,6 +47,7 @@ from methods.filver.wire import (
 )
 
 EMB_NAMES = (EMB_Y, EMB_Z, EMB_MU, EMB_LOG_SIGMA)
+TRUE = "true/"  # checkpoint prefix of the model the deltas add up to (the downlink's residual)
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,9 @@ class FILVERStrategy(Strategy):
         self.has_encoder: set[str] = set()  # devices the frozen encoder was sent to
         self.frames: dict[int, list[str]] = {}  # round -> devices that get a frame before it
         self.buffer = Buffer(options.latent, options.upload == "stats", options.buffer_size)
+        self.compression = Compression.of(fed.wire, COMPRESSION)
+        on = self.compression.up_density is not None or self.compression.down_density is not None
+        self.true = TrueModel(self.compression.down_density, fed.wire.error_feedback) if on else None
 
     def initial_model(self) -> dict[str, np.ndarray]:
         return initial_params({**self.enc_shapes, **self.cls_shapes}, self.fed.seed)
@@ -160,6 +170,10 @@ class FILVERStrategy(Strategy):
 
     def phase0(self, rnd: int) -> bool:
         return rnd < self.o.phase0_rounds
+
+    def _trained(self, rnd: int) -> dict[str, tuple[int, ...]]:
+        """The tensors a round's updates carry: encoder and classifier in phase 0, then the classifier."""
+        return {**self.enc_shapes, **self.cls_shapes} if self.phase0(rnd) else self.cls_shapes
 
     # -- downlinks -------------------------------------------------------------------------
     def client_downlinks(self, rnd: int, clients: Sequence[str]) -> Downlinks:
@@ -182,16 +196,23 @@ class FILVERStrategy(Strategy):
     def normalize(self, frame: Frame) -> Checked:
         rnd = frame.header.round
         place = self.schedule.place(rnd)
-        shapes = {**self.enc_shapes, **self.cls_shapes} if self.phase0(rnd) else self.cls_shapes
+        shapes = self._trained(rnd)
+        density = self.compression.up_density
         out: dict[str, Tensor] = {}
         for name, shape in shapes.items():
+            if density:
+                t = frame.tensors.get(name + DELTA)
+                if t is None:
+                    raise ValueError(f"{name + DELTA}: expected the compressed change of {name}")
+                out[name + DELTA] = checked_delta(name, t, shape, density)
+                continue
             t = frame.tensors.get(name)
             if t is None or isinstance(t, SparseTensor) or tuple(t.shape) != shape:
                 raise ValueError(f"{name}: expected a dense {shape} tensor")
             if not np.isfinite(t).all():
                 raise Rejected("nonfinite", f"{name}: NaN or infinite values")
             out[name] = t
-        refuse_unexpected(frame.tensors, {*shapes, *EMB_NAMES})
+        refuse_unexpected(frame.tensors, {*out, *EMB_NAMES})
         report = task_report(parse_report, frame.meta, place.task, "filver")
         return Checked(out, self._embeddings(frame, report["form"]))
 
@@ -240,12 +261,14 @@ class FILVERStrategy(Strategy):
     # -- rounds ----------------------------------------------------------------------------
     def aggregate(self, updates: Sequence[Update], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         rnd = updates[0].frame.header.round
-        merged = weighted_average([(dict(u.tensors), float(u.n_samples)) for u in updates], current)
+        merged = self._merged(updates, current, rnd)
         if self.phase0(rnd):
             if rnd + 1 < self.o.phase0_rounds:
-                return merged
+                return self._announced(merged, current)
             self.encoder = {k: v for k, v in merged.items() if k.startswith(ENC)}  # frozen from here on
-            return {k: v for k, v in merged.items() if not k.startswith(ENC)}
+            if self.true is not None:  # the encoder's residual goes with phase 0: devices get it whole
+                self.true.values = {k: v for k, v in self.true.values.items() if not k.startswith(ENC)}
+            return self._announced({k: v for k, v in merged.items() if not k.startswith(ENC)}, current)
         task = self.schedule.task_of(rnd)
         for u in updates:  # sorted by client by the service: the buffer's order is reproducible
             if u.parsed is not None:
@@ -254,11 +277,42 @@ class FILVERStrategy(Strategy):
             from methods.filver.server_train import server_side_training
 
             merged = server_side_training(merged, self.buffer, self.o, seed=(self.fed.seed, rnd))
-        return merged
+        return self._announced(merged, current)
+
+    def _merged(self, updates: Sequence[Update], current: dict[str, np.ndarray], rnd: int) -> dict[str, np.ndarray]:
+        """FedAvg (sample-weighted) of the round's updates: of the announced model (``current``)
+        uncompressed; under compression, of the true model, which the deltas' mean moves."""
+        if self.true is None:
+            return weighted_average([(dict(u.tensors), float(u.n_samples)) for u in updates], current)
+        shapes = self._trained(rnd)
+        true = {name: self.true.values.get(name, current[name]) for name in shapes}
+        if not self.compression.up_density:  # dense uploads from the announced model: their mean's move
+            plain = weighted_average([(dict(u.tensors), float(u.n_samples)) for u in updates], current)
+            return {n: (true[n] + (plain[n].astype(np.float64) - current[n])).astype(np.float32) for n in shapes}
+        running = RunningSum(shapes)
+        for u in updates:
+            running.add({name: u.tensors[name + DELTA] for name in shapes}, float(u.n_samples))
+        return {
+            n: (true[n] + mean_change(running.sums[n], running.total_weight, s)).astype(np.float32)
+            for n, s in shapes.items()
+        }
+
+    def _announced(self, target: dict[str, np.ndarray], current: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The model to announce: ``target`` itself uncompressed; else the true model becomes
+        ``target`` and what devices hold moves towards it by the top-k (``TrueModel.step``)."""
+        if self.true is None:
+            return target
+        out = {}
+        for name, value in target.items():
+            true = self.true.values.get(name, current[name])
+            out[name] = self.true.step(name, current[name], value.astype(np.float64) - true)
+        return out
 
     # -- checkpoint ------------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
         arrays = dict(self.buffer.arrays())
+        if self.true is not None:
+            arrays.update(self.true.state(TRUE))
         if self.encoder is not None:
             arrays.update({f"encoder/{k}": v for k, v in self.encoder.items()})
         meta = {
@@ -286,4 +340,6 @@ class FILVERStrategy(Strategy):
             self.frames = {int(r): [str(c) for c in cs] for r, cs in meta["frames"].items()}
         except (KeyError, TypeError) as exc:
             raise ValueError(f"filver checkpoint: missing or malformed {exc}") from None
+        if self.true is not None:
+            self.true.restore(arrays, TRUE, {**self.enc_shapes, **self.cls_shapes})
         self.encoder = encoder

@@ -7,6 +7,14 @@ per device in a frame of its own, and rounds carry the classifier only.  An upda
 phase 0 may add a device's rehearsal items: ``emb:y`` (labels, integer values) with
 ``emb:z`` (sampled z, or EBR's deterministic embedding) or ``emb:mu`` + ``emb:log_sigma``
 (Stats), one row per item; its metadata says ``{"filver": {"task": t, "form": ...}}``.
+
+Compressed (the default, ``COMPRESSION``; ``fclcore.sparsify``): the trained tensors (encoder
+and classifier in phase 0, the classifier after) go up as ``<name>@delta``, the top-k of their
+change from the announced model plus the device's residual, and each announcement moves the
+classifier by the top-k of the aggregator's residual (its true model, SST included).  The
+frozen encoder goes down once, whole, as the aggregator's true encoder.  Embeddings travel in
+the federation's value dtype.  ``federation.wire.sparsify`` / ``down_sparsify: none`` turn
+either side off.
 """
 
 from __future__ import annotations
@@ -16,11 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from fclcore.sparsify import Compression
 from methods.filver.config import FILVEROptions
 
 ENC, CLS = "enc.", "cls."
 EMB_Y, EMB_Z, EMB_MU, EMB_LOG_SIGMA = "emb:y", "emb:z", "emb:mu", "emb:log_sigma"
 FORM_TENSORS = {"z": (EMB_Z,), "stats": (EMB_MU, EMB_LOG_SIGMA)}  # the upload form -> its value tensors
+# the trained tensors' share of entries sent each way per round (measured: docs/filver.md, "Bytes")
+COMPRESSION = Compression(up_density=0.2, down_density=0.2)
 
 
 def image_side(input_dim: int) -> int:

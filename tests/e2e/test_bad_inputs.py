@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.timescale import scaled
 
 from fcl_edge.broker import free_port
 
@@ -208,7 +209,7 @@ def test_force_replaces_an_earlier_run_and_keeps_other_files(tmp_path: Path) -> 
     (out / "report" / "stale.png").write_bytes(b"x")
     (out / "notes.txt").write_text("mine")
     cmd = [sys.executable, "-m", "fcl_edge.cli", "simulate", QUICKSTART, "--out", str(out), "--in-process", *TINY]
-    result = subprocess.run([*cmd, "--force"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([*cmd, "--force"], capture_output=True, text=True, timeout=scaled(60))
     assert result.returncode == 0, result.stderr
     assert not (out / "report").exists() and (out / "notes.txt").read_text() == "mine"
     assert (out / "summary.json").exists()
@@ -224,9 +225,9 @@ def test_what_fails_before_it_starts_leaves_nothing_behind(tmp_path: Path) -> No
     assert done.returncode == 3 and not run.exists(), done.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    done = subprocess.run([*fcl, "report", str(empty)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([*fcl, "report", str(empty)], capture_output=True, text=True, timeout=scaled(60))
     assert done.returncode == 2 and not (empty / "report").exists(), done.stderr
-    done = subprocess.run([*fcl, "status", "--help"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([*fcl, "status", "--help"], capture_output=True, text=True, timeout=scaled(60))
     assert "default: a broker on this machine, mqtt://127.0.0.1:1883" in " ".join(done.stdout.split()), done.stdout
 
 
@@ -263,7 +264,7 @@ def test_simulate_help_lists_exactly_the_registered_methods(columns: str) -> Non
         [sys.executable, "-m", "fcl_edge.cli", "simulate", "--help"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         env={**FIXED_WIDTH, "COLUMNS": columns},
     )
     listed = result.stdout.split("methods (federation.method): ", 1)[1].split("\n\n", 1)[0]

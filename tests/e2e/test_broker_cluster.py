@@ -14,6 +14,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import yaml
 from support.fleet import QUICK_OVERRIDES, QUICK_SCENARIO, Fleet, assert_each_round_once
+from support.timescale import scaled
 
 from fcl_edge.nats_cluster import NatsCluster, nats_server_binary
 
@@ -25,7 +26,7 @@ KILLED = 0  # the aggregator's node
 def cluster(tmp_path: Path):
     if nats_server_binary() is None:
         pytest.skip("nats-server is not installed (apt-get install nats-server); .ci/run installs it")
-    nodes = NatsCluster(tmp_path / "nats", 3).start(timeout=60)
+    nodes = NatsCluster(tmp_path / "nats", 3).start(timeout=scaled(60))
     yield nodes
     nodes.stop()
 
@@ -52,10 +53,10 @@ def test_node_killed_mid_round_every_update_counted_once(cluster, repo_root, tmp
     assert on_killed == ["aggregator", "client-2"]
     try:
         fleet.start_all()
-        fleet.wait_for_round(1, timeout=120)  # rounds 0 and 1 closed, round 2 under way
+        fleet.wait_for_round(1, timeout=scaled(120))  # rounds 0 and 1 closed, round 2 under way
         closed_before_kill = max(e["round"] for e in fleet.events("round"))
         cluster.kill_node(KILLED)
-        codes = fleet.wait(timeout=240)
+        codes = fleet.wait(timeout=scaled(240))
     finally:
         fleet.stop()
     assert set(codes.values()) == {0}, (codes, fleet.logs())
@@ -76,7 +77,7 @@ def test_node_killed_mid_round_every_update_counted_once(cluster, repo_root, tmp
 def single_node(tmp_path: Path):
     if nats_server_binary() is None:
         pytest.skip("nats-server is not installed (apt-get install nats-server); .ci/run installs it")
-    node = NatsCluster(tmp_path / "nats1", 1).start(timeout=60)
+    node = NatsCluster(tmp_path / "nats1", 1).start(timeout=scaled(60))
     yield node
     node.stop()
 

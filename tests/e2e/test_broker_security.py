@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from support.mosquitto import Mosquitto
+from support.timescale import scaled
 
 from fclcore import topics
 from fclcore.codec import CodecLimits
@@ -42,6 +43,7 @@ KBF0, KBF1 = topics.knowledge_full_topic(FED, "c0"), topics.knowledge_full_topic
 UP0, UP1 = topics.update_topic(FED, "c0"), topics.update_topic(FED, "c1")
 ST0, ST1 = topics.status_topic(FED, "c0"), topics.status_topic(FED, "c1")
 ST_AGG = topics.status_topic(FED, topics.AGGREGATOR_ID)
+NACK0, NACK1 = topics.nack_topic(FED, "c0"), topics.nack_topic(FED, "c1")
 
 
 # ------------------------------------------------------------------ helpers
@@ -195,7 +197,7 @@ def pki(tmp_path_factory) -> Path:
             check=False,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
         )
         assert done.returncode == 0, done.stderr
     return base
@@ -207,7 +209,9 @@ def passwd(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("auth") / "passwd"
     for i, (user, password) in enumerate(PASSWORDS.items()):
         create = [] if i else ["-c"]
-        subprocess.run([tool, *create, "-b", str(path), user, password], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [tool, *create, "-b", str(path), user, password], check=True, capture_output=True, timeout=scaled(30)
+        )
     return path
 
 
@@ -276,6 +280,7 @@ def test_make_dev_certs_writes_a_verifiable_chain(pki):
 # ------------------------------------------------------------------ ACL: what a device may write
 
 
+# docs/protocol.md P-3.4
 def test_device_writes_only_its_own_update_and_status(shipped, pki, links):
     agg_in, c1_in = Inbox(), Inbox()
     agg = links.open(
@@ -302,6 +307,7 @@ def test_device_writes_only_its_own_update_and_status(shipped, pki, links):
 # ------------------------------------------------------------------ ACL: what a device may read
 
 
+# docs/protocol.md P-3.4
 def test_device_reads_only_the_round_and_its_own_kb(shipped, pki, links):
     agg = links.open(shipped.url, "aggregator")
     c1 = links.open(shipped.tls_url, "c1", **_tls(pki))
@@ -326,6 +332,20 @@ def test_device_reads_only_the_round_and_its_own_kb(shipped, pki, links):
     assert c0_in.wait_payload(KB0, b"kb-of-c0")
     assert c0_in.wait_payload(KBF0, b"kb-full-of-c0")
     assert c0_in.topics() == {ROUND, KB0, KBF0}, f"c0 read more than it may: {c0_in.topics()}"
+
+
+def test_a_device_reads_only_its_own_nacks_and_writes_none(shipped, pki, links):
+    """P-NACK-1: only the aggregator writes fcl/<fed>/nack/<id>, and only <id> reads it."""
+    agg = links.open(shipped.url, "aggregator")
+    c0_in, c1_in = Inbox(), Inbox()
+    links.open(shipped.tls_url, "c0", subs=(NACK1, f"fcl/{FED}/nack/+", NACK0), inbox=c0_in, **_tls(pki))
+    c1 = links.open(shipped.tls_url, "c1", subs=(NACK1,), inbox=c1_in, **_tls(pki))
+    c1.publish(NACK0, b"forged-nack").wait_for_publish(5)  # acknowledged and dropped
+    agg.publish(NACK1, b"nack-for-c1").wait_for_publish(5)
+    agg.publish(NACK0, b"nack-for-c0").wait_for_publish(5)
+
+    assert c0_in.wait_payload(NACK0, b"nack-for-c0") and c1_in.wait_payload(NACK1, b"nack-for-c1")
+    assert c0_in.payloads() == [b"nack-for-c0"], f"c0 read more than its own NACK: {c0_in.items}"
 
 
 # ------------------------------------------------------------------ authentication

@@ -35,6 +35,13 @@ CASES = {
         7,
         {"future_rounds": [0, 2], "old_seq_rounds": [1, 3], "old_seq_source": "this_run", "future_eval": True},
     ),
+    # issue 42: the end of a run, forged run ids, late devices, retained garbage
+    "end_interrupted_kill": (8, {"signal": "kill", "client": "client-2", "down_s": 0.5}),
+    "end_interrupted_term": (9, {"signal": "term", "client": "client-0", "down_s": 0.5}),
+    "forged_run": (10, {"round": 1, "run": "far_future", "copies": 2}),
+    "forged_run_newer": (11, {"round": 2, "run": "newer", "copies": 1}),
+    "late_device": (12, {"client": "client-1"}),
+    "garbage_retained": (13, {"round": 2, "client": "client-1", "frac": 0.2, "garbage_bytes": 64}),
 }
 
 
@@ -62,8 +69,10 @@ def test_schedules_are_seeded() -> None:
 @pytest.mark.parametrize("kind", list(CASES))
 def test_one_schedule_per_fault_kind(kind, chaos_plan, reference, tmp_path) -> None:
     seed, force = CASES[kind]
-    schedule = chaos.make_schedule(kind, seed, reference.rounds, reference.clients, **force)
-    result = chaos.run_schedule(schedule, chaos_plan, reference, tmp_path / "chaos", TIMEOUT)
+    fault = next(k for k in chaos.KINDS if kind.startswith(k))
+    schedule = chaos.make_schedule(fault, seed, reference.rounds, reference.clients, **force)
+    timeout = TIMEOUT + (chaos.LATE_RUN_OVER_S + 25 if kind == "late_device" else 0)  # it starts after the run
+    result = chaos.run_schedule(schedule, chaos_plan, reference, tmp_path / "chaos", timeout)
     report = result.to_json()
     assert result.outcome == "finished", report
     assert result.lost == [], report
@@ -78,3 +87,35 @@ def test_one_schedule_per_fault_kind(kind, chaos_plan, reference, tmp_path) -> N
         assert result.injected.get("forged-future", 0) == 2 and result.injected.get("forged-old-sequence", 0) == 2
     if kind == "stale_retained":
         assert any("earlier run killed" in note for note in result.notes), report
+    if kind.startswith("end_interrupted"):  # the fault landed in the window: one evaluation not yet sent
+        assert any("final evaluation not sent" in note for note in result.notes), report
+    if kind.startswith("forged_run"):
+        assert sum(result.injected.values()) == force["copies"], report
+    if kind == "late_device":
+        assert result.codes.get("late") == chaos.RUN_ENDED, report
+    if kind == "garbage_retained":
+        assert result.injected == {"garbage-retained": 1} and result.stalled == [], report
+
+
+# docs/protocol.md, P-SEQ-1 to P-SEQ-5: no wall clock orders frames, so a clock that steps mid-run (the
+# process's time.time/time_ns shifted by benchmarks/clock_shim.py) changes nothing: every run
+# finishes with the undisturbed model, and nothing is rejected for its sequence.
+CLOCK_CASES = [
+    ("device_clock_training", {"client": "client-0", "round": 1, "frac": 0.3, "step_s": 3600}),
+    ("device_clock_training", {"client": "client-1", "round": 2, "frac": 0.3, "step_s": -3600}),
+    ("device_clock_upload", {"client": "client-2", "round": 1, "when": "before", "lead_s": 0.02, "step_s": -3600}),
+    ("device_clock_upload", {"client": "client-0", "round": 2, "when": "after", "lead_s": 0.0, "step_s": 3600}),
+    ("aggregator_clock", {"round": 1, "frac": 0.5, "step_s": -120}),
+    ("aggregator_clock", {"round": 2, "frac": 0.5, "step_s": 3600}),
+]
+
+
+@pytest.mark.parametrize(("kind", "force"), CLOCK_CASES, ids=[f"{k}{f['step_s']:+d}" for k, f in CLOCK_CASES])
+def test_a_wall_clock_step_changes_nothing(kind, force, chaos_plan, reference, tmp_path) -> None:
+    schedule = chaos.make_schedule(kind, 11, reference.rounds, reference.clients, **force)
+    result = chaos.run_schedule(schedule, chaos_plan, reference, tmp_path / "chaos", TIMEOUT)
+    report = result.to_json()
+    assert any("wall clock stepped" in note for note in result.notes), report  # the step did happen
+    assert result.outcome == "finished" and result.lost == [] and result.double == [], report
+    assert result.hash_match is True, report
+    assert not {"sequence", "replay"} & set(result.rejected), report

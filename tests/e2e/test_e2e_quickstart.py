@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 from conftest import run_fcl
+from support.listener import Listener
 from support.mqtt_counter import MqttCounter
+
+from fclcore import topics
+from fclcore.codec import INT8_VERSION
 
 ROUNDS_PER_TASK = 5
 FED = "quickstart"
@@ -137,3 +141,35 @@ def test_served_models_answer_without_torch_and_match_the_final_evaluation(quick
         assert answer["model"]["task"] == 1 and answer["n"] == len(task1)
         final_nll = summary["final"]["per_client"][cid]["nll_matrix"][1][1]
         assert -answer["mean_log_likelihood"] == pytest.approx(final_nll, abs=2e-3)
+
+
+def test_confedmade_alone_sends_its_default_int8_values_and_prints_its_shares(mosquitto, tmp_path, repo_root):
+    """The quickstart leaves ``wire.value_dtype`` to each method: ConFedMADE's updates and
+    round downlinks cross the broker as int8 (codec v2) frames, and the shares it prints are
+    metrics.jsonl's bytes over its dense reference."""
+    listener = Listener(mosquitto.port, extra_topics=(topics.round_topic(FED),))
+    out = tmp_path / "confedmade"
+    result = run_fcl(
+        "simulate",
+        str(repo_root / "configs/scenarios/quickstart.yaml"),
+        *("--out", str(out), "--broker", f"mqtt://127.0.0.1:{mosquitto.port}"),
+        *("--set", "federation.rounds_per_task=2", "--set", "compare=[]", "--set", "federation.method=confedmade"),
+    )
+    listener.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    with_values = {}  # topic kind -> versions of the frames that carried tensors
+    for (topic, frame), (_, data) in zip(listener.frames, listener.payloads):
+        if frame.tensors:
+            with_values.setdefault(topic.split("/")[2], set()).add(data[4])
+    assert with_values["update"] == with_values["round"] == {INT8_VERSION}
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [e for e in rows if e["event"] == "round_client"]
+    b = summary["bytes"]
+    assert b["up_total"] == sum(e["bytes_up"] for e in rows) and b["dense_fp32_up_total"] == sum(
+        e["dense_fp32_up"] for e in rows
+    )
+    assert b["dense_fp32_down_total"] == sum(e["dense_fp32_down"] for e in rows)
+    assert b["up_vs_dense"] == round(b["up_total"] / b["dense_fp32_up_total"], 4) < 0.25
+    assert b["down_vs_dense"] == round(b["down_total"] / b["dense_fp32_down_total"], 4) < 0.4
+    assert f"up / down vs dense: {b['up_vs_dense']:.1%} / {b['down_vs_dense']:.1%} ({b['reference']})" in result.stdout

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.timescale import scaled
 
 from edge_client.serving import ServedModelWriter, ServeJob
 from export.runtime import MadeRuntime
@@ -117,7 +118,7 @@ def test_the_daemon_process_never_imports_onnx(tmp_path):
         print(sorted(m for m in ("onnx", "onnxruntime") if m in sys.modules))
         """
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert (tmp_path / "model.onnx").is_file()
@@ -210,7 +211,7 @@ def test_the_text_export_runs_in_two_processes_torch_then_onnxruntime(text_job, 
     job_dir.mkdir()
     write_text_groups_job(job_dir, served, ids, target, True)
     child = [sys.executable, "-m", "export.child"]
-    done = subprocess.run([*child, str(job_dir)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*child, str(job_dir)], capture_output=True, text=True, timeout=scaled(300))
     first = json.loads((job_dir / "report.json").read_text())
     assert done.returncode == 0 and first["ok"] and first["next"] == "finish", done.stderr[-2000:]
     assert "torch" in first["imported"] and "onnxruntime" not in first["imported"]
@@ -218,15 +219,15 @@ def test_the_text_export_runs_in_two_processes_torch_then_onnxruntime(text_job, 
     weights = job_dir / "stage" / "model.onnx.data"  # the staged graph's initializers, as external data
     good = weights.read_bytes()
     weights.write_bytes(bytes(len(good)))  # other weights than the torch reference's
-    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=scaled(300))
     assert done.returncode == 1 and "parity check failed" in json.loads((job_dir / "report.json").read_text())["error"]
     assert target.read_bytes() == b"the model in service"
     weights.write_bytes(good[:-8])  # truncated
-    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=scaled(300))
     assert done.returncode == 2 and "truncated" in json.loads((job_dir / "report.json").read_text())["error"]
     assert target.read_bytes() == b"the model in service"
     weights.write_bytes(good)
-    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*child, "--finish", str(job_dir)], capture_output=True, text=True, timeout=scaled(300))
     second = json.loads((job_dir / "report.json").read_text())
     assert done.returncode == 0 and second["ok"] and "next" not in second, done.stderr[-2000:]
     assert "torch" not in second["imported"] and "onnxruntime" in second["imported"]

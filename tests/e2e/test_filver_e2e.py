@@ -13,6 +13,7 @@ import numpy as np
 from conftest import run_fcl
 from support.fleet import Fleet
 from support.listener import Listener
+from support.timescale import scaled
 
 from aggregator.state import StateStore
 from fclcore.codec import Kind
@@ -97,11 +98,11 @@ def test_aggregator_killed_mid_run_keeps_its_buffer_once(mosquitto, tmp_path, re
     fleet = Fleet(repo_root / "configs/scenarios/mnist_filver.yaml", tmp_path / "run", mosquitto.url, overrides)
     try:
         fleet.start_all()
-        fleet.wait_for_round(4, timeout=180)  # in task 1, with items of task 0 in the buffer
+        fleet.wait_for_round(4, timeout=scaled(180))  # in task 1, with items of task 0 in the buffer
         fleet.kill("aggregator")
         time.sleep(1.0)
         fleet.start("aggregator")
-        codes = fleet.wait(timeout=300)
+        codes = fleet.wait(timeout=scaled(300))
         assert set(codes.values()) == {0}, (codes, fleet.logs())
         assert "resuming" in (tmp_path / "run/logs/aggregator.2.log").read_text()
     finally:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from support.timescale import scaled
 
 import methods
 from fcl_edge.cli import main
@@ -40,7 +41,7 @@ def test_an_unknown_method_is_one_line_and_exit_2() -> None:
         [sys.executable, "-m", "fcl_edge.cli", "simulate", "--help-method", "fedavgg"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert "--help-method: federation.method: unknown method 'fedavgg'" in proc.stderr.splitlines()[-1]

@@ -26,6 +26,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import yaml
 from support.mosquitto import Mosquitto
+from support.timescale import scaled
 from test_streaming_restart_e2e import Threaded, _wait
 
 import methods
@@ -79,7 +80,7 @@ class SiteDevices:
                 self.mqtt.publish(topics.update_topic(FED, device), self.sent[device], qos=1)
 
     def wait_for_round(self, rnd: int) -> None:
-        _wait(lambda: rnd in self.rounds, f"round {rnd} announced on this broker", timeout=60)
+        _wait(lambda: rnd in self.rounds, f"round {rnd} announced on this broker", timeout=scaled(60))
 
     def send(self, client: str, rnd: int, tensors: dict, n_samples: int, publish: bool = True) -> bytes:
         header = Header(Kind.UPDATE, FED, rnd, rnd, client, time.time_ns() // 1000)
@@ -161,7 +162,7 @@ def _run_rounds(cfg: AggregatorConfig, devices: dict[str, SiteDevices], updates:
             for device, (tensors, n) in updates[rnd].items():
                 devices[device].wait_for_round(rnd)
                 devices[device].send(device, rnd, tensors, n)
-        _wait(lambda: (state := store.load()) is not None and state.round >= 1, "round 1 committed", timeout=90)
+        _wait(lambda: (state := store.load()) is not None and state.round >= 1, "round 1 committed", timeout=scaled(90))
     finally:
         root.stop()
     return store.load().global_params
@@ -254,7 +255,11 @@ def test_a_site_killed_mid_round_re_collects_and_the_root_counts_each_device_onc
         procs["site-a"] = _start_site(site_cfgs["site-a"], tmp_path, repo_root)
         _wait(lambda: "recovered from the journal" in (tmp_path / "site-a.log").read_text(), "site-a replayed")
         a.publish("d0", sent_d0)  # the same frame again: a duplicate at the site
-        _wait(lambda: (state := root_store.load()) is not None and state.round >= 0, "round 0 committed", timeout=90)
+        _wait(
+            lambda: (state := root_store.load()) is not None and state.round >= 0,
+            "round 0 committed",
+            timeout=scaled(90),
+        )
     finally:
         root.stop()
         a.close(), b.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
+from support.timescale import scaled
 
 from fclcore.codec import Frame, Header, Kind, encode
 
@@ -82,7 +83,7 @@ def test_run_survives_hostile_messages(mosquitto, tmp_path: Path, repo_root: Pat
     attacker.loop_stop()
     attacker.disconnect()
 
-    output, _ = sim.communicate(timeout=300)
+    output, _ = sim.communicate(timeout=scaled(300))
     assert sim.returncode == 0, output
     summary = json.loads((out / "summary.json").read_text())
     rejected = summary["rejected"]

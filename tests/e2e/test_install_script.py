@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "install-client.sh"
@@ -32,14 +33,18 @@ def test_install_then_uninstall_in_a_fake_root(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
     fcl = subprocess.run(
-        [str(venv / "bin" / "fcl"), "client", "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        [str(venv / "bin" / "fcl"), "client", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        cwd=tmp_path,
     )
     assert fcl.returncode == 0 and "--config" in fcl.stdout, fcl.stderr
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import fcl_edge; print(fcl_edge.__file__)"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         cwd=tmp_path,
     )
     assert where.stdout.startswith(str(venv)), where.stdout  # the venv's copy, not the checkout
@@ -74,7 +79,7 @@ def test_dry_run_changes_nothing(tmp_path, monkeypatch):
     root, venv, tmp = tmp_path / "root", tmp_path / "venv", tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))  # where a staged copy of the checkout would go
-    done = install("--root", str(root), "--prefix", str(venv), "--no-systemd", "--dry-run", timeout=120)
+    done = install("--root", str(root), "--prefix", str(venv), "--no-systemd", "--dry-run", timeout=scaled(120))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "+ " in done.stdout and "-m venv" in done.stdout and "fcl-client.service" in done.stdout
     assert "would stage a clean copy" in done.stdout and "virtualenvs" in done.stdout
@@ -87,7 +92,7 @@ def test_uninstall_refuses_to_remove_what_is_not_a_venv(tmp_path):
     precious.mkdir()
     (precious / "keep.txt").write_text("x")
     done = install(
-        "--root", str(tmp_path / "root"), "--prefix", str(precious), "--no-systemd", "--uninstall", timeout=60
+        "--root", str(tmp_path / "root"), "--prefix", str(precious), "--no-systemd", "--uninstall", timeout=scaled(60)
     )
     assert done.returncode == 2 and "pyvenv.cfg" in done.stderr
     assert (precious / "keep.txt").exists()
@@ -103,7 +108,7 @@ def test_uninstall_refuses_to_remove_what_is_not_a_venv(tmp_path):
     ],
 )
 def test_bad_arguments_exit_2(tmp_path, args, message):
-    done = install("--root", str(tmp_path / "root"), *args, timeout=60)
+    done = install("--root", str(tmp_path / "root"), *args, timeout=scaled(60))
     assert done.returncode == 2 and message in done.stderr, done.stdout + done.stderr
 
 
@@ -111,5 +116,5 @@ def test_scripts_are_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed (apt-get install shellcheck)")
     scripts = [str(ROOT / "scripts" / name) for name in ("install-client.sh", "arm64-check.sh")]
-    done = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True, timeout=scaled(120))
     assert done.returncode == 0, done.stdout

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from support.timescale import scaled
+
 from fcl_edge.broker import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,14 +60,14 @@ def test_following_the_page_word_for_word(tmp_path: Path) -> None:
             else:
                 outputs.append((command, _run_when_ready(argv, tmp_path, services)))
         agg = services["aggregator.yaml"]
-        assert agg.wait(timeout=240) == 0, _logs(tmp_path)
+        assert agg.wait(timeout=scaled(240)) == 0, _logs(tmp_path)
         for name in ("client-0.yaml", "client-1.yaml", "client-2.yaml"):
-            assert services[name].wait(timeout=60) == 0, _logs(tmp_path)
+            assert services[name].wait(timeout=scaled(60)) == 0, _logs(tmp_path)
     finally:
         for proc in services.values():
             if proc.poll() is None:
                 proc.terminate()
-                proc.wait(timeout=20)
+                proc.wait(timeout=scaled(20))
     aggregator_log = (tmp_path / "aggregator.yaml.log").read_text()
     assert re.search(r"start: waiting for (client-\d, )*client-2 \(", aggregator_log), aggregator_log
     rounds = re.findall(r"round (\d+)/10 task (\d): 3/3 updates, [\d,.]+ kB up, [\d,.]+ kB down", aggregator_log)
@@ -90,15 +92,15 @@ def _run_when_ready(argv: list[str], cwd: Path, services: dict[str, subprocess.P
         aggregator_log = cwd / "aggregator.yaml.log"
         deadline = time.monotonic() + 60
         while True:
-            out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=30)
+            out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=scaled(30))
             waiting = aggregator_log.exists() and "waiting for" in aggregator_log.read_text()
             if ("2/3 clients online" in out.stdout and waiting) or time.monotonic() > deadline:
                 return out.stdout + out.stderr
             time.sleep(0.5)
-    services["aggregator.yaml"].wait(timeout=240)
+    services["aggregator.yaml"].wait(timeout=scaled(240))
     for name in ("client-0.yaml", "client-1.yaml", "client-2.yaml"):
-        services[name].wait(timeout=60)
-    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120)
+        services[name].wait(timeout=scaled(60))
+    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, f"{' '.join(argv)}: {out.stderr}"
     return out.stdout
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
+from support.timescale import scaled
 
 from fcl_edge.simulate import plan
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
@@ -120,7 +121,7 @@ def test_signed_run_rejects_forgeries_and_leaks_no_sample(mosquitto, tmp_path: P
     ]  # replays of client-0's own signed updates
     for payload in injected:
         attacker.publish(topic, payload, qos=1).wait_for_publish(5)
-    output, _ = sim.communicate(timeout=240)
+    output, _ = sim.communicate(timeout=scaled(240))
     attacker.loop_stop()
     recorder.client.loop_stop()
     assert sim.returncode == 0, output

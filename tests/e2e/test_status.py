@@ -9,6 +9,7 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 from conftest import run_fcl
+from support.timescale import scaled
 
 from fcl_edge.cli import main
 from fcl_edge.status import build_views, read_round, read_status
@@ -86,10 +87,11 @@ def fleet_messages() -> dict[str, bytes]:
     return msgs
 
 
+# docs/protocol.md P-10.3
 def test_fcl_status_json_against_a_live_broker(mosquitto):
     publish_retained(mosquitto.url, fleet_messages())
     started = time.monotonic()
-    result = run_fcl("status", "--broker", mosquitto.url, "--json", "--wait", "0.5", timeout=60)
+    result = run_fcl("status", "--broker", mosquitto.url, "--json", "--wait", "0.5", timeout=scaled(60))
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 30
     report = json.loads(result.stdout)
@@ -177,6 +179,7 @@ def test_unreachable_broker_and_bad_input(capsys):
         (b'{"state": "online"}' + b" " * 70_000, "?", True),
     ],
 )
+# docs/protocol.md P-10.1
 def test_read_status_never_raises(payload, state, problem):
     status = read_status("dev", payload)
     assert status.state == state and (status.problem is not None) == problem
@@ -273,7 +276,7 @@ def test_fcl_status_during_and_after_a_live_run(mosquitto, tmp_path, repo_root):
         during = None
         deadline = time.monotonic() + 120
         while during is None and time.monotonic() < deadline and run.poll() is None:
-            seen = run_fcl("status", "--broker", mosquitto.url, "--json", "--wait", "0.3", timeout=60)
+            seen = run_fcl("status", "--broker", mosquitto.url, "--json", "--wait", "0.3", timeout=scaled(60))
             view = json.loads(seen.stdout)["federations"].get("quickstart")
             if view and view["round"] and view["round"]["kind"] == "round" and view["online"] == 3:
                 during = view

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from support.timescale import scaled
 
 from edge_client.taskdir import TaskDirectory
 from fclcore.data import load_dataset
@@ -166,7 +167,10 @@ def test_labels_fixed_in_place_are_picked_up(tmp_path) -> None:
 
 def _ctl(sock: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fcl_edge.cli", "ctl", str(sock), *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "fcl_edge.cli", "ctl", str(sock), *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
     )
 
 

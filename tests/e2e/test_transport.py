@@ -61,6 +61,7 @@ def test_meter_equals_an_independent_parse_of_the_stream(mosquitto):
     counter.close()
 
 
+# docs/protocol.md P-2.3, P-10.1
 def test_status_online_stopped_and_last_will(mosquitto):
     states: list[dict] = []
     watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
@@ -83,6 +84,7 @@ def test_status_online_stopped_and_last_will(mosquitto):
     assert "dead" in [s.get("state") for s in states]
 
 
+# docs/protocol.md P-2.2
 def test_resubscribes_after_broker_restart(mosquitto):
     got, event = [], threading.Event()
     spec = BrokerSpec(url=mosquitto.url, reconnect_min_s=0.2, reconnect_max_s=1.0)

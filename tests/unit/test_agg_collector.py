@@ -56,6 +56,7 @@ def test_a_round_is_complete_when_its_roster_replied() -> None:
     assert set(received) == {"a", "b", "c", "d"} and requests.asked == [] and len(beats) == 4
 
 
+# docs/protocol.md P-11.2
 def test_with_the_quorum_in_the_gone_are_not_waited_for() -> None:
     collector, _, _ = _collector([], quorum=0.5)
     collector.clients.online = {"a", "b"}  # c and d are stopped or dead
@@ -65,6 +66,7 @@ def test_with_the_quorum_in_the_gone_are_not_waited_for() -> None:
     assert collector.quorum(4) == 2
 
 
+# docs/protocol.md P-8.6, P-11.2
 def test_the_missing_are_asked_again_until_the_deadline() -> None:
     collector, requests, _ = _collector(["a"], deadline_s=0.5, resend_after_s=0.2)
     started = time.monotonic()
@@ -74,6 +76,7 @@ def test_the_missing_are_asked_again_until_the_deadline() -> None:
     assert requests.asked and all(asked == (Kind.EVAL, 3, ["b"]) for asked in requests.asked)
 
 
+# docs/protocol.md P-10.2
 def test_the_start_waits_for_the_roster_and_fails_below_the_quorum() -> None:
     collector, _, _ = _collector([], online=["a", "c"], start_timeout_s=0.3)
     collector.wait_online({"a", "c"}, -1, {}, {})

@@ -4,8 +4,8 @@ trace; a restart's replay of the journal gives the same model; statuses move the
 
 from __future__ import annotations
 
+import itertools
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from fclcore.codec import CodecLimits, Frame, Header, Kind, encode
 from fclcore.strategy import Update
 
 CLIENTS = ["c0", "c1"]
+SEQUENCE = itertools.count(1)  # a device's counter (docs/protocol.md, P-SEQ-1)
 
 
 def _intake(tmp_path: Path) -> Intake:
@@ -47,7 +48,7 @@ def intake(tmp_path: Path):
 
 def _update(model: dict, client: str, n_samples: int, shift: float) -> bytes:
     tensors = {k: (v + shift).astype(np.float32) for k, v in model.items()}
-    header = Header(Kind.UPDATE, FED, 0, 0, client, time.time_ns() // 1000)
+    header = Header(Kind.UPDATE, FED, 0, 0, client, next(SEQUENCE))
     return encode(Frame(header, {"n_samples": n_samples}, tensors))
 
 

@@ -52,3 +52,26 @@ def test_retained_messages_are_published_again_once_per_reconnect() -> None:
         ("fcl/fed/round", b"announcement", True, "republish"),
         ("fcl/fed/model/full", b"model", True, "republish"),
     ]
+
+
+def test_a_foreign_message_on_its_round_topic_has_the_retained_one_published_again() -> None:
+    """Issue 42: garbage retained on the round topic stalled a device that restarted meanwhile
+    until the round's deadline; the service's own echoes (retained or not) change nothing."""
+    link = RecordingLink(connects=1)
+    outbox = Outbox(link, "fed", "run-1")
+    outbox.observe("fcl/fed/round", b"garbage")  # before it has announced anything: nothing to restore
+    outbox.publish("fcl/fed/round", b"announcement", tag="round:0")
+    outbox.publish("fcl/fed/round", b"ask", tag="request:0", retain=False)
+    for echo in (b"announcement", b"ask"):
+        outbox.observe("fcl/fed/round", echo)
+    outbox.repair(now=100.0)
+    assert len(link.sent) == 2
+    for foreign in (b"garbage", b""):  # a forged frame, or the retained message deleted
+        outbox.observe("fcl/fed/round", foreign)
+        outbox.repair(now=100.0 if foreign else 100.5)
+    assert link.sent[2:] == [("fcl/fed/round", b"announcement", True, "republish")]  # at most once a second
+    outbox.observe("fcl/fed/round", b"announcement")  # the echo of the repair itself
+    outbox.repair(now=101.0)
+    assert link.sent[3:] == [("fcl/fed/round", b"announcement", True, "republish")]  # the deletion, repaired
+    outbox.repair(now=105.0)
+    assert len(link.sent) == 4

@@ -53,3 +53,54 @@ def test_rows_charge_each_client_its_frames_and_new_syncs(tmp_path) -> None:
     b = [r for r in rows if r["client"] == "b"]
     assert [(r["status"], r["bytes_up"], r["bytes_down"]) for r in b] == [("missing", 0, 1000)] * 3
     assert time.time() - 60 < report.update_span[0] <= report.update_span[1]
+
+
+def test_a_full_finetune_reference_is_summed_reported_and_rebuilt_on_resume(tmp_path) -> None:
+    """A method that trains adapters on a frozen backbone states the whole model as its second
+    reference: each row carries it (0 up for a missing device), summary.json its totals and the
+    run's shares of them, and a resumed run log rebuilds the same totals from metrics.jsonl."""
+    fed, strategy = federation()
+    strategy.full_finetune_fp32_bytes = 10_000
+    runlog = RunLog(tmp_path)
+    report = RunReport(strategy, runlog, AggregatorMetrics(FED), RecordingLink(), fed, CodecLimits())
+    for rnd in range(2):
+        report.open()
+        update, payload = _update("a", {})
+        report.measure(update, payload)
+        report.arrived()
+        report.record(rnd, 0, ["a", "b"], {"a": update}, SENT, 1, 0.5, {})
+    offset = runlog.offset()
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert [(r["full_finetune_fp32_up"], r["full_finetune_fp32_down"]) for r in rows] == [
+        (10_000, 10_000),
+        (0, 10_000),
+    ] * 2
+    b = runlog.summary(
+        method="m", federation=FED, clients=["a", "b"], tasks=1, rounds=2, rounds_per_task=2, task_ends=[1]
+    )["bytes"]
+    assert (b["full_finetune_fp32_up_total"], b["full_finetune_fp32_down_total"]) == (20_000, 40_000)
+    assert b["up_vs_full_finetune"] == round(b["up_total"] / 20_000, 4) > 0
+    assert b["down_vs_full_finetune"] == round(4 * 1000 / 40_000, 4)
+    assert "full fine-tuning" in b["reference_full_finetune"] and b["reference"] != b["reference_full_finetune"]
+    runlog.close()
+    again = RunLog(tmp_path)
+    again.resume(offset, {})
+    assert again.full_finetune == runlog.full_finetune == {"up": 20_000, "down": 40_000}
+    again.close()
+
+
+def test_a_method_without_a_second_reference_reports_only_dense(tmp_path) -> None:
+    fed, strategy = federation()
+    runlog = RunLog(tmp_path)
+    report = RunReport(strategy, runlog, AggregatorMetrics(FED), RecordingLink(), fed, CodecLimits())
+    report.open()
+    update, payload = _update("a", {})
+    report.measure(update, payload)
+    report.arrived()
+    report.record(0, 0, ["a"], {"a": update}, SENT, 1, 0.5, {})
+    b = runlog.summary(method="m", federation=FED, clients=["a"], tasks=1, rounds=1, rounds_per_task=1, task_ends=[0])[
+        "bytes"
+    ]
+    runlog.close()
+    assert not any("full_finetune" in key for key in b) and b["up_vs_dense"] is not None
+    assert not any("full_finetune" in key for key in _rows(tmp_path / "metrics.jsonl")[0])

@@ -7,6 +7,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from support.timescale import scaled
 
 from aggregator.state import Committed, StateStore
 from fclcore import checkpoint
@@ -65,7 +66,7 @@ def test_state_store_commit_and_journal(tmp_path) -> None:
         "fp",
         round=5,
         sequence=9,
-        last_seq={"client-0": 7},
+        last_seq={"client-0": 7},  # docs/protocol.md P-SEQ-3: the marks are committed with each round
         rejections={"codec": 2},
         metrics_offset=1234,
         strategy={"knowledge": []},
@@ -92,7 +93,7 @@ def test_a_cleared_journal_is_renamed_away_and_deleted_in_the_background(tmp_pat
         store.journal(2, client, b"x" * 10, 50)
     store.clear_journal()  # one rename: nothing of round 2 is journaled any more, at once
     assert store.journaled(2) == [] and not store.open_dir.exists()
-    assert store.wait_swept(timeout=30) and sorted(p.name for p in store.dir.iterdir()) == []
+    assert store.wait_swept(timeout=scaled(30)) and sorted(p.name for p in store.dir.iterdir()) == []
     store.journal(3, "a", b"y", 1)  # the next round journals into a fresh open/
     assert store.journaled(3) == [("a", b"y", 1)]
     # a crash between the rename and the deletion leaves a cleared journal: never read, deleted at start
@@ -101,7 +102,7 @@ def test_a_cleared_journal_is_renamed_away_and_deleted_in_the_background(tmp_pat
     (left / "3__1__b.frame").write_bytes(b"z")
     restarted = StateStore(tmp_path / "state")
     assert restarted.journaled(3) == [("a", b"y", 1)]
-    assert restarted.wait_swept(timeout=30) and not left.exists()
+    assert restarted.wait_swept(timeout=scaled(30)) and not left.exists()
 
 
 def _service_cfg(tmp_path, **federation):

@@ -115,6 +115,7 @@ def test_round_trip(frame, value_dtype):
 
 
 @pytest.mark.parametrize("numel", [65536, 65537, 70000])
+# docs/protocol.md P-5.2
 def test_index_width_boundary(numel):
     """u16 indices up to 65536 elements, u32 beyond; the last index must survive."""
     sparse = SparseTensor((numel,), [0, numel - 1], [1.0, 2.0])
@@ -145,6 +146,7 @@ def sparse_of(numel: int, density: float) -> SparseTensor:
 
 
 @pytest.mark.parametrize("value_dtype", ["float32", "float16"])
+# docs/protocol.md P-5.5
 def test_encoder_picks_smallest_layout(value_dtype):
     numel = 10000
     dense_size = len(encode(Frame(HEADER, {}, {"t": np.ones(numel, np.float32)}), value_dtype))
@@ -196,6 +198,7 @@ def test_sparse_tensor_api():
 # ---------------------------------------------------------------- decode rejections
 
 
+# docs/protocol.md P-5.1
 def test_raw_builder_matches_spec():
     sparse_idx = rec(b"i", layout=1, dims=(10,), nnz=2, data=u16(1, 7) + f32(1, 2))
     sparse_bits = rec(
@@ -230,7 +233,7 @@ def test_a_frame_checked_without_keeping_its_tensors_is_still_checked_whole():
 
 BAD_FRAMES = {
     "magic": (raw_frame(magic=b"FCLX"), "magic"),
-    "version 0": (raw_frame(version=0), "version"),
+    "version 0": (raw_frame(version=0), "version"),  # docs/protocol.md P-VER-2: versions not decoded
     "version 3": (raw_frame(version=3), "version"),
     "kind 0": (raw_frame(kind=0), "kind"),
     "kind 10": (raw_frame(kind=10), "kind"),
@@ -251,7 +254,7 @@ BAD_FRAMES = {
     "name utf8": (raw_frame(tensors=[rec(name=b"\xfe")]), "name"),
     "layout": (raw_frame(tensors=[rec(layout=3)]), "layout"),
     "dtype 0": (raw_frame(tensors=[rec(dtype=0)]), "dtype"),
-    "dtype 3 (int8) in a v1 frame": (raw_frame(tensors=[rec(dtype=3)]), "needs v2"),
+    "dtype 3 (int8) in a v1 frame": (raw_frame(tensors=[rec(dtype=3)]), "needs v2"),  # P-VER-2
     "dtype 4": (raw_frame(version=2, tensors=[rec(dtype=4)]), "dtype"),
     "ndim": (raw_frame(tensors=[rec(dims=(1,) * 9)]), "ndim"),
     "zero dim": (raw_frame(tensors=[rec(dims=(2, 0), data=b"")]), "dims"),
@@ -279,6 +282,7 @@ BAD_FRAMES = {
 
 
 @pytest.mark.parametrize("name", list(BAD_FRAMES))
+# docs/protocol.md P-4.1, P-4.2, P-5.2, P-5.3, P-5.7
 def test_decode_rejects(name):
     data, field = BAD_FRAMES[name]
     with pytest.raises(CodecError, match=field):
@@ -316,6 +320,7 @@ def test_index_check_reports_what_the_rule_says(indices, numel, ordered):
 
 @FAST
 @given(st.integers(1, 70), st.integers(0, 2**32 - 1))
+# docs/protocol.md P-5.3
 def test_bitmap_decodes_to_its_set_bits_and_refuses_every_padding_bit(numel, seed):
     mask = np.random.default_rng(seed).random(numel) < 0.3
     nnz = int(mask.sum())
@@ -336,6 +341,7 @@ def test_error_message_names_value_and_expectation():
         decode(raw_frame(version=3))
 
 
+# docs/protocol.md P-4.6, P-4.7
 def test_checksum_mismatch():
     data = bytearray(encode(small_frame()))
     data[-1] ^= 0x01
@@ -343,6 +349,7 @@ def test_checksum_mismatch():
         decode(bytes(data))
 
 
+# docs/protocol.md P-4.4, P-4.7
 def test_size_limit_checked_first():
     data = encode(small_frame())
     limits = CodecLimits(max_frame_bytes=len(data) - 1)
@@ -353,6 +360,7 @@ def test_size_limit_checked_first():
     assert decode(data, CodecLimits(max_frame_bytes=len(data))).header == HEADER
 
 
+# docs/protocol.md P-4.4
 def test_decode_limits():
     data = encode(small_frame())
     with pytest.raises(CodecError, match="max_tensors"):
@@ -474,6 +482,7 @@ def test_federation_limit_is_in_bytes_not_chars():
     encode(header_with(federation="é" * 127))  # 254 bytes: fine
 
 
+# docs/protocol.md P-5.6
 def test_encode_float16_overflow():
     frame = frame_with(t=np.array([1.0, 70000.0], np.float32))
     encode(frame, "float32")

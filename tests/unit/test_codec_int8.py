@@ -197,6 +197,7 @@ def test_stochastic_stream_depends_on_round_client_kind_tensor_and_seed(change):
 
 
 def test_int8_coding_without_tensors_writes_v1():
+    # docs/protocol.md P-VER-1: the lowest version that carries the frame
     frame = Frame(HEADER, {"a": 1})
     assert encode(frame, NEAREST) == encode(frame, "float32")
     assert encode(frame, NEAREST)[4] == 1
@@ -372,3 +373,26 @@ def test_fuzz_random_int8_records(data):
     except CodecError:
         return
     assert np.isfinite(frame.tensors["t"]).all()
+
+
+@pytest.mark.parametrize(
+    "coding, scale",
+    [
+        *((c, s) for c in (NEAREST, STOCHASTIC, ValueCoding("int8", block=7)) for s in (1e-6, 1.0, 1e4)),
+        *((ValueCoding("float16"), s) for s in (1.0, 1e4)),  # float16's bound holds in its normal range
+    ],
+)
+def test_norm_error_bounds_what_a_tensor_loses_on_the_wire(coding, scale):
+    """``ValueCoding.norm_error``: what a receiver may allow a norm to grow by (FedET's class sums)."""
+    rng = np.random.default_rng(int(scale * 1e6) % 97)
+    for shape in [(1, 384), (3, 50), (1000,)]:
+        sent = (rng.standard_normal(shape) * rng.choice([1.0, 0.01], shape) * scale).astype(np.float32)
+        got = decode(encode(Frame(HEADER, {}, {"t": sent}), coding)).tensors["t"]
+        error = np.linalg.norm(got.astype(np.float64) - sent) / np.linalg.norm(sent.astype(np.float64))
+        assert 0 < error <= coding.norm_error()
+
+
+def test_norm_error_by_hand():
+    assert NEAREST.norm_error() == pytest.approx(8 / 254, rel=1e-5)  # sqrt(64) / 254
+    assert STOCHASTIC.norm_error() == pytest.approx(8 / 127, rel=1e-5)
+    assert ValueCoding("float32").norm_error() == 0.0

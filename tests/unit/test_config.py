@@ -56,7 +56,7 @@ def test_quickstart_loads_as_scenario():
     assert isinstance(sc.federation.train.lr, float)
     assert sc.federation.rounds.deadline_s == 60.0
     assert isinstance(sc.federation.rounds.deadline_s, float)  # YAML int coerced to float
-    assert sc.federation.wire.value_dtype == "float32"
+    assert sc.federation.wire.value_dtype is None  # unset: each method's own (methods.resolve)
     assert sc.clients == 3
     assert sc.data.dataset == "digits"
     assert isinstance(sc.tasks, TasksSpec)
@@ -232,6 +232,7 @@ BAD = [
         CLIENT + "broker: {url: 'mqtt://host:port'}\n",
         ["broker", "url", "bad port", "mqtt://host:port"],
     ),
+    # docs/protocol.md P-2.4
     ("broker-keepalive", AggregatorConfig, AGG + "broker: {keepalive_s: 1}\n", ["broker", "keepalive_s", ">= 5"]),
     (
         "broker-reconnect",

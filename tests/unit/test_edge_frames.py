@@ -77,6 +77,7 @@ def test_a_frame_for_a_later_round_of_the_task_in_hand_waits_for_its_round(frame
     assert frames.pop_mid(5).header.round == 5 and frames.pop_mid(5) is None
 
 
+# docs/protocol.md P-3.2, P-8.7
 def test_frames_on_another_topic_or_for_another_task_are_rejected(frames) -> None:
     frames, _ = frames
     raw = payload(task=1)

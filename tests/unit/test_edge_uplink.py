@@ -1,16 +1,19 @@
-"""What the device sends (``edge_client.uplink.Uplink``) alone, without a broker: sequences on the
-aggregator's clock, signing, and when the last update is sent again."""
+"""What the device sends (``edge_client.uplink.Uplink``) alone, without a broker: sequences from
+the device's counter for its run (no clock), renumbering after a NACK, signing, and when the last
+update is sent again."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from edge_client.uplink import SEQUENCE_AHEAD_US, Uplink
+from edge_client.uplink import Uplink
 from fclcore import topics
-from fclcore.codec import CodecLimits, Frame, Header, Kind, decode
+from fclcore.codec import CodecLimits, Kind, decode
+from fclcore.runid import started_us
 from fclcore.signing import verify
 
 KEY = bytes(range(32))
@@ -29,42 +32,78 @@ def uplink(key: bytes | None = None) -> tuple[Uplink, Link]:
     return Uplink("fed", "dev-1", link, key, CodecLimits(), threading.Event()), link
 
 
-def announcement(clock_us: object) -> Frame:
-    return Frame(Header(Kind.ROUND, "fed", 1, 0, "aggregator", 1), {"clock_us": clock_us}, {})
+RUN = "0006f1c2a3b4c5d6-1a2b3c4d"
+LATER_RUN = "0006f1c2a3b4c5e0-00000000"
 
 
-def test_sequences_rise_and_follow_the_aggregators_clock() -> None:
+def test_sequences_count_up_above_the_runs_start_whatever_the_clock(monkeypatch) -> None:
+    """P-SEQ-1, P-SEQ-2: the next number is max(last, start of the run) + 1; the wall clock
+    stepping back or forward an hour between frames changes nothing."""
     up, _ = uplink()
-    first = decode(up.frame(Kind.UPDATE, 0, 0, {"n_samples": 1}, {}, "float32")).header
-    second = decode(up.frame(Kind.UPDATE, 1, 0, {}, {}, "float32")).header
+    first = decode(up.frame(Kind.UPDATE, 0, 0, {"n_samples": 1}, {}, "float32", RUN)).header
     assert (first.kind, first.federation, first.client, first.round) == (Kind.UPDATE, "fed", "dev-1", 0)
-    assert second.sequence > first.sequence
-    ahead = time.time_ns() // 1000 + 3_600_000_000  # the aggregator's clock is an hour ahead
-    up.note_clock(announcement(ahead))
-    assert decode(up.frame(Kind.UPDATE, 2, 0, {}, {}, "float32")).header.sequence >= ahead
-    for bad in (True, -5, "soon", None):  # not a clock: ignored
-        offset = up.clock_offset_us
-        up.note_clock(announcement(bad))
-        assert up.clock_offset_us == offset
+    assert first.sequence == started_us(RUN) + 1
+    for step in (-3600, 3600):
+        now = time.time()
+        monkeypatch.setattr(time, "time", lambda now=now, step=step: now + step)
+        monkeypatch.setattr(time, "time_ns", lambda now=now, step=step: int((now + step) * 1e9))
+        assert decode(up.frame(Kind.UPDATE, 1, 0, {}, {}, "float32", RUN)).header.sequence == up.sequence
+    assert up.sequence == started_us(RUN) + 3
+    assert (
+        decode(up.frame(Kind.UPDATE, 0, 0, {}, {}, "float32", LATER_RUN)).header.sequence == started_us(LATER_RUN) + 1
+    )
 
 
-def test_a_sequence_far_ahead_of_the_aggregators_clock_is_brought_back() -> None:
+def test_a_counter_restored_from_a_checkpoint_goes_on_from_there() -> None:
     up, _ = uplink()
-    up.sequence = time.time_ns() // 1000 + 10 * SEQUENCE_AHEAD_US  # a checkpoint written under a wrong clock
-    sent = decode(up.frame(Kind.UPDATE, 0, 0, {}, {}, "float32")).header.sequence
-    assert sent <= time.time_ns() // 1000 + SEQUENCE_AHEAD_US
+    up.sequence = started_us(RUN) + 41  # the checkpoint's
+    assert decode(up.frame(Kind.EVAL, 3, 0, {}, {}, "float32", RUN)).header.sequence == started_us(RUN) + 42
+
+
+def _nack(header, reason: str, mark: int) -> dict:
+    return {
+        "kind": header.kind.name,
+        "round": header.round,
+        "sequence": header.sequence,
+        "reason": reason,
+        "mark": mark,
+    }
+
+
+@pytest.mark.parametrize("key", [None, KEY], ids=["unsigned", "signed"])
+@pytest.mark.parametrize("reason", ["replay", "sequence", "duplicate"])  # duplicate: numbered as the mark
+def test_a_nack_naming_the_unacked_update_renumbers_it_and_nothing_else(key, reason) -> None:
+    """P-SEQ-6: renumbered to mark + 1, every other byte of the frame the same (int8 values too)."""
+    up, _ = uplink(key)
+    values = np.linspace(-1, 1, 300, dtype=np.float32)
+    up.unacked = up.frame(Kind.UPDATE, 2, 0, {"n_samples": 5}, {"w": values}, "int8", RUN)
+    plain = verify(up.unacked, key) if key else up.unacked
+    header = decode(plain).header
+    mark = header.sequence if reason == "duplicate" else started_us(RUN) + 1000  # duplicate: its number is the mark
+    others = (
+        {**_nack(header, reason, mark), "sequence": header.sequence + 1},  # another frame (a forgery in its name)
+        _nack(header, "content", mark),  # a reason a new number does not cure
+        _nack(header, "duplicate", header.sequence - 1),  # a second update for the round: above the mark
+    )
+    for other in others:
+        assert up.renumber(other) is False
+    assert up.renumber(_nack(header, reason, mark)) is True
+    again = verify(up.unacked, key) if key else up.unacked
+    assert decode(again).header.sequence == mark + 1 == up.sequence
+    assert again[:16] == plain[:16] and again[24:-4] == plain[24:-4]  # only the sequence and the CRC changed
+    np.testing.assert_array_equal(decode(again).tensors["w"], decode(plain).tensors["w"])
 
 
 def test_frames_are_signed_when_the_device_has_a_key() -> None:
     up, _ = uplink(KEY)
-    frame = decode(verify(up.frame(Kind.EVAL, 3, 1, {"rejected": {}}, {}, "float32"), KEY))
+    frame = decode(verify(up.frame(Kind.EVAL, 3, 1, {"rejected": {}}, {}, "float32", RUN), KEY))
     assert frame.header.kind is Kind.EVAL and frame.meta == {"rejected": {}}
 
 
 @pytest.mark.parametrize(
     ("rnd", "arrival", "resent"),
     [(4, 10.0, True), (3, 10.0, False), (4, 1.0, False)],  # its round / another round / asked before it was sent
-)
+)  # docs/protocol.md P-NACK-5: only a later round acknowledges an update; it stays until then
 def test_the_last_update_is_sent_again_only_for_its_round_and_after_it_went_out(rnd, arrival, resent) -> None:
     up, link = uplink()
     up.unacked, up.sent_at = b"update", 5.0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.timescale import scaled
 
 from export.image_runtime import load_images
 from export.runtime import load_inputs
@@ -39,6 +40,6 @@ def test_the_script_writes_the_same_bytes(tmp_path: Path) -> None:
     copy = tmp_path / "examples"
     copy.mkdir()
     shutil.copy(EXAMPLES / "make_inputs.py", copy)
-    subprocess.run([sys.executable, str(copy / "make_inputs.py")], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(copy / "make_inputs.py")], check=True, capture_output=True, timeout=scaled(300))
     for name in ("digits-rows.csv", "mnist-rows.csv", "mnist-images.npy", "texts.txt"):
         assert filecmp.cmp(copy / name, EXAMPLES / name, shallow=False), name

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.timescale import scaled
 
 from export.formats import FORMATS, export_served
 from export.publish import ExportError, int8_path_for
@@ -133,5 +134,5 @@ def test_importing_formats_is_cheap():
         "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'export.onnx_made', 'export.onnx_image') "
         "if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.timescale import scaled
 from torch import nn
 
 from export.cli import main
@@ -332,5 +333,5 @@ def test_the_runtime_imports_neither_torch_nor_onnx():
 
     code = "import sys, export.image_runtime; print(sorted(m for m in ('torch', 'onnx') if m in sys.modules))"
     repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=scaled(60))
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

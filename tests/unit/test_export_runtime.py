@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
+from support.timescale import scaled
 
 from export.onnx_made import ServedModel, base_metadata, build_onnx, export_served_model
 from export.publish import seal
@@ -336,7 +337,7 @@ def _infer(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         cwd=REPO,
     )
 
@@ -410,7 +411,7 @@ def test_cli_infer_watch_hot_swaps(model_file: Path, tmp_path: Path) -> None:
         os.replace(tmp_path / "junk", model_file)
         assert ask(row) == second  # corrupt file rejected, previous model still serving
         proc.stdin.close()
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=scaled(30)) == 0
         stderr = proc.stderr.read()
         assert "rejected new model file" in stderr and _heavy(subprocess.CompletedProcess([], 0, "", stderr)) == []
     finally:

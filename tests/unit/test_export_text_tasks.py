@@ -21,6 +21,7 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
+from support.timescale import scaled
 from torch import nn
 
 from export.cli import main
@@ -325,6 +326,6 @@ def test_runtime_and_cli_import_no_torch(exported):
         "print(sorted(m for m in heavy if m in sys.modules))\n"
         "sys.exit(rc)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60), cwd=REPO)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "[]", out.stderr
     assert json.loads(out.stdout.splitlines()[0])["task"] == 0

@@ -101,6 +101,7 @@ def test_second_client_accepted_after_first():
     assert isinstance(result, Update) and result.client == "b"
 
 
+# docs/protocol.md P-8.4
 def test_eval_frame_accepted_without_tensors_or_n_samples():
     data = payload(kind=Kind.EVAL, meta={"eval": {"round": OPEN - 1, "task": 0, "nll": [4.0]}}, tensors={})
     result = check(data, kind=Kind.EVAL)
@@ -144,11 +145,12 @@ def test_codec_bad_checksum():
     rejected(check(bytes(data)), "codec")
 
 
-def test_codec_resealed_corruption():
+def test_an_unknown_frame_version_is_refused_naming_the_versions_spoken():
+    """P-VER-3: reason ``version``, and the text names what this aggregator decodes."""
     data = bytearray(payload())
     data[4] = 9  # version, with a valid CRC
-    r = rejected(check(reseal(bytes(data))), "codec")
-    assert "version" in r.detail
+    r = rejected(check(reseal(bytes(data))), "version")
+    assert "version 9" in r.detail and "speaks 1, 2" in r.detail
 
 
 def test_codec_limits_are_applied():
@@ -166,17 +168,20 @@ def test_nan_in_eval_is_rejected_by_codec():
         rejected(check(reseal(data.replace(placeholder, token))), "codec")
 
 
+# docs/protocol.md P-4.3
 def test_wrong_federation():
     r = rejected(check(payload(fed="other")), "federation")
     assert "other" in r.detail
 
 
+# docs/protocol.md P-3.3
 def test_header_client_differs_from_topic_client():
     r = rejected(check(payload(client="b"), client="a"), "sender")
     assert r.client == "a"
 
 
 @pytest.mark.parametrize("kind", [Kind.ROUND, Kind.EVAL, Kind.FINISH, Kind.STATUS, Kind.ACK])
+# docs/protocol.md P-4.3
 def test_wrong_kind(kind):
     rejected(check(payload(kind=kind)), "kind")
 
@@ -197,7 +202,7 @@ def test_future_round(rnd):
     assert r.late is False
 
 
-def test_duplicate():
+def test_duplicate():  # docs/protocol.md P-SEQ-3
     r = rejected(check(payload(), received={"a"}), "duplicate")
     assert r.client == "a"
 
@@ -246,6 +251,7 @@ def test_tensor_problems(tensors, words):
     ],
     ids=["missing", "zero", "negative", "true", "false", "str", "float", "fraction", "null", "list"],
 )
+# docs/protocol.md P-8.3
 def test_bad_n_samples(meta):
     r = rejected(check(payload(meta=meta)), "content")
     assert "n_samples" in r.detail
@@ -338,6 +344,7 @@ def test_eval_frame_with_non_numeric_n_samples(n_samples):
         ({"round": 0, "task": 0, "accuracy": [0.5], "nll": [1.0]}, 1, "both"),
     ],
 )
+# docs/protocol.md P-8.5
 def test_eval_problem_table(report, num_tasks, word):
     problem = eval_problem(report, num_tasks)
     if word is None:
@@ -474,6 +481,7 @@ def test_random_meta_never_raises(meta, kind):
 
 
 @pytest.mark.parametrize("eval_round", [OPEN, OPEN - 2, 0])
+# docs/protocol.md P-8.5
 def test_eval_must_describe_the_previous_rounds_model(eval_round):
     """A client reports on the global model it received: the one from the round before."""
     data = payload(meta={"n_samples": 3, "eval": {"round": eval_round, "task": 0, "nll": [1.0]}})

@@ -38,6 +38,13 @@ CONFIGS = {
     "connectivity_agnostic_2layer": MadeConfig(
         14, (24, 24), direct=True, natural_order=True, num_orders=4, mask_seed=5, connectivity_agnostic=True
     ),
+    # docs/protocol.md P-7.9: orders and degrees drawn from SplitMix64
+    "splitmix64_2layer": MadeConfig(
+        14, (24, 24), direct=True, natural_order=False, num_orders=4, mask_seed=5, mask_rng="splitmix64"
+    ),
+    "splitmix64_connectivity_agnostic": MadeConfig(
+        12, (16,), direct=True, num_orders=3, mask_seed=9, connectivity_agnostic=True, mask_rng="splitmix64"
+    ),
 }
 # Order switches, including going back and forth and indices >= num_orders (wrap around).
 ORDER_SEQUENCES = [[0], [1, 2, 0, 2, 1, 1, 0], [3, 0, 5, 2, 0]]

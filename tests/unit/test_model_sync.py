@@ -13,7 +13,7 @@ import pytest
 from aggregator.downlink import ModelDownlink
 from edge_client.replica import CATCHUP, FULL, ModelReplica
 from fclcore.codec import Frame, Header, Kind, SparseTensor, decode, encode
-from fclcore.model_sync import OUTSIDE, ModelRef, changes, model_hash
+from fclcore.model_sync import OUTSIDE, ModelRef, changes, model_digest, model_hash
 
 SHAPES = {"w": (12, 9), "b": (12,), "head": (5, 12)}
 
@@ -56,6 +56,7 @@ class Wire:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
 @pytest.mark.parametrize("share", [0.0, 0.02, 0.3, 1.0])
+# docs/protocol.md P-5.4, P-7.2
 def test_a_device_that_applies_every_delta_holds_the_aggregators_model(dtype: str, share: float) -> None:
     rng = np.random.default_rng(int(share * 100))
     wire, replica = Wire(dtype), ModelReplica(lambda rnd: None)
@@ -89,6 +90,7 @@ def test_only_changed_entries_travel_and_nothing_changed_costs_no_tensor() -> No
     assert model_hash(replica.take(frame)) == model_hash(changed)
 
 
+# docs/protocol.md P-7.2, P-7.7
 def test_derived_positions_send_values_without_indices() -> None:
     rng = np.random.default_rng(2)
     mask = rng.random(SHAPES["w"]) < 0.4
@@ -133,6 +135,7 @@ def test_new_removed_and_reshaped_tensors_travel_whole() -> None:
     assert "catchup" not in wire.downlink.sync_frames()  # a shape change: only the full model bridges it
 
 
+# docs/protocol.md P-7.3
 def test_a_device_behind_catches_up_or_fetches_the_full_model() -> None:
     rng = np.random.default_rng(4)
     wire = Wire(catchup=3)
@@ -215,6 +218,7 @@ def test_forged_or_corrupted_deltas_are_never_kept() -> None:
         {"version": True, "base": None, "hash": "0" * 32},
     ],
 )
+# docs/protocol.md P-7.1, P-7.4
 def test_malformed_model_metadata_is_a_clear_error(raw: object) -> None:
     with pytest.raises(ValueError, match="model"):
         ModelRef.of({"model": raw})
@@ -241,3 +245,20 @@ def test_sync_frames_are_lossless_for_float16_served_values() -> None:
     rounded = decode(encode(Frame(Header(Kind.MODEL, "f", 0, 0, "aggregator", 1), {}, tensors), dtype)).tensors
     assert model_hash(rounded) == ref.hash
     assert not any(mask.any() for mask in changes(rounded, wire.downlink.served).values())
+
+
+# docs/protocol.md P-1.1
+def test_a_protocol_2_frame_carries_the_protocol_1_hash_and_a_protocol_1_frame_still_applies() -> None:
+    """A protocol 2 announcement keeps ``hash`` (what a protocol 1 device checks) beside ``digest``;
+    an announcement from a protocol 1 aggregator (no digest) is applied and checked by its hash."""
+    wire = Wire()
+    rng = np.random.default_rng(3)
+    model = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    frame, _ = wire.announce(0, model)
+    ref = ModelRef.of(frame.meta)
+    assert ref.hash == model_hash(wire.downlink.served) and ref.digest == model_digest(wire.downlink.served)
+    old = dict(frame.meta, model={k: v for k, v in frame.meta["model"].items() if k != "digest"})
+    replica = ModelReplica(lambda rnd: None)
+    assert model_hash(replica.take(dataclasses.replace(frame, meta=old))) == ref.hash
+    forged = dict(old, model={**old["model"], "hash": "0" * 32})
+    assert ModelReplica(lambda rnd: None).take(dataclasses.replace(frame, meta=forged)) == FULL

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from support.timescale import scaled
 
 from fclcore import optim
 
@@ -98,7 +99,7 @@ def test_training_never_imports_torch_dynamo():
         "    m(torch.ones(3, 4)).sum().backward(); opt.step(); opt.zero_grad(); opt.load_state_dict(opt.state_dict())\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 

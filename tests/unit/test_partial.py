@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import yaml
+from support.timescale import scaled
 
 import methods
 from aggregator.partial import Sites, check_hierarchy, decode_partial, encode_partial
@@ -141,7 +142,7 @@ def test_fcl_site_refuses_a_batch_method_in_one_line(method: str, tmp_path, repo
     path = tmp_path / "site.yaml"
     raw = {"federation": to_dict(sc.federation), "site_id": "site-a", "expected_clients": ["d0"]}
     path.write_text(yaml.safe_dump({**raw, "out_dir": str(tmp_path / "out")}))
-    done = run_fcl("site", "--config", str(path), timeout=120)
+    done = run_fcl("site", "--config", str(path), timeout=scaled(120))
     assert done.returncode == ExitCode.BAD_INPUT, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"method '{method}' cannot run under a hierarchy" in lines[0], done.stderr

@@ -108,3 +108,16 @@ def test_report_without_fleet_has_no_task_accuracy(tmp_path: Path) -> None:
 def test_report_on_a_directory_without_runs_fails_cleanly(tmp_path: Path) -> None:
     result = run_fcl("report", str(tmp_path))
     assert result.returncode == 2 and "no summary.json" in result.stderr
+
+
+def test_report_shows_the_run_level_share_of_the_devices_bytes(tmp_path: Path) -> None:
+    _fake_run(tmp_path / "runs" / "a", "confedmade", 0.0)
+    _fake_run(tmp_path / "runs" / "b", "fedavg", 1.0)
+    summary = json.loads((tmp_path / "runs" / "a" / "summary.json").read_text())
+    summary["bytes"]["run_level"] = {"share": 0.1234, "up_total": 1_500, "down_total": 20_000}
+    (tmp_path / "runs" / "a" / "summary.json").write_text(json.dumps(summary))
+    result = run_fcl("report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"))
+    assert result.returncode == 0, result.stderr
+    table = (tmp_path / "rep" / "report.md").read_text().splitlines()
+    assert table[0].endswith(" run-level |")
+    assert table[2].endswith("| 12.3% (1,500 up / 20,000 down) |") and table[3].endswith("| 400 |  |"), table

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support.timescale import scaled
 
 from fclcore.sdnotify import Notifier, WatchdogThread, notify_address, watchdog_seconds
 
@@ -63,7 +64,7 @@ def test_reads_the_process_environment(manager):
     path, sock = manager
     code = "from fclcore.sdnotify import Notifier; import sys; sys.exit(0 if Notifier().ready('up') else 1)"
     env = {**os.environ, "NOTIFY_SOCKET": path}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=scaled(60))
     assert received(sock) == ["READY=1", "STATUS=up"]
 
 

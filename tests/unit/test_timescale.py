@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.timescale import scaled
+
 TESTS = Path(__file__).resolve().parent.parent
 
 SLEEPER = """
@@ -23,7 +25,7 @@ def _run(tmp_path: Path, scale: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_sleeper.py").write_text(SLEEPER)
     env = {**os.environ, "FCL_TEST_TIME_SCALE": scale, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "test_sleeper.py"]
-    return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(120))
 
 
 def test_a_limit_that_fails_at_scale_1_passes_at_scale_3(tmp_path) -> None:

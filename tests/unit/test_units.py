@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.timescale import scaled
 
 from fcl_edge.cli import _parser
 from fclcore.exitcodes import ExitCode
@@ -72,8 +73,8 @@ REQUIRED = {  # (section, key) -> exact value, or None for "present"
 }
 
 
-PREVENT = {  # exit codes a restart cannot help: bad input; a device refusing a newer run
-    "client": f"{int(ExitCode.BAD_INPUT)} {int(ExitCode.OTHER_RUN)}",
+PREVENT = {  # exit codes a restart cannot help: bad input; a device refusing a newer run, or stuck in a stale one
+    "client": f"{int(ExitCode.BAD_INPUT)} {int(ExitCode.OTHER_RUN)} {int(ExitCode.RUN_STALLED)}",
     "aggregator": str(int(ExitCode.BAD_INPUT)),
 }
 
@@ -97,7 +98,10 @@ def test_execstart_is_a_real_fcl_subcommand(name):
     args = _parser().parse_args(argv[1:])  # the real parser: a renamed option fails here
     assert args.command == UNITS[name] and args.config == argv[3]
     help_out = subprocess.run(
-        [sys.executable, "-m", "fcl_edge.cli", UNITS[name], "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "fcl_edge.cli", UNITS[name], "--help"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
     )
     assert help_out.returncode == 0, help_out.stderr
     assert "--config" in help_out.stdout
@@ -142,10 +146,10 @@ def test_systemd_analyze_verify(tmp_path):
         pytest.skip("systemd-analyze not installed (apt-get install systemd); structural checks above still ran")
     for path in _installed_units(tmp_path):
         argv = shlex.split(one(parse_unit(path.read_text()), "Service", "ExecStart"))
-        ran = subprocess.run([argv[0], argv[1], "--help"], capture_output=True, text=True, timeout=120)
+        ran = subprocess.run([argv[0], argv[1], "--help"], capture_output=True, text=True, timeout=scaled(120))
         assert ran.returncode == 0, ran.stderr
         result = subprocess.run(
-            [analyze, "verify", str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=60
+            [analyze, "verify", str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=scaled(60)
         )
         ours = [line for line in (result.stdout + result.stderr).splitlines() if path.name in line]
         assert result.returncode == 0 and not ours, result.stdout + result.stderr
@@ -157,7 +161,11 @@ def test_systemd_security_exposure(tmp_path):
         pytest.skip("systemd-analyze not installed")
     for path in _installed_units(tmp_path):
         result = subprocess.run(
-            [analyze, "security", "--offline=yes", str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=60
+            [analyze, "security", "--offline=yes", str(path)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=scaled(60),
         )
         if "--offline" in result.stderr:
             pytest.skip(f"systemd-analyze too old for --offline: {result.stderr.strip()}")

@@ -33,6 +33,7 @@ def test_sign_verify_round_trip_and_forgeries() -> None:
         verify(b"FCLS" + b"\0" * 5, KEY_A)
 
 
+# docs/protocol.md P-6.2, P-6.3
 def test_inbox_requires_the_topic_clients_signature() -> None:
     inbox = make_inbox(keys={"a": KEY_A, "b": KEY_B})
     assert isinstance(check(sign(payload(), KEY_A), inbox=inbox), Update)
@@ -43,6 +44,7 @@ def test_inbox_requires_the_topic_clients_signature() -> None:
     assert isinstance(forged, Rejection) and forged.reason == "signature"
 
 
+# docs/protocol.md P-SEQ-3
 def test_replayed_and_repeated_sequences_are_rejected() -> None:
     inbox = make_inbox()
     first = payload(seq=10)
@@ -87,6 +89,7 @@ def test_update_distance_counts_only_the_entries_a_sparse_update_carries() -> No
     assert update_distance(sparse, current) == pytest.approx(3.0)
 
 
+# docs/protocol.md P-6.2
 def test_key_files(tmp_path) -> None:
     key = write_key(tmp_path / "a.key")
     assert stat.S_IMODE(os.stat(tmp_path / "a.key").st_mode) == 0o600

@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""Every method's bytes on the wire, compression off and with its defaults, side by side.
+
+For each method (``--methods``, default: every method package's own method), its benchmark
+scenario from ``benchmarks/wire_all.yaml`` runs through the services (``fcl simulate``: an
+aggregator and one process per device over the embedded broker) twice per seed: with the
+wire's compression off (``off``: no sparsification either way, float32 values) and with the
+method's defaults.  Written: ``benchmarks/results/wire_all.json`` (per method its reference,
+``off`` and ``default`` as seed means of ``up_ratio`` / ``down_ratio``, the bytes over the
+dense fp32 reference as ``summary.json`` has them, and of its ``metric``; each run's
+figures, with the run-level share of the devices' bytes and what no record accounts for)
+and ``wire_all.md``, the table.
+
+    python benchmarks/bench_wire_all.py                                   # every method, seeds 0 1
+    python benchmarks/bench_wire_all.py --methods confedmade ngfl --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_codec import machine_info  # noqa: E402  (a sibling script: benchmarks/ is sys.path[0])
+
+import methods  # noqa: E402
+
+VARIANTS = ("off", "default")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "wire_all.yaml")
+    parser.add_argument("--methods", nargs="+", help="registered method names (default: each package's own method)")
+    parser.add_argument("--seeds", nargs="+", type=int, help="federation seeds (default: the config's)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra override for every run")
+    parser.add_argument("--in-process", action="store_true", help="threads over the in-process transport")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "wire_all.json")
+    return parser.parse_args(argv)
+
+
+def default_methods() -> list[str]:
+    """One method per package: the one named like its package (a new package is included)."""
+    return sorted(name for name, spec in methods.REGISTRY.items() if name == spec.package)
+
+
+def plan_runs(config: dict, name: str) -> dict:
+    """The scenario, the overrides of each variant and the metric key of ``name``."""
+    spec = methods.lookup(name, "--methods")
+    entry = (config.get("methods") or {}).get(name)
+    if entry is None:  # not configured: its example at smoke size
+        entry = {"scenario": spec.example_scenario, "overrides": list(spec.smoke_overrides)}
+    base = [f"federation.method={name}", "compare=[]", *entry.get("overrides", [])]
+    return {
+        "scenario": entry["scenario"],
+        "off": [*base, *config.get("uncompressed", []), *entry.get("uncompressed", [])],
+        "default": base,
+        "metric": entry.get("metric", "final.avg_nll" if spec.metric == "nll" else "final.avg_accuracy"),
+    }
+
+
+def simulate(scenario: str, overrides: list[str], out: Path, in_process: bool) -> dict:
+    """One run through ``fcl simulate``; its summary.json."""
+    cmd = [sys.executable, "-m", "fcl_edge.cli", "simulate", str(ROOT / scenario), "--out", str(out), "--force"]
+    cmd += ["--in-process"] if in_process else []
+    for item in overrides:
+        cmd += ["--set", item]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"{shlex.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def figures(summary: dict, metric: str) -> dict:
+    """What one run contributes: its ratios to the dense reference, its metric, its run-level bytes."""
+    b = summary["bytes"]
+    run = b.get("run_level") or {}
+    return {
+        "up_ratio": b["up_vs_dense"],
+        "down_ratio": b["down_vs_dense"],
+        "metric": metric_value(summary, metric),
+        "up_bytes": b["up_total"],
+        "down_bytes": b["down_total"],
+        "run_level_share": run.get("share"),
+        "unattributed": run.get("unattributed"),
+    }
+
+
+def metric_value(summary: dict, path: str) -> float | None:
+    """``path`` (``block.key``, e.g. ``final.avg_nll``, ``fleet.avg_accuracy``) in summary.json."""
+    block, _, key = path.partition(".")
+    return (summary.get(block) or {}).get(key)
+
+
+def seed_mean(runs: list[dict], metric_name: str) -> dict:
+    """The variant's figures as seed means (a value a run lacks leaves the mean None)."""
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in runs]
+        return None if any(v is None for v in values) else round(float(np.mean(values)), 4)
+
+    return {"up_ratio": mean("up_ratio"), "down_ratio": mean("down_ratio"), "metric": mean("metric"),
+            "metric_name": metric_name, "runs": runs}  # fmt: skip
+
+
+def bench_method(config: dict, name: str, seeds: list[int], extra: list[str], work: Path, in_process: bool) -> dict:
+    runs = plan_runs(config, name)
+    out: dict = {"scenario": runs["scenario"], "seeds": seeds}
+    per_variant: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for seed in seeds:
+        for variant in VARIANTS:
+            overrides = [*runs[variant], f"federation.seed={seed}", *extra]
+            summary = simulate(runs["scenario"], overrides, work / f"{name}-{variant}-{seed}", in_process)
+            out.setdefault("reference", summary["bytes"].get("reference"))
+            per_variant[variant].append({"seed": seed, **figures(summary, runs["metric"])})
+            print(f"{name} {variant} seed {seed}: {per_variant[variant][-1]}", flush=True)
+    for variant in VARIANTS:
+        out[variant] = {**seed_mean(per_variant[variant], runs["metric"]), "overrides": runs[variant]}
+    return out
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "| method | seeds | off: up / down vs dense | off: metric | default: up / down vs dense | default: metric "
+        "| metric change | run-level share (default) | reference |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in results.items():
+        off, on = r["off"], r["default"]
+        change = None if off["metric"] is None or on["metric"] is None else on["metric"] - off["metric"]
+        shares = [x["run_level_share"] for x in on["runs"] if x["run_level_share"] is not None]
+        lines.append(
+            f"| {name} | {', '.join(map(str, r['seeds']))} | {_pct(off['up_ratio'])} / {_pct(off['down_ratio'])} "
+            f"| {_num(off['metric'])} ({off['metric_name']}) | {_pct(on['up_ratio'])} / {_pct(on['down_ratio'])} "
+            f"| {_num(on['metric'])} | {'-' if change is None else f'{change:+.4f}'} "
+            f"| {_pct(float(np.mean(shares)) if shares else None)} | {r['reference']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = yaml.safe_load(args.config.read_text())
+    names = args.methods or default_methods()
+    seeds = args.seeds or list(config.get("seeds", [0]))
+    for name in names:
+        plan_runs(config, name)  # an unknown name fails before anything runs
+    results, start, load = {}, time.monotonic(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as work:
+        for name in names:
+            results[name] = bench_method(config, name, seeds, args.overrides, Path(work), args.in_process)
+    table = markdown(results)
+    print("\n" + table)
+    command = shlex.join(["python", *sys.argv])
+    wall = {"wall_s": round(time.monotonic() - start), "load_avg_1min": [round(load, 2), round(os.getloadavg()[0], 2)]}
+    report = {"methods": results, "machine": {**machine_info(), **wall}, "command": command, "config": str(args.config)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(
+        f"# Bytes on the wire per method: compression off and the defaults\n\n`{command}`\n\n"
+        f"{report['machine']['cpu_count']} CPUs, {wall['wall_s'] / 60:.0f} min wall clock, load average "
+        f"{wall['load_avg_1min'][0]} at the start and {wall['load_avg_1min'][1]} at the end.  Seed means; up / down "
+        "vs dense: the run's MQTT PUBLISH bytes over its dense fp32 reference (`summary.json` "
+        "`bytes.up_vs_dense`, `down_vs_dense`); metric: the `summary.json` figure named; run-level share: "
+        "the devices' bytes no round row counts (statuses, EVAL, FINISH, ...).\n\n"
+        f"{table}\n"
+    )
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

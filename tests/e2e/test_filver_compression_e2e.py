@@ -1,0 +1,68 @@
+"""End to end over a real Mosquitto: FIL-VER's smoke scenario with the compression stage off
+and with its default (top-k with error feedback both ways).  In the compressed run the phase-0
+encoder and the classifier cross the broker as sparse ``@delta`` uploads, every announcement
+after the first moves the classifier by at most the top-k of each tensor (a sparse downlink),
+every update is accepted, every device's model verifies by hash (no resync), and the run
+moves fewer bytes each way."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import run_fcl
+from support.listener import Listener
+
+import methods
+from fclcore import topics
+from fclcore.codec import Kind, SparseTensor
+from fclcore.sparsify import DELTA, kept_count
+from methods.filver.wire import COMPRESSION
+
+FED = "filver-compress-e2e"
+
+
+def _run(mosquitto, out: Path, repo_root: Path, *extra: str) -> tuple[dict, list]:
+    spec = methods.lookup("filver")
+    listener = Listener(mosquitto.port, extra_topics=(topics.round_topic(FED),))
+    sets = [item for o in (*spec.smoke_overrides, f"federation.name={FED}", *extra) for item in ("--set", o)]
+    result = run_fcl(
+        "simulate", str(repo_root / spec.example_scenario), "--out", str(out), "--broker", mosquitto.url, *sets
+    )
+    listener.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text()), listener.frames
+
+
+@pytest.mark.timeout(900)  # two runs of the smoke scenario; generous for a machine shared with other work
+def test_filver_compressed_both_ways_verifies_and_moves_fewer_bytes_through_mosquitto(mosquitto, tmp_path, repo_root):
+    dense, _ = _run(
+        mosquitto, tmp_path / "off", repo_root, "federation.wire.sparsify=none", "federation.wire.down_sparsify=none"
+    )
+    small, frames = _run(mosquitto, tmp_path / "on", repo_root)
+
+    updates = [f for topic, f in frames if topic.startswith(topics.update_topic(FED, "")) and f.tensors]
+    assert {f.header.round for f in updates} == set(range(small["rounds"]))
+    for f in updates:
+        model = {n: t for n, t in f.tensors.items() if not n.startswith("emb:")}
+        assert model and all(n.endswith(DELTA) and isinstance(t, SparseTensor) for n, t in model.items()), f.header
+        assert any(n.startswith("enc.") for n in model) == (f.header.round == 0)  # phase 0 is one round here
+
+    rounds = [f for topic, f in frames if topic == topics.round_topic(FED) and f.header.kind is Kind.ROUND]
+    deltas = [f for f in rounds if f.meta["model"]["base"] is not None]
+    assert len(deltas) == small["rounds"] - 1  # every announcement after the first is a delta
+    for f in deltas:
+        assert f.tensors and all(n.startswith("cls.") for n in f.tensors)
+        for name, t in f.tensors.items():
+            bound = kept_count(math.prod(t.shape), COMPRESSION.down_density)
+            assert isinstance(t, SparseTensor) and t.nnz <= bound, (f.header.round, name)
+
+    events = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    accepted = [e for e in events if e["event"] == "round_client" and e["status"] == "accepted"]
+    assert len(accepted) == small["rounds"] * small["clients"] and small["rejected"] == {}
+    assert not small["bytes"]["syncs"]  # every announcement's hash verified on every device
+    for way in ("up_total", "down_total"):
+        assert small["bytes"][way] < dense["bytes"][way], way
+    assert small["bytes"]["up_total"] < 0.5 * dense["bytes"]["up_total"]

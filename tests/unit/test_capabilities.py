@@ -1,0 +1,44 @@
+"""What a daemon says it speaks (docs/protocol.md P-VER-5, P-VER-6) and how ``fcl status`` lists
+devices by protocol version during a rolling upgrade."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from fcl_edge.status import build_views, print_table, read_status
+from fclcore.capabilities import ACCEPTED, PROTOCOL, aggregator_capabilities, device_capabilities
+from fclcore.codec import SPOKEN, VALUE_DTYPES
+
+
+def test_a_device_announces_its_protocol_and_what_it_decodes() -> None:
+    caps = device_capabilities()
+    assert caps["protocol"] == PROTOCOL == max(ACCEPTED)
+    assert caps["decodes"] == {
+        "frames": list(SPOKEN),
+        "dtypes": list(VALUE_DTYPES),
+        "layouts": ["dense", "index", "bitmap"],
+        "derived_positions": True,
+    }
+    assert aggregator_capabilities() == {"protocol": PROTOCOL, "accepts": [1, 2]}
+    json.dumps(caps)  # it goes into a JSON status as it is
+
+
+def _status(**fields) -> bytes:
+    return json.dumps({"state": "online", "time": 1.0, "role": "client", **fields}).encode()
+
+
+def test_fcl_status_lists_devices_by_protocol_version() -> None:
+    messages = [
+        ("fcl/fed/status/new-0", _status(**device_capabilities())),
+        ("fcl/fed/status/new-1", _status(**device_capabilities())),
+        ("fcl/fed/status/old-0", _status()),  # a protocol-1 daemon says nothing
+        ("fcl/fed/status/odd-0", _status(protocol="2")),  # garbage: treated as saying nothing
+        ("fcl/fed/status/aggregator", _status(role="aggregator", expected=["gone-0"], **aggregator_capabilities())),
+    ]
+    assert read_status("new-0", messages[0][1]).protocol == 2
+    assert read_status("odd-0", messages[3][1]).protocol is None
+    out = io.StringIO()
+    print_table(build_views(messages), 2.0, out)
+    line = next(x for x in out.getvalue().splitlines() if "devices by" in x)
+    assert line == "  devices by protocol 1 (says none): odd-0, old-0; protocol 2: new-0, new-1"  # not gone-0: absent
