@@ -56,13 +56,23 @@ METHODS = {
 }
 
 
-def one_run(scenario: str, method: str, profile: str, rounds: int, work: Path) -> dict:
+def one_run(scenario: str, method: str, profile: str, rounds: int, work: Path, timeout: float = 1800.0) -> dict:
     path, extra, target = SCENARIOS[scenario]
     out = work / f"{scenario}-{method}-{profile}"
     sets = [*extra, *METHODS[method], f"federation.rounds_per_task={rounds}", "compare=[]"]
     if profile != "loopback":
         sets.append(f"links.default={profile}")
-    argv = [sys.executable, "-m", "fcl_edge.cli", "simulate", str(ROOT / path), "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "fcl_edge.cli",
+        "simulate",
+        str(ROOT / path),
+        "--out",
+        str(out),
+        "--timeout",
+        str(timeout),
+    ]
     for item in sets:
         argv += ["--set", item]
     started = time.monotonic()
@@ -147,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiles", nargs="+", default=["loopback", *PROFILES], help="link profiles, or loopback")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--rounds", type=int, default=2, help="rounds per task")
+    parser.add_argument(
+        "--run-timeout", type=float, default=1800.0, help="seconds a run may take (it is recorded as not completed)"
+    )
     parser.add_argument("--out", default=str(RESULTS / "links.json"))
     parser.add_argument("--update", action="store_true", help="keep the earlier file's runs of other cells")
     args = parser.parse_args(argv)
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         for scenario in args.scenarios:
             for profile in args.profiles:
                 for method in args.methods:
-                    run = one_run(scenario, method, profile, args.rounds, Path(work))
+                    run = one_run(scenario, method, profile, args.rounds, Path(work), args.run_timeout)
                     print(json.dumps(run), flush=True)
                     runs.append(run)
     keys = {(r["scenario"], r["method"], r["profile"]) for r in runs}
