@@ -23,15 +23,15 @@ from fclcore import topics
 from fclcore.codec import Kind, SparseTensor
 from fclcore.masked_upload import UNITS
 from fclcore.sparsify import kept_count
-from methods.fedseit.wire import COMPRESSION, KB_PREFIX, kept_units
+from methods.fedseit.wire import KB_PREFIX, kept_units
 
 FED = "fedseit-wire-e2e"
-KEEP_UNITS, KB_DENSITY = 0.2, 0.05  # the three stages, opt-in (docs/wire.md, "FedSeIT")
+KEEP_UNITS, KB_DENSITY, DOWN_DENSITY = 0.2, 0.05, 0.05  # the three stages, opt-in (docs/wire.md, "FedSeIT")
 STAGES = (
     f"federation.options.keep_units={KEEP_UNITS}",
     f"federation.options.kb_density={KB_DENSITY}",
     "federation.wire.down_sparsify=topk",
-    "federation.wire.down_density=0.05",
+    f"federation.wire.down_density={DOWN_DENSITY}",
 )
 FILTERS, BASES = 8, {f"conv{k}.weight": 384 * k for k in (3, 4, 5)}  # the smoke overrides' filters
 
@@ -56,7 +56,7 @@ def test_fedseit_sparse_announcements_verify_by_hash_through_mosquitto(mosquitto
         assert frame.tensors and set(frame.tensors) <= set(BASES), rnd
         for name, t in frame.tensors.items():
             assert isinstance(t, SparseTensor), (rnd, name)
-            assert t.nnz <= kept_count(FILTERS * BASES[name], COMPRESSION.down_density), (rnd, name)
+            assert t.nnz <= kept_count(FILTERS * BASES[name], DOWN_DENSITY), (rnd, name)
     assert sum(f.meta["model"]["base"] is not None for f in rounds.values()) == len(rounds) - 1
 
     updates = [f for _, f in frames if f.header.kind is Kind.UPDATE]

@@ -59,5 +59,5 @@ def test_a_fleet_half_upgraded_ends_with_the_model_of_a_fleet_all_upgraded(tmp_p
     assert mixed_hash == new_hash
     start = started_us(mixed_meta["run_id"])
     marks = mixed_meta["last_seq"]
-    assert marks[OLD] > start + 10**6  # clock-numbered: microseconds since the run started
+    assert marks[OLD] > start + 10**4  # clock-numbered: microseconds since the run started (counters: < 100)
     assert all(start < marks[c] < start + 100 for c in marks if c != OLD)  # counters: a frame a round
