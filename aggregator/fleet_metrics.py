@@ -26,7 +26,8 @@ from fclcore.health import read_health, read_protocol
 # every reason the inbox, the intake and the methods' ``Rejected`` use (a test keeps this in step)
 REJECTION_REASONS = frozenset(
     "budget centres codec consent content duplicate embeddings entries federation fold inactive kind knowledge "
-    "labels late meta nonfinite norm replay round sender sequence signature status table unknown-client".split()
+    "labels late meta nonfinite norm replay round sender sequence signature status table unknown-client version "
+    "stale compression".split()
 )
 DIRECTIONS = ("up", "down")
 KINDS = ("model", "knowledge", "control")  # the run log's byte kinds (aggregator/report.py)

@@ -15,6 +15,7 @@ Everything here is deterministic: the same bytes on every machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import struct
 import sys
@@ -64,6 +65,7 @@ def frames() -> list[tuple[str, str, bytes, list[str]]]:
     model = _model()
     ref = ModelRef(4, None, model_hash(model), digest=model_digest(model))
     fed = FederationSpec(name="fed", method="fedavg", num_tasks=2, rounds_per_task=4, model=ModelSpec(hidden_sizes=[3]))
+    fed = dataclasses.replace(fed, wire=dataclasses.replace(fed.wire, value_dtype="float32"))  # as announced: resolved
     round_meta = {
         "run": RUN,
         "federation": to_dict(fed),

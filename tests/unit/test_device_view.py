@@ -28,10 +28,10 @@ def _payload(**fields: object) -> bytes:
 
 def test_a_devices_status_is_shown_with_its_health_and_unknown_fields() -> None:
     payload = _payload(role="client", task=1, round=7, bytes_up=91_200, bytes_down=70_000, health=HEALTH,
-                       protocol=3, last_rejection={"reason": "late", "round": 6})  # fmt: skip
+                       future_field=3, last_rejection={"reason": "late", "round": 6})  # fmt: skip
     facts = device_facts(payload)
     assert facts["health"]["peak_mb"] == 256.0 and facts["health"]["up"] == HEALTH["up"]
-    assert facts["other"] == {"protocol": 3, "last_rejection": '{"reason":"late","round":6}'}
+    assert facts["other"] == {"future_field": 3, "last_rejection": '{"reason":"late","round":6}'}
     out = io.StringIO()
     print_device("d0", "home", facts, 1_700_000_010.0, out)
     text = out.getvalue()
@@ -39,7 +39,9 @@ def test_a_devices_status_is_shown_with_its_health_and_unknown_fields() -> None:
     assert "memory: peak 256.0 MiB of a 1024.0 MiB budget (25%), now 200.5 MiB" in text
     assert "CPU of its last round: 1.5 s; resyncs: 2" in text
     assert "bytes up: 91,200 (status 1,200, update 90,000)" in text and "bytes down: 70,000 (round 70,000)" in text
-    assert "daemon 0.1.0" in text and "protocol: 3" in text and 'last_rejection: {"reason":"late","round":6}' in text
+    assert (
+        "daemon 0.1.0" in text and "future_field: 3" in text and 'last_rejection: {"reason":"late","round":6}' in text
+    )
 
 
 @pytest.mark.parametrize(
