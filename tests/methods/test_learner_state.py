@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.builders import binary_rows, made_federation
 
 from fclcore.codec import Frame, Header, Kind, SparseTensor
 from fclcore.data import Dataset
 from fclcore.made_spec import init_params
 from fclcore.schedule import TaskSchedule
-from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
+from fclcore.schema import FederationSpec
 from methods import learner_for
 
 D = 10
@@ -18,20 +19,11 @@ METHODS = ["fedavg", "fedprox", "fedcurv", "confedmade", "fedweit-made"]
 
 
 def _fed(method: str) -> FederationSpec:
-    return FederationSpec(
-        name="t",
-        method=method,
-        num_tasks=3,
-        rounds_per_task=2,
-        model=ModelSpec(hidden_sizes=[16], num_orders=2, mask_seed=3),
-        train=TrainSpec(batch_size=8, lr=0.01),
-        options={"order_per": "round", "keep_units": 0.5, "ewc_lambda": 1.0},
-    )
+    return made_federation(method, num_tasks=3)
 
 
 def _data(seed: int, n: int = 32) -> Dataset:
-    rng = np.random.default_rng(seed)
-    return Dataset((rng.random((n, D)) > 0.5).astype(np.float32), np.zeros(n, np.int64))
+    return binary_rows(seed, D, n)
 
 
 def _knowledge(task: int, made) -> Frame | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.builders import binary_rows, made_federation
 from support.timescale import scaled
 
 from fclcore import device as fcl_device
@@ -18,7 +19,7 @@ from fclcore.config import ConfigError, from_dict
 from fclcore.data import Dataset
 from fclcore.made_spec import init_params
 from fclcore.schedule import TaskSchedule
-from fclcore.schema import ClientConfig, FederationSpec, ModelSpec, TrainSpec
+from fclcore.schema import ClientConfig, FederationSpec
 from methods import learner_for
 
 D = 10
@@ -34,20 +35,11 @@ def _fresh_resolution():
 
 
 def _fed(method: str) -> FederationSpec:
-    return FederationSpec(
-        name="t",
-        method=method,
-        num_tasks=2,
-        rounds_per_task=2,
-        model=ModelSpec(hidden_sizes=[16], num_orders=2, mask_seed=3),
-        train=TrainSpec(batch_size=8, lr=0.01),
-        options={"order_per": "round", "keep_units": 0.5, "ewc_lambda": 1.0},
-    )
+    return made_federation(method, num_tasks=2)
 
 
 def _data(seed: int, n: int = 32) -> Dataset:
-    rng = np.random.default_rng(seed)
-    return Dataset((rng.random((n, D)) > 0.5).astype(np.float32), np.zeros(n, np.int64))
+    return binary_rows(seed, D, n)
 
 
 def _run(method: str, placement: tuple[torch.device, str] | None) -> tuple[list[dict], list]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 from fclcore.codec import Frame, Header, Kind, decode, encode
+from fclcore.data import Dataset
 from fclcore.schema import FederationSpec, ModelSpec, TrainSpec
 from fclcore.strategy import Update
 
@@ -44,3 +47,22 @@ def update(
     if wire_dtype is not None:
         frame = decode(encode(frame, wire_dtype))
     return Update(client, frame, n_samples, 0, 0, strategy.normalize(frame) if strategy is not None else dict(tensors))
+
+
+def made_federation(method: str, num_tasks: int) -> FederationSpec:
+    """A small MADE federation any MADE method's learner runs (the options every one of them reads)."""
+    return FederationSpec(
+        name="t",
+        method=method,
+        num_tasks=num_tasks,
+        rounds_per_task=2,
+        model=ModelSpec(hidden_sizes=[16], num_orders=2, mask_seed=3),
+        train=TrainSpec(batch_size=8, lr=0.01),
+        options={"order_per": "round", "keep_units": 0.5, "ewc_lambda": 1.0},
+    )
+
+
+def binary_rows(seed: int, dim: int, n: int = 32) -> Dataset:
+    """``n`` seeded rows of ``dim`` 0/1 values, all labelled 0."""
+    rng = np.random.default_rng(seed)
+    return Dataset((rng.random((n, dim)) > 0.5).astype(np.float32), np.zeros(n, np.int64))
