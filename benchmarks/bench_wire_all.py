@@ -68,6 +68,7 @@ def plan_runs(config: dict, name: str) -> dict:
         "off": [*base, *config.get("uncompressed", []), *entry.get("uncompressed", [])],
         "default": base,
         "metric": entry.get("metric", "final.avg_nll" if spec.metric == "nll" else "final.avg_accuracy"),
+        "seeds": entry.get("seeds"),
     }
 
 
@@ -117,6 +118,7 @@ def seed_mean(runs: list[dict], metric_name: str) -> dict:
 
 def bench_method(config: dict, name: str, seeds: list[int], extra: list[str], work: Path, in_process: bool) -> dict:
     runs = plan_runs(config, name)
+    seeds = runs["seeds"] or seeds  # a method whose run is long names fewer seeds in the config
     out: dict = {"scenario": runs["scenario"], "seeds": seeds}
     per_variant: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for seed in seeds:
@@ -158,6 +160,28 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write_report(out: Path, results: dict, command: str, wall: dict) -> None:
+    """``out`` (json) and its ``.md`` table; each method carries the command and load of its own run."""
+    report = {"methods": results, "machine": {**machine_info(), **wall}, "command": command}
+    m = report["machine"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    runs = "\n".join(
+        f"- {name}: `{r.get('command', command)}`, {r.get('machine', wall)['wall_s'] / 60:.0f} min wall clock "
+        f"until it was done, load average {r.get('machine', wall)['load_avg_1min'][0]} at the start and "
+        f"{r.get('machine', wall)['load_avg_1min'][1]} at its end"
+        for name, r in results.items()
+    )
+    out.with_suffix(".md").write_text(
+        f"# Bytes on the wire per method: compression off and the defaults\n\n"
+        f"{m['cpu_count']} CPUs ({m['machine']}, {m['platform']}).  Per method:\n\n{runs}\n\n"
+        "Seed means; up / down vs dense: the run's MQTT PUBLISH bytes over its dense fp32 reference "
+        "(`summary.json` `bytes.up_vs_dense`, `down_vs_dense`); metric: the `summary.json` figure named; "
+        "run-level share: the devices' bytes no round row counts (statuses, EVAL, FINISH, ...).\n\n"
+        f"{markdown(results)}\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
@@ -166,25 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         plan_runs(config, name)  # an unknown name fails before anything runs
     results, start, load = {}, time.monotonic(), os.getloadavg()[0]
+    if args.out.exists():  # a run of some methods keeps the others' earlier figures
+        results = json.loads(args.out.read_text()).get("methods", {})
+    command = shlex.join(["python", *sys.argv])
     with tempfile.TemporaryDirectory() as work:
         for name in names:
             results[name] = bench_method(config, name, seeds, args.overrides, Path(work), args.in_process)
-    table = markdown(results)
-    print("\n" + table)
-    command = shlex.join(["python", *sys.argv])
-    wall = {"wall_s": round(time.monotonic() - start), "load_avg_1min": [round(load, 2), round(os.getloadavg()[0], 2)]}
-    report = {"methods": results, "machine": {**machine_info(), **wall}, "command": command, "config": str(args.config)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(
-        f"# Bytes on the wire per method: compression off and the defaults\n\n`{command}`\n\n"
-        f"{report['machine']['cpu_count']} CPUs, {wall['wall_s'] / 60:.0f} min wall clock, load average "
-        f"{wall['load_avg_1min'][0]} at the start and {wall['load_avg_1min'][1]} at the end.  Seed means; up / down "
-        "vs dense: the run's MQTT PUBLISH bytes over its dense fp32 reference (`summary.json` "
-        "`bytes.up_vs_dense`, `down_vs_dense`); metric: the `summary.json` figure named; run-level share: "
-        "the devices' bytes no round row counts (statuses, EVAL, FINISH, ...).\n\n"
-        f"{table}\n"
-    )
+            results[name]["command"] = command
+            loads = [round(load, 2), round(os.getloadavg()[0], 2)]
+            wall = {"wall_s": round(time.monotonic() - start), "load_avg_1min": loads}
+            results[name]["machine"] = wall
+            write_report(args.out, results, command, wall)  # after each method: a stopped run keeps what it measured
+    print("\n" + markdown(results))
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
     return 0
 
