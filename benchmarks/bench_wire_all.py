@@ -133,6 +133,15 @@ def bench_method(config: dict, name: str, seeds: list[int], extra: list[str], wo
     return out
 
 
+def _both(runs: list[dict]) -> float:
+    """Up and down together over the reference's up and down together, seed mean."""
+    ratios = [
+        (x["up_bytes"] + x["down_bytes"]) / (x["up_bytes"] / x["up_ratio"] + x["down_bytes"] / x["down_ratio"])
+        for x in runs
+    ]
+    return float(np.mean(ratios))
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
@@ -143,18 +152,20 @@ def _num(value: float | None) -> str:
 
 def markdown(results: dict) -> str:
     lines = [
-        "| method | seeds | off: up / down vs dense | off: metric | default: up / down vs dense | default: metric "
-        "| metric change | run-level share (default) | reference |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| method | seeds | off: up / down vs dense | off: up + down | off: metric | default: up / down vs dense "
+        "| default: up + down | default: metric | metric change | run-level share (default) | reference |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in results.items():
         off, on = r["off"], r["default"]
         change = None if off["metric"] is None or on["metric"] is None else on["metric"] - off["metric"]
         shares = [x["run_level_share"] for x in on["runs"] if x["run_level_share"] is not None]
+        both = {v: _both(r[v]["runs"]) for v in VARIANTS}
         lines.append(
             f"| {name} | {', '.join(map(str, r['seeds']))} | {_pct(off['up_ratio'])} / {_pct(off['down_ratio'])} "
-            f"| {_num(off['metric'])} ({off['metric_name']}) | {_pct(on['up_ratio'])} / {_pct(on['down_ratio'])} "
-            f"| {_num(on['metric'])} | {'-' if change is None else f'{change:+.4f}'} "
+            f"| {_pct(both['off'])} | {_num(off['metric'])} ({off['metric_name']}) "
+            f"| {_pct(on['up_ratio'])} / {_pct(on['down_ratio'])} | **{_pct(both['default'])}** | {_num(on['metric'])} "
+            f"| {'-' if change is None else f'{change:+.4f}'} "
             f"| {_pct(float(np.mean(shares)) if shares else None)} | {r['reference']} |"
         )
     return "\n".join(lines)
@@ -190,16 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         plan_runs(config, name)  # an unknown name fails before anything runs
     results, start, load = {}, time.monotonic(), os.getloadavg()[0]
-    if args.out.exists():  # a run of some methods keeps the others' earlier figures
-        results = json.loads(args.out.read_text()).get("methods", {})
     command = shlex.join(["python", *sys.argv])
     with tempfile.TemporaryDirectory() as work:
         for name in names:
-            results[name] = bench_method(config, name, seeds, args.overrides, Path(work), args.in_process)
-            results[name]["command"] = command
+            mine = bench_method(config, name, seeds, args.overrides, Path(work), args.in_process)
             loads = [round(load, 2), round(os.getloadavg()[0], 2)]
             wall = {"wall_s": round(time.monotonic() - start), "load_avg_1min": loads}
-            results[name]["machine"] = wall
+            # re-read before each write: another run's methods (earlier, or running beside) are kept
+            results = json.loads(args.out.read_text()).get("methods", {}) if args.out.exists() else {}
+            results[name] = {**mine, "command": command, "machine": wall}
             write_report(args.out, results, command, wall)  # after each method: a stopped run keeps what it measured
     print("\n" + markdown(results))
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")

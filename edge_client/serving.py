@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fclcore.learner import Learner
+from fclcore.procmem import release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,8 @@ class ServedModelWriter:
         except (ExportError, SnapshotError, ValueError, OSError) as exc:
             log.error("export after task %d failed, previous model stays in service: %s", served.task, exc)
             return None
+        finally:  # an in-process export's graph and buffers are freed but would stay resident
+            release_free_memory()
         log.info("serving task %d model (%s): %s", served.task, served.format, self.model_path)
         return report
 
