@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the checkout's packages first: tests/methods/ would otherwise shadow the methods package
+# (as a namespace package) when a single test file runs on its own
+sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from support.mosquitto import Mosquitto
 from support.timescale import SCALE, scaled

@@ -54,7 +54,12 @@ def _plan_cases() -> list:
     """Configured methods; those on MNIST or BBC (10-45 s to load and split) with the slow tests."""
     cases = []
     for name, entry in sorted(CONFIG["methods"].items()):
-        dataset = yaml.safe_load((ROOT / entry["scenario"]).read_text())["data"]["dataset"]
+        path = ROOT / entry["scenario"]
+        raw = yaml.safe_load(path.read_text())
+        while "data" not in raw:  # an extends chain: the data block is in a parent file
+            path = path.parent / raw["extends"]
+            raw = yaml.safe_load(path.read_text())
+        dataset = raw["data"]["dataset"]
         cases.append(name if dataset == "digits" else pytest.param(name, marks=pytest.mark.slow))
     return cases
 
@@ -73,7 +78,9 @@ def test_the_committed_configuration_plans(name: str) -> None:
 
 
 def _run(seed: int, up: float, metric: float | None, share: float = 0.05) -> dict:
-    return {"seed": seed, "up_ratio": up, "down_ratio": up / 2, "metric": metric, "run_level_share": share}
+    """A run whose reference sends 1000 B each way: up + down together is 1.5 * up / 2."""
+    return {"seed": seed, "up_ratio": up, "down_ratio": up / 2, "metric": metric, "run_level_share": share,
+            "up_bytes": 1000 * up, "down_bytes": 1000 * up / 2}  # fmt: skip
 
 
 def test_seed_means_and_the_table() -> None:
@@ -83,5 +90,6 @@ def test_seed_means_and_the_table() -> None:
     assert on["metric"] is None and on["up_ratio"] == 0.11  # a run without the metric leaves no mean
     table = bench.markdown({"m": {"seeds": [0, 1], "reference": "dense fp32", "off": off, "default": on}})
     assert table.splitlines()[2] == (
-        "| m | 0, 1 | 101.0% / 50.5% | 0.8100 (avg_accuracy) | 11.0% / 5.5% | - | - | 5.0% | dense fp32 |"
+        "| m | 0, 1 | 101.0% / 50.5% | 75.8% | 0.8100 (avg_accuracy) | 11.0% / 5.5% | **8.2%** | - | - | 5.0% "
+        "| dense fp32 |"
     )
