@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra override for every run")
     parser.add_argument("--in-process", action="store_true", help="threads over the in-process transport")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "wire_all.json")
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        help="read a run's summary from REUSE/<method>-<variant>-<seed>.summary.json where there is one "
+        "(kept from an earlier run of this script) instead of running it",
+    )
     return parser.parse_args(argv)
 
 
@@ -95,6 +101,9 @@ def figures(summary: dict, metric: str) -> dict:
         "up_bytes": b["up_total"],
         "down_bytes": b["down_total"],
         "run_level_share": run.get("share"),
+        # a method that trains part of a model (FedET) also has the paper's reference
+        "up_vs_full_finetune": b.get("up_vs_full_finetune"),
+        "down_vs_full_finetune": b.get("down_vs_full_finetune"),
         "unattributed": run.get("unattributed"),
     }
 
@@ -109,14 +118,18 @@ def seed_mean(runs: list[dict], metric_name: str) -> dict:
     """The variant's figures as seed means (a value a run lacks leaves the mean None)."""
 
     def mean(key: str) -> float | None:
-        values = [r[key] for r in runs]
+        values = [r.get(key) for r in runs]
         return None if any(v is None for v in values) else round(float(np.mean(values)), 4)
 
     return {"up_ratio": mean("up_ratio"), "down_ratio": mean("down_ratio"), "metric": mean("metric"),
-            "metric_name": metric_name, "runs": runs}  # fmt: skip
+            "metric_name": metric_name, "runs": runs,
+            "up_vs_full_finetune": mean("up_vs_full_finetune"),
+            "down_vs_full_finetune": mean("down_vs_full_finetune")}  # fmt: skip
 
 
-def bench_method(config: dict, name: str, seeds: list[int], extra: list[str], work: Path, in_process: bool) -> dict:
+def bench_method(
+    config: dict, name: str, seeds: list[int], extra: list[str], work: Path, in_process: bool, reuse: Path | None
+) -> dict:
     runs = plan_runs(config, name)
     seeds = runs["seeds"] or seeds  # a method whose run is long names fewer seeds in the config
     out: dict = {"scenario": runs["scenario"], "seeds": seeds}
@@ -124,7 +137,11 @@ def bench_method(config: dict, name: str, seeds: list[int], extra: list[str], wo
     for seed in seeds:
         for variant in VARIANTS:
             overrides = [*runs[variant], f"federation.seed={seed}", *extra]
-            summary = simulate(runs["scenario"], overrides, work / f"{name}-{variant}-{seed}", in_process)
+            kept = reuse / f"{name}-{variant}-{seed}.summary.json" if reuse else None
+            if kept is not None and kept.is_file():
+                summary = json.loads(kept.read_text())
+            else:
+                summary = simulate(runs["scenario"], overrides, work / f"{name}-{variant}-{seed}", in_process)
             out.setdefault("reference", summary["bytes"].get("reference"))
             per_variant[variant].append({"seed": seed, **figures(summary, runs["metric"])})
             print(f"{name} {variant} seed {seed}: {per_variant[variant][-1]}", flush=True)
@@ -168,6 +185,14 @@ def markdown(results: dict) -> str:
             f"| {'-' if change is None else f'{change:+.4f}'} "
             f"| {_pct(float(np.mean(shares)) if shares else None)} | {r['reference']} |"
         )
+    for name, r in results.items():  # the paper's reference where a method trains part of a model
+        off, on = r["off"], r["default"]
+        if on.get("up_vs_full_finetune") is not None:
+            lines.append(
+                f"\n{name} against dense fp32 full fine-tuning (the whole model every round, the paper's "
+                f"reference): off {_pct(off.get('up_vs_full_finetune'))} / {_pct(off.get('down_vs_full_finetune'))}, "
+                f"default {_pct(on['up_vs_full_finetune'])} / {_pct(on['down_vs_full_finetune'])} (up / down)."
+            )
     return "\n".join(lines)
 
 
@@ -204,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", *sys.argv])
     with tempfile.TemporaryDirectory() as work:
         for name in names:
-            mine = bench_method(config, name, seeds, args.overrides, Path(work), args.in_process)
+            mine = bench_method(config, name, seeds, args.overrides, Path(work), args.in_process, args.reuse)
             loads = [round(load, 2), round(os.getloadavg()[0], 2)]
             wall = {"wall_s": round(time.monotonic() - start), "load_avg_1min": loads}
             # re-read before each write: another run's methods (earlier, or running beside) are kept
