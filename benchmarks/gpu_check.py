@@ -134,6 +134,7 @@ def check_method(name: str, work: Path, timeout: float, has_cuda: bool) -> dict[
         "rounds": cpu["rounds"],
         "cpu_s_per_round": round(cpu["s_per_round"], 4),
         "cpu_wall_s": round(cpu["wall_s"], 2),
+        "cpu_torch_threads": torch.get_num_threads(),  # the daemons' ``threads`` (client default 1)
         "cuda_s_per_round": None,
         "speedup": None,
         "max_abs_metric_diff": None,

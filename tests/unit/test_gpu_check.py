@@ -19,7 +19,16 @@ from fclcore.learner import Learner
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 check = importlib.import_module("gpu_check")
-ROW = {"cpu_s_per_round", "cuda_s_per_round", "speedup", "max_abs_metric_diff", "peak_gpu_mb", "placeable", "cuda"}
+ROW = {
+    "cpu_s_per_round",
+    "cpu_torch_threads",
+    "cuda_s_per_round",
+    "speedup",
+    "max_abs_metric_diff",
+    "peak_gpu_mb",
+    "placeable",
+    "cuda",
+}
 
 
 @pytest.mark.e2e  # a whole smoke federation in-process (about 15 s)
