@@ -80,6 +80,8 @@ def overrides(args: argparse.Namespace, scenario: str, name: str, seed: int, bet
     ]
     if beta is not None:
         out.append(f"federation.options.beta={beta}")
+    if args.device != "cpu":  # cpu: the very commands of before
+        out.append(f"device={args.device}")
     return out
 
 
@@ -369,6 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", default="/tmp/fcl-bench-filver", help="where the run directories go")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results directory")
     p.add_argument("--name", default="filver", help="results file stem")
+    p.add_argument("--device", default="cpu", help="train.device of every client (docs/accelerators.md)")
     args = p.parse_args(argv)
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

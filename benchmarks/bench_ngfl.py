@@ -51,9 +51,10 @@ REGIMES = {"intensive": 2, "sparse": 4}  # rounds per pool (notes G11)
 BASE_ROUNDS = 5
 
 
-def overrides(setting: str, regime: str, seed: int) -> list[str]:
+def overrides(setting: str, regime: str, seed: int, device: str = "cpu") -> list[str]:
     r = REGIMES[regime]
-    return [
+    on = [f"device={device}"] if device != "cpu" else []  # cpu: the very commands of before
+    return on + [
         f"federation.method={SETTINGS[setting]}",
         f"federation.name=ngfl-{regime}-{setting}",
         f"federation.seed={seed}",
@@ -91,7 +92,7 @@ def measure(out: Path) -> dict:
 
 
 def run_one(job: tuple) -> tuple:
-    work, setting, regime, seed, timeout = job
+    work, setting, regime, seed, timeout, device = job
     import torch
 
     from fcl_edge.simulate import simulate
@@ -102,7 +103,7 @@ def run_one(job: tuple) -> tuple:
     code = simulate(
         str(SCENARIO),
         str(out),
-        overrides=overrides(setting, regime, seed),
+        overrides=overrides(setting, regime, seed, device),
         timeout=timeout,
         in_process=True,
         force=True,
@@ -262,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/bench_ngfl", help="where the run directories go")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--name", default="ngfl", help="result files: benchmarks/results/NAME.{json,md}")
+    parser.add_argument("--device", default="cpu", help="train.device of every client (docs/accelerators.md)")
     args = parser.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
     regimes = [r for r in args.regimes.split(",") if r]
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown settings or regimes: {unknown}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    jobs = [(args.work, s, r, seed, args.timeout) for r in regimes for s in settings for seed in seeds]
+    jobs = [(args.work, s, r, seed, args.timeout, args.device) for r in regimes for s in settings for seed in seeds]
     started = time.perf_counter()
     raw: dict = {}
     from tqdm import tqdm

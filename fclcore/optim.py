@@ -156,7 +156,7 @@ def _gather(flat: Tensor, index: Tensor) -> Tensor:
     rounding differs, so a padded compact tensor takes the same path, and the same bits, as
     the whole one it came from (whose size is such a multiple for every weight of the MADEs here);
     the zero entries stay zero under Adam (no gradient, no moments)."""
-    out = torch.zeros(-(-len(index) // VECTOR_PAD) * VECTOR_PAD, dtype=flat.dtype)
+    out = torch.zeros(-(-len(index) // VECTOR_PAD) * VECTOR_PAD, dtype=flat.dtype, device=flat.device)
     torch.index_select(flat, 0, index, out=out[: len(index)])
     return out
 
@@ -249,7 +249,8 @@ class Adam(Optimizer):
                 self.split[p] = (index, outside, split)
                 release_free_memory()  # the whole moments' memory back now: the next split reuses it
             size = max((len(m) for _, _, ((m, _), _) in self.split.values()), default=0)
-            self.scratch = (torch.zeros(size), torch.zeros(size))  # a step's value and gradient
+            device = next(iter(masks)).device if masks else None  # the parameters' (one device per learner)
+            self.scratch = (torch.zeros(size, device=device), torch.zeros(size, device=device))  # a step's value, grad
         try:
             yield
         finally:
@@ -257,7 +258,7 @@ class Adam(Optimizer):
                 for p in list(self.split):
                     index, outside, split = self.split.pop(p)
                     for key, (inner, outer) in zip(("exp_avg", "exp_avg_sq"), split):
-                        whole = torch.empty(p.numel(), dtype=inner.dtype)
+                        whole = torch.empty(p.numel(), dtype=inner.dtype, device=inner.device)
                         whole.index_copy_(0, index, inner[: len(index)])
                         whole.masked_scatter_(outside, outer)
                         self.state[p][key] = whole.reshape(p.shape)

@@ -17,6 +17,8 @@ aggregator, the wire and the export share one naming.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -41,13 +43,21 @@ class DecomposedLinear(nn.Module):
 
     def add_task(self, knowledge: Tensor, mask_init: float, lambda3: float) -> None:
         """Start a task: fresh m, A = B / lambda3, alpha = 0 over the given entries."""
-        n_out = self.weight.shape[0]
-        self.unit_logits.append(nn.Parameter(torch.full((n_out,), float(mask_init))))
+        n_out, device = self.weight.shape[0], self.weight.device  # every new tensor beside B
+        self.unit_logits.append(nn.Parameter(torch.full((n_out,), float(mask_init), device=device)))
         self.adaptive.append(nn.Parameter(self.weight.detach().clone() / lambda3))
-        self.attention.append(nn.Parameter(torch.zeros(knowledge.shape[0])))
-        self.knowledge.append(knowledge.detach())
+        self.attention.append(nn.Parameter(torch.zeros(knowledge.shape[0], device=device)))
+        self.knowledge.append(knowledge.detach().to(device))
         if self.bias is not None:
-            self.bias_offsets.append(nn.Parameter(torch.zeros(n_out)))
+            self.bias_offsets.append(nn.Parameter(torch.zeros(n_out, device=device)))
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "DecomposedLinear":
+        """``to(device)`` and friends also move the frozen knowledge stacks and settled terms,
+        which are neither parameters nor buffers (no checkpoint holds the stacks)."""
+        super()._apply(fn, recurse)
+        self.knowledge = [fn(k) for k in self.knowledge]
+        self.settled = {i: fn(t) for i, t in self.settled.items()}
+        return self
 
     def composed(self, task: int | None) -> Tensor:
         """The task's weight; ``None`` is the shared base alone (before any task).  Added up in
@@ -73,8 +83,10 @@ class DecomposedLinear(nn.Module):
             term = torch.einsum("k,koi->oi", self.attention[task], self.knowledge[task])
         elif tuple(term.shape) != tuple(self.weight.shape):
             raise ValueError(f"settled knowledge of task {task}: expected shape {tuple(self.weight.shape)}")
-        self.settled[task] = term
-        self.knowledge[task] = torch.zeros((0, *self.weight.shape))  # a fresh tensor: the stack's memory goes
+        self.settled[task] = term.to(self.weight.device)
+        self.knowledge[task] = torch.zeros(
+            (0, *self.weight.shape), device=self.weight.device
+        )  # the stack's memory goes
 
     def composed_bias(self, task: int | None) -> Tensor | None:
         if self.bias is None or task is None:
@@ -155,7 +167,7 @@ class DecomposedMADE(nn.Module):
         """Plain MADE parameters of task ``task`` (for serving and ONNX export)."""
         out = {}
         for prefix, layer in self.layers.items():
-            out[f"{prefix}.weight"] = layer.composed(task).numpy().astype(np.float32)
+            out[f"{prefix}.weight"] = layer.composed(task).cpu().numpy().astype(np.float32)
             if layer.bias is not None:
-                out[f"{prefix}.bias"] = layer.composed_bias(task).numpy().astype(np.float32)
+                out[f"{prefix}.bias"] = layer.composed_bias(task).cpu().numpy().astype(np.float32)
         return out

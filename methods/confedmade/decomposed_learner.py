@@ -74,11 +74,17 @@ class DecomposedLearner(MadeLearner):
         self.num_tasks = TaskSchedule.from_federation(fed).num_tasks
 
     def place(self, device: torch.device, amp: str) -> None:
-        """amp on the CPU only, for now: the knowledge base, the anchors, the penalty's workspace
-        and the optimiser's split moments are still made as CPU tensors (issue 35)."""
-        if device.type != "cpu":
-            raise ValueError(f"method {self.fed.method} trains on the CPU only (asked: {device})")
+        """The model with its knowledge stacks and settled terms, the optimiser's moments, the
+        drift anchors and the penalty's workspace move to ``device``; what a task start builds
+        is built there.  The knowledge store stays on disk and each frame's entries in host
+        memory until the task that uses them starts; uploads come back as host arrays."""
         super().place(device, amp)
+        self.anchor = {p: _moved(a, device) for p, a in self.anchor.items()}
+        self.work = Workspace(device)
+        if self.model.num_tasks:
+            self.work.reserve(max(layer.weight.numel() for layer in self.model.layers.values()))
+        if self.optimizer is not None and self.optimizer.held:  # keyed by the moved parameters and masks
+            self.optimizer.hold_outside(self._held())
 
     # -- federation ----------------------------------------------------------------------
     @torch.no_grad()
@@ -95,13 +101,13 @@ class DecomposedLearner(MadeLearner):
                     raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
         for prefix, layer in layers.items():
             self.global_weight[prefix] = dense(tensors[f"{prefix}.weight"])  # read only: the caller's array
-            g = torch.from_numpy(self.global_weight[prefix])
+            g = torch.from_numpy(self.global_weight[prefix]).to(self.device)
             if layer.bias is not None:
                 layer.bias.copy_(torch.from_numpy(dense(tensors[f"{prefix}.bias"])))
             if self.task < 0:
                 layer.weight.copy_(g)  # first contact: the global model is the base
                 continue
-            sent = torch.from_numpy(self.sent.get(prefix, np.zeros(g.shape, bool)))
+            sent = torch.from_numpy(self.sent.get(prefix, np.zeros(g.shape, bool))).to(self.device)
             gate = torch.sigmoid(layer.unit_logits[self.task]).clamp_min(MIN_GATE)[:, None]  # (out, 1)
             layer.weight.copy_(torch.where(sent, g / gate, layer.weight))
 
@@ -154,7 +160,7 @@ class DecomposedLearner(MadeLearner):
         densified straight into its slot (no second copy of the stack)."""
         out = {}
         for prefix, layer in self.model.layers.items():
-            stack = torch.empty((len(ids), *layer.weight.shape))
+            stack = torch.empty((len(ids), *layer.weight.shape), device=self.device)
             for j, entry in enumerate(ids):
                 stack[j] = torch.from_numpy(dense(frame.tensors[knowledge_key(entry, f"{prefix}.weight")]))
             out[prefix] = stack
@@ -187,7 +193,7 @@ class DecomposedLearner(MadeLearner):
     def _regularizer(self) -> torch.Tensor:
         """Eq. 6's L1 and drift terms: the weight-sized part through ``WeightPenalty`` (no
         autograd graph kept), the bias part through autograd."""
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         t = self.task
         drift = t > 0 and self.opts.lambda2 != 0
         for prefix, layer in self.model.layers.items():
@@ -216,9 +222,9 @@ class DecomposedLearner(MadeLearner):
         self.values_sent = 0
         for prefix, layer in self.model.layers.items():
             gate = torch.sigmoid(layer.unit_logits[self.task])  # (out,)
-            units = top_units(gate.numpy(), self.opts.keep_units)
+            units = top_units(gate.cpu().numpy(), self.opts.keep_units)
             made_mask = mask_for_param(masks, f"{prefix}.weight") if masks else None
-            effective = (layer.weight * gate[:, None]).numpy()
+            effective = (layer.weight * gate[:, None]).cpu().numpy()
             out.update(pack(f"{prefix}.weight", effective, made_mask, units))
             self.sent[prefix] = np.array(selection(made_mask, units) & np.ones(effective.shape, bool))
             if self._catching_up(rnd, prefix):
@@ -227,9 +233,9 @@ class DecomposedLearner(MadeLearner):
                 self.sent[prefix].reshape(-1)[extra] = True
             self.values_sent += int(self.sent[prefix].sum())
             if layer.bias is not None:
-                out[f"{prefix}.bias"] = layer.bias.numpy().copy()
+                out[f"{prefix}.bias"] = layer.bias.cpu().numpy().copy()
             if place.task_end and shares_knowledge(place.task, self.num_tasks):
-                adaptive = layer.adaptive[self.task].numpy().copy()
+                adaptive = layer.adaptive[self.task].cpu().numpy().copy()
                 adaptive[np.abs(adaptive) < self.opts.kb_threshold] = 0.0
                 out[f"{KB_PREFIX}{prefix}.weight"] = SparseTensor.from_dense(adaptive)
         return out
@@ -266,16 +272,16 @@ class DecomposedLearner(MadeLearner):
         for prefix, sent in self.sent.items():
             arrays[f"sent/{prefix}"] = sent.astype(np.uint8)
         for prefix, (base, adaptive, bias, offsets) in self.anchor.items():
-            arrays[f"anchor/{prefix}/base"] = base.numpy()
+            arrays[f"anchor/{prefix}/base"] = base.cpu().numpy()
             for i, a in enumerate(adaptive):
-                arrays[f"anchor/{prefix}/adaptive/{i}"] = a.numpy()
+                arrays[f"anchor/{prefix}/adaptive/{i}"] = a.cpu().numpy()
             for i, c in enumerate(offsets):
-                arrays[f"anchor/{prefix}/offset/{i}"] = c.numpy()
+                arrays[f"anchor/{prefix}/offset/{i}"] = c.cpu().numpy()
             if bias is not None:
-                arrays[f"anchor/{prefix}/bias"] = bias.numpy()
+                arrays[f"anchor/{prefix}/bias"] = bias.cpu().numpy()
         for prefix, layer in self.model.layers.items():
             for i, term in layer.settled.items():
-                arrays[f"settled/{prefix}/{i}"] = term.numpy()
+                arrays[f"settled/{prefix}/{i}"] = term.cpu().numpy()
         return {**meta, "entries": self.entries}, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -293,12 +299,13 @@ class DecomposedLearner(MadeLearner):
                     return [torch.from_numpy(arrays[f"anchor/{prefix}/{kind}/{i}"].copy()) for i in range(n)]
 
                 bias = arrays.get(f"anchor/{prefix}/bias")
-                self.anchor[prefix] = (
+                anchor = (
                     torch.from_numpy(arrays[f"anchor/{prefix}/base"].copy()),
                     stack("adaptive"),
                     None if bias is None else torch.from_numpy(bias.copy()),
                     stack("offset"),
                 )
+                self.anchor[prefix] = _moved(anchor, self.device)
             for prefix, layer in self.model.layers.items():  # start_task settled them with the alphas of then
                 for i in list(layer.settled):
                     layer.settle(i, torch.from_numpy(arrays[f"settled/{prefix}/{i}"].copy()))
@@ -312,8 +319,10 @@ class DecomposedLearner(MadeLearner):
         self.model.eval()
         self.model.set_order(0)
         if self.task < 0:  # before any task: the shared base alone
-            return [mean_nll(lambda x: self.model.nll(x, None), d) for d in tests]
-        return [mean_nll(lambda x, i=i: self.model.nll(x, min(i, self.task)), d) for i, d in enumerate(tests)]
+            return [mean_nll(lambda x: self.model.nll(x, None), d, self.device) for d in tests]
+        return [
+            mean_nll(lambda x, i=i: self.model.nll(x, min(i, self.task)), d, self.device) for i, d in enumerate(tests)
+        ]
 
     def served_model(self, task: int, binarize: str = "") -> ServedModel | None:
         if self.task < 0:
@@ -350,4 +359,15 @@ def _snapshot(layer) -> tuple:
         [a.detach().clone() for a in layer.adaptive],
         bias,
         [c.detach().clone() for c in layer.bias_offsets],
+    )
+
+
+def _moved(anchor: tuple, device: torch.device) -> tuple:
+    """A ``_snapshot`` on ``device`` (the same tensors where they are there already)."""
+    base, adaptive, bias, offsets = anchor
+    return (
+        base.to(device),
+        [a.to(device) for a in adaptive],
+        None if bias is None else bias.to(device),
+        [c.to(device) for c in offsets],
     )

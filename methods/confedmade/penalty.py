@@ -31,16 +31,18 @@ from torch import Tensor
 
 
 class Workspace:
-    """Scratch buffers for the penalty of one layer at a time, reused across layers and steps."""
+    """Scratch buffers for the penalty of one layer at a time, reused across layers and steps,
+    on the device the learner trains on."""
 
-    def __init__(self) -> None:
-        self._flat = torch.empty(0)
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self._flat = torch.empty(0, device=device)
 
     def reserve(self, numel: int) -> None:
         """Room for the largest layer's three buffers (allocated once, not during a step)."""
         if self._flat.numel() < 3 * numel:
-            self._flat = torch.empty(0)  # the old buffer goes first
-            self._flat = torch.empty(3 * numel)
+            self._flat = torch.empty(0, device=self.device)  # the old buffer goes first
+            self._flat = torch.empty(3 * numel, device=self.device)
 
     def views(self, shape: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
         numel = math.prod(shape)

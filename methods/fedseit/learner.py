@@ -71,6 +71,21 @@ class FedSeITLearner(Learner):
         self._cache: dict[tuple[int, int], tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.values_sent = 0
         self.centres: np.ndarray | None = None  # SIT's key of the task in hand, sent with its first update
+        self.device = torch.device("cpu")  # where the model trains (``place``)
+
+    def place(self, device: torch.device, amp: str) -> None:
+        """The model moves to ``device`` with its frozen word-embedding table (read by every
+        forward pass: a lookup there beats sending (B, L, D) embeddings per batch), the foreign
+        slots and the drift anchors; each batch's token ids follow it, the shards stay in host
+        memory, uploads and the served model come back to the CPU.  float32 only."""
+        if amp != "off":
+            raise ValueError(f"method {self.fed.method} trains in float32 only (asked: train.amp {amp})")
+        self.device = device
+        self.model.to(device)
+        self.anchor = {
+            n: (base.to(device), [a.to(device) for a in adaptive]) for n, (base, adaptive) in self.anchor.items()
+        }
+        self._cache = {}  # slot features: computed again on the device
 
     # -- names -----------------------------------------------------------------------------
     def bases(self) -> dict[str, object]:
@@ -95,8 +110,8 @@ class FedSeITLearner(Learner):
             if not torch.isfinite(values[name]).all():
                 raise ValueError(f"{name}: NaN or infinite values in the global model")
         for name, d in bases.items():
-            g = values[name]
-            before, self.held[name] = self.held.get(name), g.numpy().reshape(d.shape[0], -1).copy()
+            before, self.held[name] = self.held.get(name), values[name].numpy().reshape(d.shape[0], -1).copy()
+            g = values[name].to(self.device)
             if self.task < 0:
                 d.base.copy_(g)  # first contact: the global model is the base
                 continue
@@ -106,7 +121,7 @@ class FedSeITLearner(Learner):
             if before is not None and before.shape == sent.shape:  # what the announcement left is stale
                 sent = sent & (before.view(np.uint32) != self.held[name].view(np.uint32))
             gate = torch.sigmoid(d.masks[self.task]).clamp_min(MIN_GATE).reshape(d.gate(self.task).shape)
-            d.base.copy_(torch.where(torch.from_numpy(sent).reshape(d.shape), g / gate, d.base))
+            d.base.copy_(torch.where(torch.from_numpy(sent).reshape(d.shape).to(self.device), g / gate, d.base))
 
     def start_task(self, task: int, downlink: Frame | None) -> None:
         entries = self._entries(downlink, task) if downlink is not None else None  # validate first
@@ -199,7 +214,8 @@ class FedSeITLearner(Learner):
             for start in range(0, len(y), bs):
                 idx = order[start : start + bs]
                 batch_cache = (cache[0][idx], cache[1][idx]) if cache is not None else None
-                ce = F.cross_entropy(self.model.logits(ids[idx], t, batch_cache), y[idx])
+                logits = self.model.logits(ids[idx].to(self.device), t, batch_cache)
+                ce = F.cross_entropy(logits, y[idx].to(self.device))
                 loss = ce + self._regularizer(t)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -232,7 +248,7 @@ class FedSeITLearner(Learner):
         return params
 
     def _regularizer(self, t: int) -> torch.Tensor:
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         for name, d in self.bases().items():
             total = total + self.opts.lambda1 * sum(a.abs().sum() for a in d.adaptive[: t + 1])
             if t == 0 or self.opts.lambda2 == 0 or name not in self.anchor:
@@ -259,19 +275,22 @@ class FedSeITLearner(Learner):
         hit = self._cache.get(key)
         if hit is None or hit[0] is not x:
             ids = torch.from_numpy(x.astype(np.int64))
-            parts = [self.model.slot_features(ids[i : i + EVAL_BATCH], task) for i in range(0, len(ids), EVAL_BATCH)]
+            parts = [
+                self.model.slot_features(ids[i : i + EVAL_BATCH].to(self.device), task)
+                for i in range(0, len(ids), EVAL_BATCH)
+            ]
             hit = (x, (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
             self._cache[key] = hit
         return hit[1]
 
     def _centres(self, data: Dataset) -> np.ndarray:
         """k-means centres of the task's documents' mean (unscaled) word embeddings (notes G7-G8)."""
-        ids = torch.from_numpy(data.x.astype(np.int64))
-        keep = ~torch.isin(ids, torch.tensor(SPECIAL_IDS))
+        ids = torch.from_numpy(data.x.astype(np.int64)).to(self.device)
+        keep = ~torch.isin(ids, torch.tensor(SPECIAL_IDS, device=self.device))
         vectors = (F.embedding(ids, self.model.embedding) * keep[..., None]).sum(1) / keep.sum(
             1, keepdim=True
         ).clamp_min(1)
-        vectors = (vectors / self.embed_scale).numpy()
+        vectors = (vectors / self.embed_scale).cpu().numpy()
         q = sit.centre_count(len(vectors), self.opts.sit_q)
         return sit.kmeans(vectors, q, (self.fed.seed, self.client_index, self.task))
 
@@ -282,15 +301,15 @@ class FedSeITLearner(Learner):
         self.values_sent = 0
         for name, d in self.bases().items():
             gate = torch.sigmoid(d.masks[self.task])
-            units = top_units(gate.numpy(), self.opts.keep_units)
-            effective = (d.base * d.gate(self.task)).reshape(d.shape[0], -1).numpy()
+            units = top_units(gate.cpu().numpy(), self.opts.keep_units)
+            effective = (d.base * d.gate(self.task)).reshape(d.shape[0], -1).cpu().numpy()
             out.update(pack(name, effective, None, units))
             self.sent[name] = np.broadcast_to(units[:, None], effective.shape).copy()
             self.values_sent += int(self.sent[name].sum())
         if place.task_end:
             kept = []
             for k, conv in zip(self.opts.kernel_sizes, self.model.convs):
-                a = shared_adaptive(conv.adaptive[self.task].detach().numpy(), self.opts)
+                a = shared_adaptive(conv.adaptive[self.task].detach().cpu().numpy(), self.opts)
                 kept.append(a)
                 out[KB_PREFIX + conv_name(k)] = SparseTensor.from_dense(a.reshape(conv.shape[0], -1))
             self.uploaded[self.task] = kept
@@ -322,9 +341,9 @@ class FedSeITLearner(Learner):
             preds = []
             for s in range(0, len(ids), EVAL_BATCH):
                 part = (cache[0][s : s + EVAL_BATCH], cache[1][s : s + EVAL_BATCH]) if cache is not None else None
-                preds.append(self.model.logits(ids[s : s + EVAL_BATCH], i, part).argmax(1))
+                preds.append(self.model.logits(ids[s : s + EVAL_BATCH].to(self.device), i, part).argmax(1))
             y = self._targets(i, d.y)
-            out.append(float((torch.cat(preds).numpy() == y).mean()))
+            out.append(float((torch.cat(preds).cpu().numpy() == y).mean()))
         return out
 
     @torch.no_grad()
@@ -333,7 +352,7 @@ class FedSeITLearner(Learner):
         if trained == 0:
             return None
         emb = self.model.embedding
-        snapshot = copy.deepcopy(self.model, memo={id(emb): emb})  # the frozen table is shared
+        snapshot = copy.deepcopy(self.model, memo={id(emb): emb}).cpu()  # the frozen table is shared on the CPU
         snapshot.eval()
         for p in snapshot.parameters():
             p.requires_grad_(False)
@@ -349,18 +368,18 @@ class FedSeITLearner(Learner):
 
     # -- checkpoints -----------------------------------------------------------------------
     def state(self) -> tuple[dict, dict[str, np.ndarray]]:
-        arrays = {f"model/{k}": v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+        arrays = {f"model/{k}": v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
         for t, per_conv in enumerate(self.model.foreign):
             for j, fa in enumerate(per_conv):
-                arrays[f"foreign/{t}/{j}"] = fa.numpy().copy()
+                arrays[f"foreign/{t}/{j}"] = fa.cpu().numpy().copy()
         for name, sent in self.sent.items():
             arrays[f"sent/{name}"] = sent.astype(np.uint8)
         for name, held in self.held.items():
             arrays[f"held/{name}"] = held
         for name, (base, adaptive) in self.anchor.items():
-            arrays[f"anchor/{name}/base"] = base.numpy().copy()
+            arrays[f"anchor/{name}/base"] = base.cpu().numpy().copy()
             for i, a in enumerate(adaptive):
-                arrays[f"anchor/{name}/adaptive/{i}"] = a.numpy().copy()
+                arrays[f"anchor/{name}/adaptive/{i}"] = a.cpu().numpy().copy()
         for t, per_conv in self.uploaded.items():
             for j, a in enumerate(per_conv):
                 arrays[f"uploaded/{t}/{j}"] = a
@@ -384,13 +403,13 @@ class FedSeITLearner(Learner):
             self.model.load_state_dict(state, strict=True)
             for t, per_conv in enumerate(self.model.foreign):
                 for j in range(len(per_conv)):
-                    per_conv[j] = torch.from_numpy(arrays[f"foreign/{t}/{j}"].copy())
+                    per_conv[j] = torch.from_numpy(arrays[f"foreign/{t}/{j}"].copy()).to(self.device)
             self.sent = {k[len("sent/") :]: v.astype(bool) for k, v in arrays.items() if k.startswith("sent/")}
             self.held = {k[len("held/") :]: v.copy() for k, v in arrays.items() if k.startswith("held/")}
             self.anchor = {
                 name: (
-                    torch.from_numpy(arrays[f"anchor/{name}/base"].copy()),
-                    [torch.from_numpy(arrays[f"anchor/{name}/adaptive/{i}"].copy()) for i in range(n)],
+                    torch.from_numpy(arrays[f"anchor/{name}/base"].copy()).to(self.device),
+                    [torch.from_numpy(arrays[f"anchor/{name}/adaptive/{i}"].copy()).to(self.device) for i in range(n)],
                 )
                 for name, n in meta["anchor"].items()
             }

@@ -25,7 +25,7 @@ without that cache.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,7 @@ class Decomposed(nn.Module):
         self.adaptive = nn.ParameterList()
 
     def add_task(self, mask_init: float, adaptive_div: float) -> None:
-        self.masks.append(nn.Parameter(torch.full((self.shape[0],), float(mask_init))))
+        self.masks.append(nn.Parameter(torch.full((self.shape[0],), float(mask_init), device=self.base.device)))
         self.adaptive.append(nn.Parameter(self.base.detach() / adaptive_div))
 
     def gate(self, i: int) -> Tensor:
@@ -127,10 +127,16 @@ class TextCNN(nn.Module):
     def add_task(self, mask_init: float, adaptive_div: float) -> None:
         for d in self.decomposed:
             d.add_task(mask_init, adaptive_div)
-        n = len(self.kernel_sizes)
-        self.tasks.append(TaskParts(n, self.filters, self.slots, self.segregated, self.dls))
+        n, device = len(self.kernel_sizes), self.embedding.device  # made on the CPU (its draws), used there
+        self.tasks.append(TaskParts(n, self.filters, self.slots, self.segregated, self.dls).to(device))
         dim = self.embedding.shape[1]
-        self.foreign.append([torch.zeros(self.slots, self.filters, dim, k) for k in self.kernel_sizes])
+        self.foreign.append([torch.zeros(self.slots, self.filters, dim, k, device=device) for k in self.kernel_sizes])
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> "TextCNN":
+        """``to(device)`` and friends also move the foreign slots (neither parameters nor buffers)."""
+        super()._apply(fn, recurse)
+        self.foreign = [[fn(fa) for fa in per_conv] for per_conv in self.foreign]
+        return self
 
     @torch.no_grad()
     def fill_slot(self, task: int, slot: int, weights: Sequence[Tensor], alpha: float) -> None:
@@ -142,7 +148,8 @@ class TextCNN(nn.Module):
         parts.alpha[slot] = alpha
 
     def add_head(self, task: int, n_labels: int) -> None:
-        self.tasks[task].head = nn.Linear(len(self.kernel_sizes) * self.filters, n_labels)
+        head = nn.Linear(len(self.kernel_sizes) * self.filters, n_labels)  # drawn on the CPU
+        self.tasks[task].head = head.to(self.embedding.device)
 
     # -- forward ---------------------------------------------------------------------------
     def embed(self, ids: Tensor) -> Tensor:

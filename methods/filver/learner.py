@@ -111,6 +111,17 @@ class FILVERLearner(Learner):
         self.residuals = None if density is None else Residuals(density, fed.wire.error_feedback)
         self.reads_upload = self.residuals is not None
         self.held: dict[str, np.ndarray] = {}  # the trained tensors as last announced (compressed uploads only)
+        self.device = torch.device("cpu")  # where the encoder and classifier run (``place``)
+
+    def place(self, device: torch.device, amp: str) -> None:
+        """The encoder and the classifier move to ``device``; each batch follows them there (a
+        round's rehearsal items too), the shards and the kept items stay in host memory, and
+        random draws come from the CPU generators as before.  No mixed precision (float32)."""
+        if amp != "off":
+            raise ValueError(f"method {self.fed.method} trains in float32 only (asked: train.amp {amp})")
+        self.device = device
+        self.encoder.to(device)
+        self.classifier.to(device)
 
     # -- what arrives ----------------------------------------------------------------------
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
@@ -173,8 +184,9 @@ class FILVERLearner(Learner):
         self.encoder.train()
         for _ in range(self.fed.train.local_epochs):
             for rows in torch.randperm(len(x), generator=gen).split(self.fed.train.batch_size):
-                mu, log_sigma = self.encoder(x[rows])
-                loss = ver_loss(self.classifier(sample(mu, log_sigma, gen)), y[rows], mu, log_sigma, self.o.beta)
+                mu, log_sigma = self.encoder(x[rows].to(self.device))
+                logits = self.classifier(sample(mu, log_sigma, gen))
+                loss = ver_loss(logits, y[rows].to(self.device), mu, log_sigma, self.o.beta)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -208,9 +220,9 @@ class FILVERLearner(Learner):
     def stats(self, data: Dataset, task: int) -> Items:
         mus, sigmas = [], []
         for start in range(0, len(data.x), EVAL_BATCH):
-            mu, log_sigma = self.encoder(torch.from_numpy(data.x[start : start + EVAL_BATCH]))
-            mus.append(mu.numpy())
-            sigmas.append(None if log_sigma is None else log_sigma.numpy())
+            mu, log_sigma = self.encoder(torch.from_numpy(data.x[start : start + EVAL_BATCH]).to(self.device))
+            mus.append(mu.cpu().numpy())
+            sigmas.append(None if log_sigma is None else log_sigma.cpu().numpy())
         latent = self.o.latent
         mu = np.concatenate(mus) if mus else np.zeros((0, latent), np.float32)
         ls = (
@@ -227,8 +239,8 @@ class FILVERLearner(Learner):
             opt: optim.Optimizer = optim.SGD(params, lr=train.lr, momentum=self.o.momentum)
         else:
             opt = optim.Adam(params, lr=train.lr)
-        mu, y = torch.from_numpy(items.mu), torch.from_numpy(items.y)
-        log_sigma = None if items.log_sigma is None else torch.from_numpy(items.log_sigma)
+        mu, y = torch.from_numpy(items.mu).to(self.device), torch.from_numpy(items.y).to(self.device)
+        log_sigma = None if items.log_sigma is None else torch.from_numpy(items.log_sigma).to(self.device)
         total, count = 0.0, 0
         for _ in range(train.local_epochs):
             z = sample(mu, log_sigma, gen)  # drawn afresh every epoch
@@ -297,8 +309,8 @@ class FILVERLearner(Learner):
         self.encoder.eval()
         out = []
         for start in range(0, len(x), EVAL_BATCH):
-            mu, _ = self.encoder(torch.from_numpy(x[start : start + EVAL_BATCH]))
-            out.append(self.classifier(mu).argmax(dim=1).numpy())
+            mu, _ = self.encoder(torch.from_numpy(x[start : start + EVAL_BATCH]).to(self.device))
+            out.append(self.classifier(mu).argmax(dim=1).cpu().numpy())
         return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def evaluate(self, tests: Sequence[Dataset | None]) -> list[float | None]:
@@ -382,4 +394,4 @@ class FILVEROfflineLearner(FILVERLearner):
 
 
 def _linear(layer: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {"weight": layer.weight.detach().numpy().copy(), "bias": layer.bias.detach().numpy().copy()}
+    return {"weight": layer.weight.detach().cpu().numpy().copy(), "bias": layer.bias.detach().cpu().numpy().copy()}

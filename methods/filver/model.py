@@ -62,8 +62,8 @@ def sample(mu: torch.Tensor, log_sigma: torch.Tensor | None, generator: torch.Ge
     """z = mu + sigma * eps, eps ~ N(0, I) (Eq. 4); mu itself when there is no sigma."""
     if log_sigma is None:
         return mu
-    eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype)
-    return mu + log_sigma.exp() * eps
+    eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype)  # the CPU generator's draws on any device
+    return mu + log_sigma.exp() * eps.to(mu.device)
 
 
 def kl_standard_normal(mu: torch.Tensor, log_sigma: torch.Tensor) -> torch.Tensor:
@@ -93,4 +93,4 @@ def load_params(module: nn.Module, prefix: str, arrays: dict) -> None:
 
 
 def get_params(module: nn.Module, prefix: str) -> dict:
-    return {prefix + name: p.detach().numpy().copy() for name, p in module.named_parameters()}
+    return {prefix + name: p.detach().cpu().numpy().copy() for name, p in module.named_parameters()}

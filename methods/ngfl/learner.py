@@ -73,6 +73,16 @@ class NGFLLearner(Learner):
         self.held: dict[str, np.ndarray] = {}  # the extractor as announced (its own start until one is)
         if self.residuals is not None:
             self.held = {name: value.detach().numpy().copy() for name, value in self._extractor_params()}
+        self.device = torch.device("cpu")  # where the extractor and head train (``place``)
+
+    def place(self, device: torch.device, amp: str) -> None:
+        """The extractor and the head move to ``device``; each batch follows them there, the shards
+        stay in host memory, uploads come back as host arrays.  No mixed precision (float32)."""
+        if amp != "off":
+            raise ValueError(f"method {self.fed.method} trains in float32 only (asked: train.amp {amp})")
+        self.device = device
+        self.extractor.to(device)
+        self.head.to(device)
 
     # -- what arrives ----------------------------------------------------------------------
     def load_global(self, tensors: dict[str, Tensor], rnd: int, meta: dict | None = None) -> None:
@@ -92,7 +102,7 @@ class NGFLLearner(Learner):
             raise ValueError(f"ngfl: the head does not fit the table's {rows} labels")
         old_w, old_b = self.head.weight.detach().clone(), self.head.bias.detach().clone()
         mapping = self.table.adopt(table)
-        weight, bias = torch.zeros(len(mapping), dim), torch.zeros(len(mapping))
+        weight, bias = torch.zeros(len(mapping), dim, device=self.device), torch.zeros(len(mapping), device=self.device)
         if rows:
             weight[:rows], bias[:rows] = torch.from_numpy(dense[HEAD_W]), torch.from_numpy(dense[HEAD_B])
         for i in range(rows, len(mapping)):  # this device's classes the aggregator lacks
@@ -195,7 +205,10 @@ class NGFLLearner(Learner):
         use_self = self.o.loss == "self" and len(task_rows) > 1
         if self.o.loss == "self" and not use_self:
             self.sa_fallback += 1  # one class: nothing to separate, total attention instead
-        usable = torch.tensor([lab not in self.pending_global or lab in self.table.viewed for lab in self.table.labels])
+        usable = torch.tensor(
+            [lab not in self.pending_global or lab in self.table.viewed for lab in self.table.labels],
+            device=self.device,
+        )
         xt, yt = torch.from_numpy(np.asarray(x, np.float32)), torch.from_numpy(y)
         batch = self.fed.train.batch_size
         rng = np.random.default_rng(round_seed(self.fed.seed, self.client_index, rnd, t))
@@ -204,8 +217,8 @@ class NGFLLearner(Learner):
         for _ in range(self.fed.train.local_epochs):
             for idx in np.array_split(rng.permutation(len(y)), max(1, math.ceil(len(y) / batch))):
                 idx_t = torch.from_numpy(idx)
-                logits = self.head(self.extractor(xt[idx_t]))
-                target = yt[idx_t]
+                logits = self.head(self.extractor(xt[idx_t].to(self.device)))
+                target = yt[idx_t].to(self.device)
                 if use_self:
                     loss = self_attention(logits, target, task_rows)
                 else:
@@ -223,14 +236,14 @@ class NGFLLearner(Learner):
         self.round_info["table"] = sent.to_meta()
         out: dict[str, Tensor] = {}
         for name, param in self._extractor_params():
-            value = param.detach().numpy()
+            value = param.detach().cpu().numpy()
             if self.residuals is None:
                 out[name] = value.copy()
             else:
                 out[name + DELTA] = self.residuals.compress(name, value - self.held[name])
-        index = torch.as_tensor(rows, dtype=torch.long)
-        out[ROWS_W] = self.head.weight.detach()[index].numpy().copy()
-        out[ROWS_B] = self.head.bias.detach()[index].numpy().copy()
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        out[ROWS_W] = self.head.weight.detach()[index].cpu().numpy().copy()
+        out[ROWS_B] = self.head.bias.detach()[index].cpu().numpy().copy()
         return out
 
     def _extractor_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -262,7 +275,11 @@ class NGFLLearner(Learner):
         with torch.no_grad():
             return np.concatenate(
                 [
-                    self.head(self.extractor(torch.from_numpy(np.asarray(x[s : s + EVAL_BATCH], np.float32)))).numpy()
+                    self.head(
+                        self.extractor(torch.from_numpy(np.asarray(x[s : s + EVAL_BATCH], np.float32)).to(self.device))
+                    )
+                    .cpu()
+                    .numpy()
                     for s in range(0, len(x), EVAL_BATCH)
                 ]
             )
@@ -311,10 +328,10 @@ class NGFLLearner(Learner):
             "left": self.left,
             "sa_fallback": self.sa_fallback,
         }
-        arrays = {HEAD_W: self.head.weight.detach().numpy(), HEAD_B: self.head.bias.detach().numpy()}
+        arrays = {HEAD_W: self.head.weight.detach().cpu().numpy(), HEAD_B: self.head.bias.detach().cpu().numpy()}
         for i, layer in enumerate(self.extractor.layers):
-            arrays[f"{EXTRACTOR}{i}.weight"] = layer.weight.detach().numpy()
-            arrays[f"{EXTRACTOR}{i}.bias"] = layer.bias.detach().numpy()
+            arrays[f"{EXTRACTOR}{i}.weight"] = layer.weight.detach().cpu().numpy()
+            arrays[f"{EXTRACTOR}{i}.bias"] = layer.bias.detach().cpu().numpy()
         if self.residuals is not None:
             arrays.update(self.residuals.state(RESIDUAL))
             arrays.update({HELD + name: value for name, value in self.held.items()})
@@ -345,8 +362,8 @@ class NGFLLearner(Learner):
                     if value is None or value.shape != tuple(getattr(layer, part).shape):
                         raise ValueError(f"ngfl checkpoint: {EXTRACTOR}{i}.{part} does not fit")
                     getattr(layer, part).copy_(torch.from_numpy(value))
-        self.head.weight = torch.nn.Parameter(torch.from_numpy(np.array(w, np.float32)))
-        self.head.bias = torch.nn.Parameter(torch.from_numpy(np.array(b, np.float32)))
+        self.head.weight = torch.nn.Parameter(torch.from_numpy(np.array(w, np.float32)).to(self.device))
+        self.head.bias = torch.nn.Parameter(torch.from_numpy(np.array(b, np.float32)).to(self.device))
         self.table, self.started, self.slot_labels, self.pending_global = table, started, slot_labels, pending
         self.active, self.left = meta.get("active"), int(meta.get("left", 0))
         self.sa_fallback = int(meta.get("sa_fallback", 0))
@@ -359,4 +376,4 @@ class NGFLLearner(Learner):
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, np.ndarray]:
-    return {"weight": weight.detach().numpy().copy(), "bias": bias.detach().numpy().copy()}
+    return {"weight": weight.detach().cpu().numpy().copy(), "bias": bias.detach().cpu().numpy().copy()}

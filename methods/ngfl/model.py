@@ -49,8 +49,8 @@ class GrowingHead(nn.Module):
     def reindex(self, mapping: Sequence[int | None]) -> None:
         """Row i becomes old row ``mapping[i]`` (None: a zero row)."""
         with torch.no_grad():
-            w = torch.zeros(len(mapping), self.weight.shape[1])
-            b = torch.zeros(len(mapping))
+            w = torch.zeros(len(mapping), self.weight.shape[1], device=self.weight.device)
+            b = torch.zeros(len(mapping), device=self.weight.device)
             for new, old in enumerate(mapping):
                 if old is not None:
                     if not 0 <= old < self.rows:
@@ -71,9 +71,10 @@ def total_attention(logits: torch.Tensor, y: torch.Tensor, usable: torch.Tensor 
 
 def self_attention(logits: torch.Tensor, y: torch.Tensor, current_rows: Sequence[int]) -> torch.Tensor:
     """Cross-entropy over the current task's rows only; ``y`` holds head rows, all current."""
-    rows = torch.as_tensor(list(current_rows), dtype=torch.long)
-    position = torch.full((logits.shape[1],), -1, dtype=torch.long)
-    position[rows] = torch.arange(len(rows))
+    device = logits.device
+    rows = torch.as_tensor(list(current_rows), dtype=torch.long, device=device)
+    position = torch.full((logits.shape[1],), -1, dtype=torch.long, device=device)
+    position[rows] = torch.arange(len(rows), device=device)
     target = position[y]
     if (target < 0).any():
         raise ValueError("self_attention: a label outside the current task's rows")

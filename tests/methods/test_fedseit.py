@@ -303,3 +303,50 @@ def test_dls_federates_the_projections_and_plain_fedseit_does_not() -> None:
     assert sorted(shapes[False]) == ["conv3.weight", "conv4.weight", "conv5.weight"]
     assert sorted(set(shapes[True]) - set(shapes[False])) == ["wc.weight", "wf3.weight", "wf4.weight", "wf5.weight"]
     assert shapes[True]["wc.weight"].shape == (24, 48) and shapes[True]["wf3.weight"].shape == (8, 24)
+
+
+def _placed_run(method: str, placed: bool) -> tuple[list[dict], list]:
+    f = fed(method, sit=False, dls=method == "fedseit")
+    strategy = methods.strategy_for(f, L, None)
+    data = [docs([0, 1, 2], 24, 5), docs([1, 3, 4], 24, 6)]
+    learner = methods.learner_for(f, L, 0)
+    if placed:
+        learner.place(torch.device("cpu"), "off")
+    params, uploads = strategy.initial_model(), []
+    for rnd in range(4):
+        learner.load_global(params, rnd)
+        update = _update(learner, strategy, "c0", rnd, data)
+        uploads.append(update.frame.tensors)
+        params = strategy.aggregate([update], params)
+    return uploads, learner.evaluate(data)
+
+
+@pytest.mark.parametrize("method", ["fedseit", "fedweit-cnn"])
+def test_placed_on_the_cpu_a_device_uploads_bit_for_bit_what_an_unplaced_one_does(method: str) -> None:
+    """``train.device``: the CPU path is today's (the daemon never places it; placed, the same bits)."""
+    plain, placed = _placed_run(method, False), _placed_run(method, True)
+    assert plain[1] == placed[1]
+    for a, b in zip(plain[0], placed[0], strict=True):
+        assert sorted(a) == sorted(b)
+        for name in a:
+            x, y = (t.to_dense() if isinstance(t, SparseTensor) else np.asarray(t) for t in (a[name], b[name]))
+            np.testing.assert_array_equal(x, y)
+
+
+def test_placed_on_another_device_the_model_its_slots_and_anchors_live_there() -> None:
+    f = fed("fedseit", sit=False, dls=True)
+    strategy = methods.strategy_for(f, L, None)
+    learner = methods.learner_for(f, L, 0)
+    learner.load_global(strategy.initial_model(), 0)
+    learner.start_task(0, None)
+    learner._set_anchor()
+    with pytest.raises(ValueError, match="float32 only"):
+        learner.place(torch.device("cpu"), "bf16")
+    learner.place(torch.device("meta"), "off")
+    learner.start_task(1, None)  # task 1's masks, slots, parts and head are made there
+    learner.model.add_head(1, 3)
+    learner.load_global(strategy.initial_model(), 2)  # host arrays merged on the device
+    tensors = [*learner.model.parameters(), *learner.model.buffers()]
+    tensors += [fa for per_conv in learner.model.foreign for fa in per_conv]
+    tensors += [t for base, adaptive in learner.anchor.values() for t in (base, *adaptive)]
+    assert {t.device.type for t in tensors} == {"meta"}

@@ -281,3 +281,38 @@ def test_buffer_is_bounded_and_evicts_the_oldest_of_the_largest_group() -> None:
 def test_phase0_must_leave_task_one_a_round() -> None:
     with pytest.raises(ValueError, match="phase0_rounds"):
         methods.strategy_for(fed(phase0_rounds=4), SIDE * SIDE)
+
+
+def _run_placed(placed: bool) -> tuple[list[dict], list]:
+    s, lr = strategy(), learner()
+    if placed:
+        lr.place(torch.device("cpu"), "off")
+    params = run_phase0(s, [lr])
+    uploads = []
+    for rnd in (2, 3):
+        lr.load_global(params, rnd)
+        lr.train_round([data()], rnd, place(s, rnd))
+        uploads.append(lr.upload(rnd, place(s, rnd)))
+    return uploads, lr.evaluate([data(seed=5)])
+
+
+def test_placed_on_the_cpu_a_device_uploads_bit_for_bit_what_an_unplaced_one_does() -> None:
+    """``train.device``: the CPU path is today's (the daemon never places it; placed, the same bits)."""
+    plain, placed = _run_placed(False), _run_placed(True)
+    assert plain[1] == placed[1]
+    for a, b in zip(plain[0], placed[0], strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            x, y = (t.to_dense() if hasattr(t, "to_dense") else np.asarray(t) for t in (a[name], b[name]))
+            np.testing.assert_array_equal(x, y)
+
+
+def test_placed_on_another_device_the_encoder_and_classifier_live_there_and_draws_stay_seeded() -> None:
+    lr = learner()
+    with pytest.raises(ValueError, match="float32 only"):
+        lr.place(torch.device("cpu"), "fp16")
+    lr.place(torch.device("meta"), "off")
+    params = [*lr.encoder.parameters(), *lr.classifier.parameters()]
+    assert {p.device.type for p in params} == {"meta"}
+    mu = torch.zeros(2, 4, device="meta")
+    assert sample(mu, torch.zeros(2, 4, device="meta"), torch.Generator().manual_seed(7)).device.type == "meta"

@@ -533,3 +533,31 @@ def test_the_strategy_state_round_trips_the_global_table() -> None:
     assert again.table.to_meta() == s.table.to_meta() and not s.table.pending
     with pytest.raises(ValueError, match="ngfl checkpoint"):
         again.restore({"table": {**meta["table"], "pending": ["nowhere"]}}, {})
+
+
+def test_placed_on_the_cpu_a_device_uploads_bit_for_bit_what_an_unplaced_one_does() -> None:
+    """``train.device``: the CPU path is today's (the daemon never places it; placed, the same bits)."""
+    runs = []
+    for placed in (False, True):
+        _, s, (lr,), params = setup(loss="self")
+        if placed:
+            lr.place(torch.device("cpu"), "off")
+        train = [data(["0", "1"]), data(["2", "3"], n=3, seed=1)]
+        uploads = [step(s, lr, train, rnd, params, "c0").tensors for rnd in (0, 1, TASK1)]
+        runs.append((uploads, lr.evaluate(train)))
+    assert runs[0][1] == runs[1][1]
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+
+
+def test_placed_on_another_device_the_extractor_and_the_growing_head_live_there() -> None:
+    _, s, (lr,), params = setup()
+    with pytest.raises(ValueError, match="float32 only"):
+        lr.place(torch.device("cpu"), "bf16")
+    lr.place(torch.device("meta"), "off")
+    lr.load_global(params, 0, s.announce_meta(0))  # the head rebuilt from host arrays
+    lr._start_arrivals([data(["0", "1"]), data(["2", "3"], n=3, seed=1)], 0)  # grown by two rows
+    assert lr.head.rows == 4
+    assert {p.device.type for p in [*lr.extractor.parameters(), *lr.head.parameters()]} == {"meta"}
