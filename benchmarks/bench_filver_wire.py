@@ -3,11 +3,14 @@
 Every run is ``fcl simulate configs/scenarios/mnist_filver*.yaml --in-process`` (the
 aggregator service and the device daemons as threads of this process), as in
 ``bench_filver.py``, whose run reading and re-identification attack this script reuses.
-A variant is ``+``-joined settings of ``federation.wire``:
+A variant is ``+``-joined settings of ``federation.wire`` (and of the encoder's density):
 
 * ``off``: no compression either way; ``default``: the method's defaults (``methods/filver/
   wire.py: COMPRESSION``);
 * ``d<x>``: top-k density ``x`` both ways, ``up<x>`` / ``down<x>``: one way;
+* ``enc<x>``: phase 0's encoder at top-k density ``x`` each way (``federation.options.
+  encoder_density``; the default 1.0 sends its whole change; before it, the encoder went at
+  the classifier's density);
 * ``int8`` / ``float16``: the value dtype of every frame (embeddings included).
 
 Reported per (scenario, method, variant), seed means: bytes up and down against the dense
@@ -52,11 +55,15 @@ def variant_overrides(variant: str) -> list[str]:
             out += ["federation.wire.sparsify=none", "federation.wire.down_sparsify=none"]
         elif part in ("int8", "float16", "float32"):
             out.append(f"federation.wire.value_dtype={part}")
+        elif m := re.fullmatch(r"enc(\d*\.?\d+)", part):
+            out.append(f"federation.options.encoder_density={m.group(1)}")
         elif m := re.fullmatch(r"(d|up|down)(\d*\.?\d+)", part):
             keys = {"d": ("density", "down_density"), "up": ("density",), "down": ("down_density",)}
             out += [f"federation.wire.{k}={m.group(2)}" for k in keys[m.group(1)]]
         elif part != "default":
-            raise ValueError(f"unknown variant part {part!r} (off, default, d<x>, up<x>, down<x>, int8, float16)")
+            raise ValueError(
+                f"unknown variant part {part!r} (off, default, d<x>, up<x>, down<x>, enc<x>, int8, float16)"
+            )
     return out
 
 

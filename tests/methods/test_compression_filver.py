@@ -23,7 +23,7 @@ from fclcore.codec import Frame, Header, Kind, SparseTensor, ValueCoding, decode
 from fclcore.schema import WireSpec
 from fclcore.sparsify import DELTA, kept_count
 from fclcore.strategy import Update
-from methods.filver.wire import CLS, COMPRESSION, ENC
+from methods.filver.wire import CLS, COMPRESSION, ENC, density
 
 P0 = OPTS["phase0_rounds"]
 NAME = "cls.fc2.weight"  # (16, 16): 256 entries
@@ -94,7 +94,7 @@ def test_sent_plus_residual_is_the_sum_of_the_changes_and_the_true_model_their_m
             true[k] = true[k] + np.tensordot(weights / weights.sum(), np.stack(deltas), axes=1)
             if k in new:
                 moved = np.count_nonzero(new[k] != params[k])
-                assert moved <= kept_count(params[k].size, COMPRESSION.down_density), k
+                assert moved <= kept_count(params[k].size, density(k, COMPRESSION.down_density, s.o)), k
                 np.testing.assert_allclose(s.true.values[k], true[k], atol=1e-5, err_msg=k)
         params = new
 
