@@ -32,7 +32,8 @@ from methods.filver.config import FILVEROptions
 ENC, CLS = "enc.", "cls."
 EMB_Y, EMB_Z, EMB_MU, EMB_LOG_SIGMA = "emb:y", "emb:z", "emb:mu", "emb:log_sigma"
 FORM_TENSORS = {"z": (EMB_Z,), "stats": (EMB_MU, EMB_LOG_SIGMA)}  # the upload form -> its value tensors
-# the trained tensors' share of entries sent each way per round (measured: docs/filver.md, "Bytes")
+# the classifier's share of entries sent each way per round; phase 0's encoder goes at
+# ``encoder_density`` (``density``), whole by default (measured: docs/filver.md, "Bytes")
 COMPRESSION = Compression(up_density=0.2, down_density=0.2)
 
 
