@@ -33,7 +33,16 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("Bytes on the wire", "wire_dtypes.md", "float32, float16 and int8 values on one scenario."),
     ("Bytes on the wire", "fedseit_wire.md", "FedSeIT's compression stages on a small configuration (docs/wire.md)."),
     ("Bytes on the wire", "fedseit_bbc_defaults_int8.md", "FedSeIT's compression stages on bbc_fedseit, int8 values."),
-    ("Bytes on the wire", "filver_wire.md", "FIL-VER compressed both ways against uncompressed (docs/filver.md)."),
+    (
+        "Bytes on the wire",
+        "filver_wire_encoder.md",
+        "FIL-VER's phase-0 encoder at its own density: bytes, accuracy and re-identification (docs/filver.md).",
+    ),
+    (
+        "Bytes on the wire",
+        "filver_wire.md",
+        "FIL-VER compressed both ways, the encoder at the classifier's density (before encoder_density).",
+    ),
     ("Bytes on the wire", "filver_wire_curve.md", "FIL-VER: density and dtype against accuracy and re-identification."),
     ("Devices", "device_budget.md", "Peak memory, CPU per round and bytes per day on the device, per scenario."),
     ("Devices", "device_memory_profile.md", "Device memory phase by phase."),

@@ -20,7 +20,8 @@ of the changes.
   Devices still hold exactly what was announced (``fclcore.model_sync``: the announcement is a
   sparse delta and its hash verifies); ``W`` is strategy state, in the aggregator's checkpoint.
 
-A method chooses which tensors go through the stage (``Compression.of`` with its own defaults).
+A method chooses which tensors go through the stage (``Compression.of`` with its own defaults),
+and may give a kind of tensor a density of its own (``compress`` / ``step``'s ``density``).
 """
 
 from __future__ import annotations
@@ -98,13 +99,14 @@ class Residuals:
         self.residuals: dict[str, np.ndarray] = {}
         self._pending: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name -> (indices, values before coding)
 
-    def compress(self, name: str, change: np.ndarray) -> SparseTensor:
-        """The top-k of ``change`` plus this tensor's residual, as a sparse tensor of its shape."""
+    def compress(self, name: str, change: np.ndarray, density: float | None = None) -> SparseTensor:
+        """The top-k of ``change`` plus this tensor's residual, as a sparse tensor of its shape
+        (``density``: this tensor's share where the method sets one, else the stage's)."""
         c = np.array(change, dtype=np.float32)  # a copy: it becomes the residual
         held = self.residuals.get(name)
         if held is not None and held.shape == c.shape and self.error_feedback:
             c += held
-        index = top_k(c, kept_count(c.size, self.density))
+        index = top_k(c, kept_count(c.size, self.density if density is None else density))
         flat = c.reshape(-1)
         values = flat[index].copy()
         flat[index] = 0.0
@@ -174,14 +176,15 @@ class TrueModel:
         self.down_density, self.error_feedback = down_density, error_feedback
         self.values: dict[str, np.ndarray] = {}
 
-    def step(self, name: str, held: np.ndarray, change: np.ndarray | None) -> np.ndarray:
-        """``W += change`` (None: no change this round); returns the model to announce."""
+    def step(self, name: str, held: np.ndarray, change: np.ndarray | None, density: float | None = None) -> np.ndarray:
+        """``W += change`` (None: no change this round); returns the model to announce
+        (``density``: this tensor's share where the method sets one, else the stage's)."""
         true = self.values.get(name)
         if true is None or true.shape != held.shape:
             true = np.array(held, dtype=np.float32)  # first round: devices hold W
         if change is not None:
             true = (true.astype(np.float64) + change).astype(np.float32)
-        announced = move_towards(true, held, self.down_density)
+        announced = move_towards(true, held, self.down_density if density is None else density)
         self.values[name] = true if self.error_feedback else announced
         return announced
 

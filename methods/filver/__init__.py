@@ -52,7 +52,7 @@ register(
         "filver",
         config.FILVEROptions,
         "FIL-VER: sampled-z rehearsal on a frozen variational encoder + SST",
-        value_dtype="int8",  # with top-k 20% both ways: 11.0% of dense fp32, +0.7 points (docs/filver.md, "Bytes")
+        value_dtype="int8",  # classifier top-k 20%, encoder whole: 13.9% of dense fp32, +0.4 points (docs/filver.md)
     ),
     _spec("filver-stats", config.StatsOptions, "FIL-VER with (mu, sigma) uploaded (the paper's Stats; not private)"),
     _spec("filver-ebr", config.EBROptions, "EBR: deterministic embedding rehearsal + SST"),

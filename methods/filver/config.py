@@ -31,6 +31,9 @@ class FILVEROptions:
     beta: float = option(1e-3, "weight of KL(N(mu, sigma) || N(0, I)); the privacy knob")
     phase0_rounds: int = option(5, "FedAvg rounds of encoder + classifier at the start of task 1")
     phase0_lr: float = option(1e-3, "Adam, fresh every round")
+    encoder_density: float = option(
+        1.0, "phase 0, compressed: share of the encoder's entries sent each way (top-k; 1.0 its whole change)"
+    )
     momentum: float = option(0.9, "of the SGD client rounds (federation.train.optimizer: sgd), reset per round")
     rehearsal: bool = option(True, "mix z re-sampled from the kept (mu, sigma) of past tasks into training")
     upload: Literal["z", "stats", "none"] = option(
@@ -54,6 +57,8 @@ class FILVEROptions:
             raise ValueError("expected hidden >= 1, latent >= 1 and classes >= 2")
         if self.beta < 0 or self.phase0_rounds < 1 or not self.phase0_lr > 0 or not 0 <= self.momentum < 1:
             raise ValueError("expected beta >= 0, phase0_rounds >= 1, phase0_lr > 0, momentum in [0, 1)")
+        if not 0 < self.encoder_density <= 1:
+            raise ValueError(f"expected encoder_density in (0, 1], got {self.encoder_density}")
         if not 0 < self.share <= 1 or self.max_embed_per_round < 1:
             raise ValueError(f"expected share in (0, 1] and max_embed_per_round >= 1, got {self.share}")
         if self.sst_steps < 0 or self.sst_batch < 1 or not self.sst_lr > 0 or self.buffer_size < 1:

@@ -13,8 +13,9 @@ rehearses its past tasks from the (mu, log sigma) it kept of them.
   when the next task starts they join the kept store.  The store holds (mu, log sigma, y)
   only: no image outlives its task.
 * Compressed (``wire.COMPRESSION``, the default): what the device trains goes up as the top-k
-  of its change from the model it was announced (``held``) plus its residual; both are
-  checkpointed, and the encoder's residuals go with phase 0.
+  of its change from the model it was announced (``held``) plus its residual (the encoder's
+  whole change by default: ``wire.density``); both are checkpointed, and the encoder's
+  residuals go with phase 0.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from fclcore.served import ImageClassifierServed
 from fclcore.sparsify import DELTA, Compression, Residuals
 from methods.filver.config import FILVEROptions
 from methods.filver.model import Classifier, Encoder, get_params, load_params, sample, ver_loss
-from methods.filver.wire import CLS, COMPRESSION, EMB_LOG_SIGMA, EMB_MU, EMB_Y, EMB_Z, ENC
+from methods.filver.wire import CLS, COMPRESSION, EMB_LOG_SIGMA, EMB_MU, EMB_Y, EMB_Z, ENC, density
 
 log = logging.getLogger(__name__)
 EVAL_BATCH = 512
@@ -107,8 +108,8 @@ class FILVERLearner(Learner):
         self.current: tuple[int, Items] | None = None  # (task, every row's stats): recomputed, never saved
         self.form = "none"  # what the last upload carried
         self.warned = False
-        density = Compression.of(fed.wire, COMPRESSION).up_density
-        self.residuals = None if density is None else Residuals(density, fed.wire.error_feedback)
+        up = Compression.of(fed.wire, COMPRESSION).up_density
+        self.residuals = None if up is None else Residuals(up, fed.wire.error_feedback)
         self.reads_upload = self.residuals is not None
         self.held: dict[str, np.ndarray] = {}  # the trained tensors as last announced (compressed uploads only)
         self.device = torch.device("cpu")  # where the encoder and classifier run (``place``)
@@ -279,7 +280,11 @@ class FILVERLearner(Learner):
         missing = sorted(set(params) - set(self.held))
         if missing:
             raise ValueError(f"filver: no announced model to compress {missing[:3]} against")
-        return {name + DELTA: self.residuals.compress(name, value - self.held[name]) for name, value in params.items()}
+        stage = self.residuals.density
+        return {
+            name + DELTA: self.residuals.compress(name, value - self.held[name], density(name, stage, self.o))
+            for name, value in params.items()
+        }
 
     def uploaded(self, tensors: dict[str, Tensor]) -> None:
         self.residuals.sent(tensors)

@@ -41,6 +41,7 @@ from methods.filver.wire import (
     ENC,
     FORM_TENSORS,
     classifier_shapes,
+    density,
     encoder_shapes,
     initial_params,
     parse_report,
@@ -197,14 +198,14 @@ class FILVERStrategy(Strategy):
         rnd = frame.header.round
         place = self.schedule.place(rnd)
         shapes = self._trained(rnd)
-        density = self.compression.up_density
         out: dict[str, Tensor] = {}
         for name, shape in shapes.items():
-            if density:
+            share = density(name, self.compression.up_density, self.o)
+            if share:
                 t = frame.tensors.get(name + DELTA)
                 if t is None:
                     raise ValueError(f"{name + DELTA}: expected the compressed change of {name}")
-                out[name + DELTA] = checked_delta(name, t, shape, density)
+                out[name + DELTA] = checked_delta(name, t, shape, share)
                 continue
             t = frame.tensors.get(name)
             if t is None or isinstance(t, SparseTensor) or tuple(t.shape) != shape:
@@ -305,7 +306,8 @@ class FILVERStrategy(Strategy):
         out = {}
         for name, value in target.items():
             true = self.true.values.get(name, current[name])
-            out[name] = self.true.step(name, current[name], value.astype(np.float64) - true)
+            share = density(name, self.compression.down_density, self.o)
+            out[name] = self.true.step(name, current[name], value.astype(np.float64) - true, share)
         return out
 
     # -- checkpoint ------------------------------------------------------------------------

@@ -10,8 +10,10 @@ phase 0 may add a device's rehearsal items: ``emb:y`` (labels, integer values) w
 
 Compressed (the default, ``COMPRESSION``; ``fclcore.sparsify``): the trained tensors (encoder
 and classifier in phase 0, the classifier after) go up as ``<name>@delta``, the top-k of their
-change from the announced model plus the device's residual, and each announcement moves the
-classifier by the top-k of the aggregator's residual (its true model, SST included).  The
+change from the announced model plus the device's residual, and each announcement moves them
+by the top-k of the aggregator's residual (its true model, SST included).  The classifier's
+top-k is the stage's density; the encoder's, in phase 0, is ``encoder_density`` (``density``
+below: by default its whole change, in the value dtype, with the coding error fed back).  The
 frozen encoder goes down once, whole, as the aggregator's true encoder.  Embeddings travel in
 the federation's value dtype.  ``federation.wire.sparsify`` / ``down_sparsify: none`` turn
 either side off.
@@ -30,8 +32,20 @@ from methods.filver.config import FILVEROptions
 ENC, CLS = "enc.", "cls."
 EMB_Y, EMB_Z, EMB_MU, EMB_LOG_SIGMA = "emb:y", "emb:z", "emb:mu", "emb:log_sigma"
 FORM_TENSORS = {"z": (EMB_Z,), "stats": (EMB_MU, EMB_LOG_SIGMA)}  # the upload form -> its value tensors
-# the trained tensors' share of entries sent each way per round (measured: docs/filver.md, "Bytes")
+# the classifier's share of entries sent each way per round; phase 0's encoder goes at
+# ``encoder_density`` (``density``), whole by default (measured: docs/filver.md, "Bytes")
 COMPRESSION = Compression(up_density=0.2, down_density=0.2)
+
+
+def density(name: str, stage: float | None, o: FILVEROptions) -> float | None:
+    """The top-k share of tensor ``name`` on a side whose stage runs at ``stage`` (None: off).
+
+    The encoder (phase 0 only) goes at ``encoder_density``, whole by default: its top-k at 20%
+    let the cross-entropy's large changes through and held back the KL term's small ones, and
+    the frozen encoder's embeddings were re-identified five times as often (docs/filver.md)."""
+    if stage is None:
+        return None
+    return o.encoder_density if name.startswith(ENC) else stage
 
 
 def image_side(input_dim: int) -> int:

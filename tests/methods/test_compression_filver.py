@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import struct
 
 import numpy as np
@@ -23,7 +24,7 @@ from fclcore.codec import Frame, Header, Kind, SparseTensor, ValueCoding, decode
 from fclcore.schema import WireSpec
 from fclcore.sparsify import DELTA, kept_count
 from fclcore.strategy import Update
-from methods.filver.wire import CLS, COMPRESSION, ENC
+from methods.filver.wire import CLS, COMPRESSION, ENC, density
 
 P0 = OPTS["phase0_rounds"]
 NAME = "cls.fc2.weight"  # (16, 16): 256 entries
@@ -94,7 +95,7 @@ def test_sent_plus_residual_is_the_sum_of_the_changes_and_the_true_model_their_m
             true[k] = true[k] + np.tensordot(weights / weights.sum(), np.stack(deltas), axes=1)
             if k in new:
                 moved = np.count_nonzero(new[k] != params[k])
-                assert moved <= kept_count(params[k].size, COMPRESSION.down_density), k
+                assert moved <= kept_count(params[k].size, density(k, COMPRESSION.down_density, s.o)), k
                 np.testing.assert_allclose(s.true.values[k], true[k], atol=1e-5, err_msg=k)
         params = new
 
@@ -261,3 +262,59 @@ def test_either_side_can_be_turned_off(off) -> None:
         assert (s.true is None) == (off == "both")
         if s.true is not None:
             np.testing.assert_array_equal(new[NAME], s.true.values[NAME])
+
+
+@pytest.mark.parametrize("share", [1.0, 0.2], ids=["whole", "top-k"])
+def test_phase0s_encoder_goes_at_its_own_density_and_the_classifier_at_the_stages(tmp_path, share) -> None:
+    """Phase 0 with int8 values: each encoder tensor's change goes up whole (``encoder_density``
+    1.0, the default), or as its own top-k; the classifier's as the stage's top-k either way;
+    the announcement moves the encoder likewise.  An encoder delta beyond its density is
+    refused (``compression``), a NaN in a whole one by the codec."""
+    options = {} if share == 1.0 else {"encoder_density": share}
+    f = dataclasses.replace(fed(**options), wire=WireSpec(value_dtype="int8"))
+    s, lr = methods.strategy_for(f, SIDE * SIDE), _learner(f)
+    assert lr.o.encoder_density == share
+    params = s.initial_model()
+    lr.load_global(params, 0)
+    lr.train_round([data()], 0, place(s, 0))
+    change = {k: v - params[k] for k, v in lr_params(lr).items()}
+    tensors = lr.upload(0, place(s, 0))
+    meta = {**lr.report(place(s, 0)), "allow_embedding_upload": True, "n_samples": 100}
+    payload = encode(frame("c0", 0, 0, tensors, meta), ValueCoding("int8"))
+    for name, shape in {**s.enc_shapes, **s.cls_shapes}.items():
+        sent, at = _dense(tensors[name + DELTA]), _record_at(payload, name + DELTA)
+        assert payload[at + 1] == 3, name  # int8 blocks
+        if name.startswith(ENC) and share == 1.0:
+            np.testing.assert_array_equal(sent, change[name], err_msg=name)
+        else:
+            bound = kept_count(math.prod(shape), COMPRESSION.up_density if name.startswith(CLS) else share)
+            assert np.count_nonzero(sent) == bound < math.prod(shape), name
+    got = decode(payload)
+    lr.uploaded(got.tensors)
+    checked = s.normalize(got)
+    new = s.aggregate([Update("c0", got, 100, len(payload), len(payload), checked.tensors, checked.parsed)], params)
+    for name, value in new.items():
+        moved = np.count_nonzero(value != params[name])
+        if name.startswith(ENC) and share == 1.0:
+            np.testing.assert_array_equal(value, s.true.values[name], err_msg=name)
+            assert moved > kept_count(value.size, COMPRESSION.down_density), name
+        else:
+            assert moved <= kept_count(value.size, COMPRESSION.down_density if name.startswith(CLS) else share), name
+
+    inbox = Inbox("t", frozenset({"c0"}), s.normalize, 2)
+    name = "enc.fc2.weight"
+    whole = encode(frame("c0", 0, 0, {**tensors, name + DELTA: np.ones(s.enc_shapes[name], np.float32)}, meta))
+    if share == 1.0:
+        at = _record_at(whole, name + DELTA)
+        assert whole[at] == 0  # the dense layout: its values follow the dims
+        hostile, reason = _patched(whole, at + 3 + 4 * 2, struct.pack("<f", float("nan"))), "codec"
+    else:
+        hostile, reason = whole, "compression"
+    result = inbox.check("c0", hostile, len(hostile), 0, set())
+    assert isinstance(result, Rejection) and result.reason == reason
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5])
+def test_an_encoder_density_outside_0_1_is_a_config_error(share) -> None:
+    with pytest.raises(ValueError, match=r"encoder_density in \(0, 1\]"):
+        methods.strategy_for(fed(encoder_density=share), SIDE * SIDE)
