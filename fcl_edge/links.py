@@ -248,7 +248,7 @@ class LinkRelay:
                     dst.sendall(heapq.heappop(pending)[2])
                 if closed and pending:
                     time.sleep(max(0.0, min(pending[0][0] - time.monotonic(), 0.5)))
-        except OSError:
+        except (OSError, ValueError):  # ValueError: the link went offline, its sockets closed under the pump
             pass
         finally:
             for s in (src, dst):

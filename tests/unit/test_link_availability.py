@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 
+import pytest
 from support.timescale import scaled
 
 from fcl_edge.links import LinkProfile, LinkRelay
@@ -44,6 +45,7 @@ def _connect(relay: LinkRelay) -> socket.socket:
     return conn
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a pump cut mid-select
 def test_a_relay_goes_offline_and_back_when_its_caller_says() -> None:
     server = _echo_server()
     relay = LinkRelay("127.0.0.1", server.getsockname(), DIRECT)
