@@ -7,14 +7,16 @@ its own ``LinkRelay`` on 127.0.0.1 (fcl_edge/links.py).  The bench replays each 
 seeded trace (benchmarks/async_trace.py) on its relay: offline, the relay cuts the device's
 connection and refuses new ones, so the device really cannot reach the broker; a third of the
 devices also get the ``3g`` profile's relay delay and stalls (no bandwidth shaping: that needs
-network namespaces).  Both modes replay the same traces from the aggregator's start.
+network namespaces).  Both modes replay the same traces from their first round.
 
 Time is scaled down so both runs fit in about ten minutes on a 2-core machine: a device trains
 a round for ``--train-s`` seconds (spread 0.5x to 1.5x per device, ``train_time_shim.py``) and
 its sessions average ``--mean-online-s`` seconds; at ``--scale 10`` these stand for a device
-that trains for about a minute in sessions of a few minutes.  The devices start and load
-before the trace begins (its clock starts with the aggregator); once the last version is
-published every device comes online for the final evaluation, so that every record is complete.
+that trains for about a minute in sessions of a few minutes.  The devices start, load and
+connect, the aggregator sees them all online (the fleet enrolls together), and then the trace
+begins, as the first round is announced: its clock is the one every time here is measured on.
+Once the last version is published every device comes online for the final evaluation, so that
+every record is complete.
 
 Per mode: the time from the aggregator's start until the first version whose metric reached
 the target was published, the final version's metric (mean NLL over both tasks, from the
@@ -71,7 +73,7 @@ def mode_overrides(args: argparse.Namespace, mode: str) -> list[str]:
         f"clients={args.devices}",
         f"federation.seed={args.seed}",
         f"federation.rounds.deadline_s={args.deadline_s}",
-        "federation.rounds.start_timeout_s=20",
+        "federation.rounds.start_timeout_s=120",
         "federation.rounds.max_attempts=5",
         "federation.rounds.resend_after_s=10",
     ]
@@ -144,12 +146,13 @@ def run_mode(args: argparse.Namespace, mode: str, sessions: dict, train_s: dict[
             argv = [sys.executable, str(ROOT / "benchmarks/train_time_shim.py"), f"{train_s[client]:.2f}", "client"]
             procs[client] = _spawn(client, [*argv, "--config", str(configs[client][1])], out)
         _wait_connected(out, p.client_ids, procs)
-        trace.start()
         procs["aggregator"] = _spawn(
             "aggregator",
             [sys.executable, "-m", "fcl_edge.cli", "aggregator", "--config", str(configs["aggregator"][1])],
             out,
         )
+        _wait_logged(out / "logs/aggregator.log", f"{args.devices}/{args.devices} clients online", procs["aggregator"])
+        trace.start()  # the fleet enrolled together; from its first round on, each device keeps its trace
         published = _follow(out / "metrics.jsonl", procs["aggregator"], trace, p.scenario.federation.total_rounds, args)
         wall = trace.elapsed()
         for client in p.client_ids:  # each device ends after its final evaluation; a straggler is stopped
@@ -191,6 +194,14 @@ def _wait_connected(out: Path, clients: list[str], procs: dict, timeout: float =
         if dead or time.monotonic() > deadline:
             raise RuntimeError(f"devices did not connect: {sorted(dead or waiting)}; logs in {out / 'logs'}")
         time.sleep(0.5)
+
+
+def _wait_logged(log: Path, text: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{log} did not say {text!r}")
+        time.sleep(0.05)
 
 
 def _follow(metrics: Path, aggregator: subprocess.Popen, trace: Trace, total: int, args) -> dict[int, float]:
@@ -284,7 +295,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=10.0, help="real seconds one trace second stands for (docs only)")
     ap.add_argument("--rounds-per-task", type=int, default=6, help="synchronous rounds per task")
     ap.add_argument("--quorum", type=float, default=0.25, help="synchronous rounds' quorum")
-    ap.add_argument("--versions-per-task", type=int, default=12, help="buffered versions per task")
+    ap.add_argument("--versions-per-task", type=int, default=30, help="buffered versions per task")
     ap.add_argument("--buffer-k", type=int, default=3)
     ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--deadline-s", type=float, default=30.0)
