@@ -67,7 +67,6 @@ register(
         "ConFedMADE: decomposed MADE, uploads inside the round's MADE mask, knowledge base",
         "methods.confedmade.wire:delta_positions",
         "int8",  # Sequential MNIST: 8.4% of dense fp32 both ways, 0.03 nats better than float16 (README)
-        buffered=True,  # an upload's header names its version, hence the mask its positions are in
     ),
     _spec(
         "fedweit-made-star",

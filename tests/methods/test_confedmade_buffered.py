@@ -1,8 +1,10 @@
-"""ConFedMADE under buffered rounds (docs/buffered.md): an upload is packed inside the MADE mask of
-the version it was trained on, which its header names, so an update folded into a later version
-is unpacked with its own version's mask and averaged per position with the others; a task's
-knowledge (A_t) rides on the update trained on the task's last version, whichever version
-folds it, and is filed under that update's task."""
+"""ConFedMADE's server half, ready for buffered rounds (docs/buffered.md, "Which methods"): an
+upload is packed inside the MADE mask of the version it was trained on, which its header names,
+so an update folded into a later version is unpacked with its own version's mask and averaged
+per position with the others; a task's knowledge (A_t) rides on the update trained on the
+task's last version, whichever version folds it, and is filed under that update's task.  The
+method still refuses buffered rounds: its task-start knowledge frames would go out before the
+task-end updates that fill them arrive."""
 
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ def _strategy():
         "rounds_per_task": ROUNDS_PER_TASK,
         "model": {"hidden_sizes": [8], "num_orders": 4},
         "options": {"order_per": "round"},
-        "rounds": {"mode": "buffered", "buffer_k": 2, "max_staleness": 2},
     }
     _, _, fed = methods.resolve(from_dict(FederationSpec, spec, "test"), "test")
     return methods.strategy_for(fed, INPUT_DIM)
@@ -91,8 +92,3 @@ def test_a_task_end_update_folded_into_the_next_task_files_its_knowledge_under_i
     entry = strategy.knowledge[0].tensors
     assert set(entry) == {n for n in strategy.shapes if n.endswith(".weight")}
     assert all(np.all(np.asarray(getattr(t, "to_dense", lambda: t)()) == 10.0) for t in entry.values())
-
-
-def test_confedmade_runs_buffered_rounds() -> None:
-    fed = from_dict(FederationSpec, {"name": FED, "method": "confedmade", "rounds": {"mode": "buffered"}}, "test")
-    assert methods.resolve(fed, "test")[0].buffered

@@ -146,10 +146,10 @@ def _fed(method: str, **rounds: object) -> FederationSpec:
 
 def test_only_methods_that_declare_buffered_rounds_run_them() -> None:
     assert methods.resolve(_fed("fedavg", mode="buffered"), "test")[0].buffered
-    with pytest.raises(ConfigError, match="fedweit-made does not support buffered rounds") as exc:
-        methods.resolve(_fed("fedweit-made", mode="buffered"), "test")
+    with pytest.raises(ConfigError, match="confedmade does not support buffered rounds") as exc:
+        methods.resolve(_fed("confedmade", mode="buffered"), "test")
     assert "\n" not in str(exc.value)
-    methods.resolve(_fed("fedweit-made"), "test")  # synchronous rounds: as before
+    methods.resolve(_fed("confedmade"), "test")  # synchronous rounds: as before
 
 
 @pytest.mark.parametrize(
