@@ -178,18 +178,32 @@ def device_records(wire: dict) -> tuple[set[int], set[int]]:
     return trained, sent
 
 
-def version_metrics(events: list[dict], tasks: int) -> dict[int, float]:
-    """Each evaluated version's metric: the mean NLL over every task of the model after that round,
-    from the devices' evaluations of it (all devices share one test set, so any of them tells);
-    only versions evaluated on all ``tasks``."""
+def version_metrics(events: list[dict], task: int) -> dict[int, float]:
+    """Each version's metric: the NLL on task ``task``'s test data of the model after that round,
+    from the devices' evaluations of it (all devices share one test set, so any of them tells).
+    A device evaluates the task it is in at every round (earlier tasks only at a task's end), so
+    the versions of task ``task`` each have one."""
     found: dict[int, float] = {}
     for e in events:
-        if e.get("event") != "eval" or e.get("round", -1) < 0:
+        if e.get("event") != "eval" or e.get("round", -1) < 0 or e.get("task") != task:
+            continue
+        nll = e.get("nll") or []
+        value = nll[task] if len(nll) > task else None
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            found.setdefault(e["round"], value)
+    return dict(sorted(found.items()))
+
+
+def all_tasks_metric(events: list[dict], version: int, tasks: int) -> float | None:
+    """The mean NLL over every task of the model after ``version`` (the final one: devices
+    evaluate every task at the end), or None if no device evaluated it on all of them."""
+    for e in events:
+        if e.get("event") != "eval" or e.get("round") != version:
             continue
         nll = e.get("nll") or []
         if len(nll) == tasks and all(isinstance(x, (int, float)) and math.isfinite(x) for x in nll):
-            found.setdefault(e["round"], sum(nll) / tasks)
-    return dict(sorted(found.items()))
+            return sum(nll) / tasks
+    return None
 
 
 def time_to_target(published_at: dict[int, float], metrics: dict[int, float], target: float) -> float | None:

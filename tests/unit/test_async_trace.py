@@ -89,18 +89,21 @@ def test_the_records_are_read_from_the_journal_and_the_device_meter() -> None:
     assert at.device_records(wire) == ({0, 3}, {0, 3})
 
 
-def test_a_version_metric_is_its_mean_over_every_task_and_the_target_time_its_publication() -> None:
+def test_a_version_metric_is_its_nll_on_the_last_task_and_the_target_time_its_publication() -> None:
     events = [
         {"event": "eval", "client": "a", "round": -1, "task": 0, "nll": [40.0]},
-        {"event": "eval", "client": "a", "round": 1, "task": 0, "nll": [30.0]},  # one task only: skipped
-        {"event": "eval", "client": "a", "round": 2, "task": 1, "nll": [None, 28.0]},  # not yet both
+        {"event": "eval", "client": "a", "round": 1, "task": 0, "nll": [30.0]},  # task 0's version: not counted
+        {"event": "eval", "client": "a", "round": 2, "task": 1, "nll": [None, 28.0]},
         {"event": "eval", "client": "a", "round": 3, "task": 1, "nll": [29.0, 27.0]},
         {"event": "eval", "client": "b", "round": 3, "task": 1, "nll": [29.0, 27.0]},
-        {"event": "eval", "client": "b", "round": 5, "task": 1, "nll": [27.0, 25.0]},
+        {"event": "eval", "client": "b", "round": 5, "task": 1, "nll": [None, 25.0]},
+        {"event": "eval", "client": "b", "round": 6, "task": 1, "nll": [27.0, float("nan")]},  # not a number
     ]
-    metrics = at.version_metrics(events, tasks=2)
-    assert metrics == {3: 28.0, 5: 26.0}
-    published = {3: 40.0, 4: 50.0, 5: 61.0}
-    assert at.time_to_target(published, metrics, 28.0) == 40.0
-    assert at.time_to_target(published, metrics, 27.0) == 61.0
+    metrics = at.version_metrics(events, task=1)
+    assert metrics == {2: 28.0, 3: 27.0, 5: 25.0}
+    assert at.all_tasks_metric(events, 3, tasks=2) == 28.0
+    assert at.all_tasks_metric(events, 5, tasks=2) is None  # nobody evaluated it on both tasks
+    published = {2: 30.0, 3: 40.0, 4: 50.0, 5: 61.0}
+    assert at.time_to_target(published, metrics, 27.5) == 40.0
+    assert at.time_to_target(published, metrics, 26.0) == 61.0
     assert at.time_to_target(published, metrics, 20.0) is None
