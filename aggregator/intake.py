@@ -202,8 +202,10 @@ class Intake:
         self.metrics.rejected(rejection.reason)
         if rejection.client is not None and self._tracked(rejection.client):
             self.metrics.devices.rejected(rejection.client, rejection.reason)
+        h = rejection.header  # once the frame decoded: which of the device's frames it was
+        frame = None if h is None else {"kind": h.kind.name, "round": h.round, "sequence": h.sequence}
         self.runlog.rejected(
-            rejection.reason, rejection.detail, topic=topic, client=rejection.client, open_round=open_round
+            rejection.reason, rejection.detail, topic=topic, client=rejection.client, open_round=open_round, frame=frame
         )
         if self.nacks is not None and topics.parse_update_topic(self.federation, topic) is not None:
             self.nacks.send(rejection, open_round)  # P-NACK-1: every dropped frame, rate limits permitting

@@ -56,6 +56,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("Services", "chaos_issue42.md", "The end of a run, forged run ids, late devices, retained garbage (issue 42)."),
     ("Services", "chaos_issue42_all.md", "One schedule of every fault kind, on a heavily loaded machine."),
     ("Services", "bad_inputs.md", "The bad-input table: seconds per row."),
+    ("Services", "async.md", "Synchronous against buffered rounds, devices online 30% of the time (issue 37)."),
 ]
 SUPERSEDED = {
     "aggregate_numpy.md": "aggregate.md with the NumPy fold only",

@@ -179,13 +179,19 @@ class LinkRelay:
         self.server.close()
         self._cut()
 
+    def set_online(self, online: bool) -> None:
+        """Come into or go out of coverage now; going out cuts every connection.  The profile's
+        cycle calls this, and so may a caller replaying its own availability trace (a profile
+        without ``online_s``), e.g. benchmarks/bench_async.py."""
+        self.online = online
+        if not online:
+            self._cut()
+
     def _availability(self) -> None:
         p = self.profile
         wait = self.rng.uniform(0, p.online_s)  # seeded phase: devices do not all drop together
         while not self._stop.wait(wait):
-            self.online = not self.online
-            if not self.online:
-                self._cut()
+            self.set_online(not self.online)
             wait = p.online_s if self.online else p.offline_s
 
     def _cut(self) -> None:
@@ -242,7 +248,7 @@ class LinkRelay:
                     dst.sendall(heapq.heappop(pending)[2])
                 if closed and pending:
                     time.sleep(max(0.0, min(pending[0][0] - time.monotonic(), 0.5)))
-        except OSError:
+        except (OSError, ValueError):  # ValueError: the link went offline, its sockets closed under the pump
             pass
         finally:
             for s in (src, dst):

@@ -104,16 +104,15 @@ class DecomposedStrategy(FedAvgStrategy):
 
     def close(self, running: RunningSum, kept: Sequence[Update], current: dict[str, np.ndarray]) -> dict:
         merged = running.result(current)
-        rnd = kept[0].frame.header.round
         for u in kept:
             held = parse_held(u.frame.meta)
             if held is not None:
                 self.held[u.client] = frozenset(held)
-        if self.carries_knowledge(rnd):
-            task = self.schedule.task_of(rnd)
-            for u in sorted(kept, key=lambda u: u.client):
+        for u in sorted(kept, key=lambda u: u.client):
+            trained_on = u.frame.header.round  # buffered rounds: each update its own version's
+            if self.carries_knowledge(trained_on):
                 kb = {k[len(KB_PREFIX) :]: v for k, v in u.tensors.items() if k.startswith(KB_PREFIX)}
-                self.knowledge.append(KnowledgeEntry(u.client, task, kb))
+                self.knowledge.append(KnowledgeEntry(u.client, self.schedule.task_of(trained_on), kb))
         return merged
 
     def client_downlinks(self, rnd: int, clients: Sequence[str]) -> Downlinks:

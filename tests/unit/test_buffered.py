@@ -7,6 +7,7 @@ refused."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -94,6 +95,9 @@ def test_updates_of_recent_versions_fold_by_staleness_and_older_ones_are_refused
     # a sync round would have weighed them by samples alone: the formula is what moved it
     assert abs(shift - (2 * 0.5 + 4 * -0.25 + 1 * 1.0) / 7) > 1e-3
     intake.runlog.close()
+    events = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    refused = [(e["client"], e["reason"], e["frame"]["kind"], e["frame"]["round"]) for e in events if "frame" in e]
+    assert refused == [("c3", "stale", "UPDATE", 0)]  # the refusal names the update it refused
 
     restarted = _intake(tmp_path, Buffer(buffer_k=3, max_staleness=2))  # the journal replays once, same weights
     replayed = restarted.replay(OPEN, model)
