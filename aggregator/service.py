@@ -64,16 +64,8 @@ class AggregatorService:
             methods.positions_for(self.fed, cfg.input_dim, "aggregator config"),
             self.fed.wire.catchup_versions,
         )
-        keys = None
-        if cfg.keys_dir:
-            try:
-                keys = load_keys(cfg.keys_dir, cfg.expected_clients)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"keys_dir: {exc}") from None
-        try:
-            self.membership = Membership.of(self.fed, cfg.expected_clients)
-        except ValueError as exc:
-            raise ConfigError(f"aggregator config: federation.{exc}") from None
+        keys = _provisioned_keys(cfg)
+        self.membership = _membership(self.fed, cfg.expected_clients)
         self.clients = ClientSet(
             cfg.expected_clients,
             open_enrollment=cfg.enrollment == "open",
@@ -120,18 +112,7 @@ class AggregatorService:
             self.fed.name, cfg.metrics_port, cfg.metrics_addr, None, cfg.max_clients, cfg.metrics_linger_s, self.stop
         )
         self.metrics.configure(self.fed.total_rounds, self.fed.rounds.deadline_s)
-        self.link = link_factory(
-            cfg.broker,
-            f"fcl-{self.fed.name}-aggregator",
-            status_topic=topics.status_topic(self.fed.name, topics.AGGREGATOR_ID),
-            # its own round topic too: what the broker holds there is checked (``Outbox.observe``)
-            subscriptions=[
-                topics.update_filter(self.fed.name),
-                topics.status_filter(self.fed.name),
-                topics.round_topic(self.fed.name),
-            ],
-            on_message=lambda t, p, n: self.intake.put(t, p, n),
-        )
+        self.link = _link(link_factory, cfg, self.fed.name, on_message=lambda t, p, n: self.intake.put(t, p, n))
         self.link.status_fields.update(aggregator_capabilities())  # P-VER-6
         self.link.status_fields.update(run=self.run_id)  # devices join a run only once its aggregator names it
         self.report = RunReport(self.strategy, self.runlog, self.metrics, self.link, self.fed, self.limits)
@@ -360,6 +341,35 @@ class AggregatorService:
         self.runlog.round_summary(last - 1, self.schedule.task_of(last - 1))
         missing = sorted(set(roster) - set(received))
         log.info("final evaluation from %d/%d clients%s", len(received), len(roster), _missing(missing))
+
+
+def _provisioned_keys(cfg: AggregatorConfig) -> dict | None:
+    """The expected devices' public keys when updates must be signed (``keys_dir``), else None."""
+    if not cfg.keys_dir:
+        return None
+    try:
+        return load_keys(cfg.keys_dir, cfg.expected_clients)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"keys_dir: {exc}") from None
+
+
+def _membership(fed, expected: list[str]) -> Membership:
+    try:
+        return Membership.of(fed, expected)
+    except ValueError as exc:
+        raise ConfigError(f"aggregator config: federation.{exc}") from None
+
+
+def _link(link_factory, cfg: AggregatorConfig, name: str, on_message):
+    """The aggregator's broker connection: device updates and statuses, and its own round topic
+    too (what the broker holds there is checked: ``Outbox.observe``)."""
+    return link_factory(
+        cfg.broker,
+        f"fcl-{name}-aggregator",
+        status_topic=topics.status_topic(name, topics.AGGREGATOR_ID),
+        subscriptions=[topics.update_filter(name), topics.status_filter(name), topics.round_topic(name)],
+        on_message=on_message,
+    )
 
 
 def _missing(clients: list[str]) -> str:
