@@ -137,6 +137,12 @@ class Namespace:
             raise
         return self
 
+    def link_bytes(self) -> dict[str, int]:
+        """The bytes that crossed the link so far (IP packets, after the qdisc), ``down`` to the
+        device and ``up`` from it: the host end's counters."""
+        stats = f"/sys/class/net/{self.host_if}/statistics"
+        return {way: int(open(f"{stats}/{name}_bytes").read()) for way, name in (("down", "tx"), ("up", "rx"))}
+
     def wrap(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this namespace."""
         return ["ip", "netns", "exec", self.name, *argv]
@@ -187,6 +193,11 @@ class LinkRelay:
             if not self.online:
                 self._cut()
             wait = p.online_s if self.online else p.offline_s
+
+    def cut(self) -> None:
+        """Drop every connection now, as a link that fails for a moment does (the device may
+        connect again at once)."""
+        self._cut()
 
     def _cut(self) -> None:
         with self.lock:
