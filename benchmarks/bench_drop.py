@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="lte-m", choices=sorted(PROFILES))
     parser.add_argument("--frame-mb", type=float, default=SEQMNIST_MB)
     parser.add_argument("--chunk-bytes", type=int, default=256 * 1024)
-    parser.add_argument("--cut-at", type=float, default=0.5, help="share of the frame passed before the cut")
+    parser.add_argument(
+        "--cut-at", type=float, nargs="+", default=[0.3, 0.5, 0.7], help="shares of the frame crossed before a cut"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/drop.json"))
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -160,24 +162,25 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for mode, chunk_bytes in (("whole", None), ("chunks", args.chunk_bytes)):
                 clean = drop_run(broker.port, payload, chunk_bytes, profile, None)
-                cut = drop_run(broker.port, payload, chunk_bytes, profile, args.cut_at)
-                run = {
-                    "mode": mode,
-                    "chunk_bytes": chunk_bytes,
-                    "clean": clean,
-                    "cut": cut,
-                    "drop_cost_bytes": cut["link_down"] - clean["link_down"],
-                    "drop_cost_s": round(cut["seconds"] - clean["seconds"], 1),
-                    "load_avg_1m": round(os.getloadavg()[0], 2),
-                }
-                print(json.dumps(run), flush=True)
-                runs.append(run)
+                for share in args.cut_at:
+                    cut = drop_run(broker.port, payload, chunk_bytes, profile, share)
+                    run = {
+                        "mode": mode,
+                        "chunk_bytes": chunk_bytes,
+                        "cut_at": share,
+                        "clean": clean,
+                        "cut": cut,
+                        "drop_cost_bytes": cut["link_down"] - clean["link_down"],
+                        "drop_cost_s": round(cut["seconds"] - clean["seconds"], 1),
+                        "load_avg_1m": round(os.getloadavg()[0], 2),
+                    }
+                    print(json.dumps(run), flush=True)
+                    runs.append(run)
         finally:
             broker.stop()
     result = {
         "frame_bytes": len(payload),
         "profile": f"{profile.name}: {profile.describe} (stalls off)",
-        "cut_at": args.cut_at,
         "runs": runs,
         "machine": f"{platform.node()} {platform.platform()}, {os.cpu_count()} CPUs",
         "command": "python benchmarks/bench_drop.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -27,6 +27,7 @@ import random
 import select
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -195,9 +196,13 @@ class LinkRelay:
             wait = p.online_s if self.online else p.offline_s
 
     def cut(self) -> None:
-        """Drop every connection now, as a link that fails for a moment does (the device may
-        connect again at once)."""
-        self._cut()
+        """Drop every connection now, as a link that fails for a moment does: reset, so what is
+        still in flight is lost (the device may connect again at once)."""
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for conn in conns:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
 
     def _cut(self) -> None:
         with self.lock:
