@@ -107,12 +107,19 @@ class Uplink:
         it and delay everything after it (docs/links.md)."""
         if rnd != done_round or self.unacked is None or arrival < self.sent_at:
             return
-        if self.in_flight is not None and not self.in_flight.is_published():
+        if self._on_its_way():
             log.info("not re-sending the update for round %d (%s): its last copy is still on its way", rnd, why)
             return
         log.info("re-sending the update for round %d: %s", rnd, why)
         self.send(self.unacked, f"resend:{rnd}")
         self.sent_at = time.monotonic()
+
+    def _on_its_way(self) -> bool:
+        """Whether paho still holds the last copy published, unacknowledged."""
+        try:
+            return self.in_flight is not None and not self.in_flight.is_published()
+        except (RuntimeError, ValueError):  # paho: published while the link was down; it cannot tell
+            return False
 
 
 def check_finite(rnd: int, loss: float | None, tensors: dict, value_dtype: str) -> None:

@@ -149,3 +149,17 @@ def test_no_copy_more_is_queued_while_the_last_one_is_still_on_its_way() -> None
     assert [tag for *_, tag in link.published] == ["update:4", "resend:4"]
     up.resend(4, done_round=4, arrival=90.0, why="asked")  # the re-sent copy is on its way in turn
     assert len(link.published) == 2
+
+
+def test_a_copy_published_while_the_link_was_down_does_not_stop_a_re_send() -> None:
+    """paho's handle of a message published while disconnected raises instead of answering
+    (a broker restart mid-round): the update is sent again, as before."""
+    up, link = uplink()
+
+    class Unknown(Info):
+        def is_published(self) -> bool:
+            raise RuntimeError("Message publish failed: The client is not currently connected.")
+
+    up.unacked, up.in_flight, up.sent_at = b"update", Unknown(), 5.0
+    up.resend(4, done_round=4, arrival=10.0, why="its round is still open")
+    assert [tag for *_, tag in link.published] == ["resend:4"]
