@@ -27,8 +27,11 @@ Message = tuple[str, bytes, int]  # (topic, payload, size on the wire)
 @dataclass
 class Fetch:
     manifest: Part
-    size: int  # wire bytes of the manifest and of the chunks kept
-    parts: dict[int, bytes] = field(default_factory=dict)
+    size: int  # wire bytes of the manifest
+    parts: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # index -> (its bytes, its wire bytes)
+
+
+ASIDE = 2  # frames per topic whose chunks are kept without a fetch of their own
 
 
 class ChunkFetch:
@@ -36,8 +39,9 @@ class ChunkFetch:
         """``keep_whole``: topics whose last whole frame is kept for a manifest seen again."""
         self.link, self.max_total, self.keep_whole = link, max_total, keep_whole
         self.fetches: dict[str, Fetch] = {}  # the frame's topic -> its fetch in progress
-        # chunks of a frame whose manifest has not come: (its first chunk, index -> (data, size))
-        self.early: dict[str, tuple[Part, dict[int, tuple[bytes, int]]]] = {}
+        # topic -> digest -> (its layout, its chunks) of frames without a fetch: chunks that came
+        # before their manifest, and those of a fetch another manifest replaced (it may come back)
+        self.aside: dict[str, dict[bytes, tuple[Part, dict[int, tuple[bytes, int]]]]] = {}
         self.whole: dict[str, tuple[bytes, bytes]] = {}  # topic -> (digest, frame) last fetched, for keep_whole
         self.fetched = 0  # frames put together
 
@@ -65,15 +69,15 @@ class ChunkFetch:
         fetch = self.fetches.get(topic)
         if fetch is not None and fetch.manifest.digest == part.digest:
             return None  # seen again while its chunks come
-        if fetch is not None:
-            self._leave(topic, fetch)  # a newer frame replaced it
+        if fetch is not None:  # another frame replaced it: its chunks are kept aside, it may come back
+            self._leave(topic, fetch)
+            self._put_aside(topic, fetch.manifest, fetch.parts)
         fetch = self.fetches[topic] = Fetch(part, size)
-        first, early = self.early.pop(topic, (None, {}))
-        digest = first.digest if first is not None else None
+        _, held = self.aside.get(topic, {}).pop(part.digest, (None, {}))
         log.info("fetching a %d-byte frame on %s in %d chunks", part.total, topic, part.count)
         for index in range(part.count):
-            data, got = early.get(index, (b"", 0)) if digest == part.digest else (b"", 0)
-            if got and hashlib.sha256(data).digest() == part.hashes[index]:
+            data, got = held.get(index, (b"", 0))
+            if got and len(data) == part.length_of(index) and hashlib.sha256(data).digest() == part.hashes[index]:
                 self._keep(topic, fetch, index, data, got)
             if index not in fetch.parts:
                 self.link.subscribe(chunk_topic(topic, index))
@@ -82,7 +86,7 @@ class ChunkFetch:
     def _chunk(self, topic: str, part: Part, size: int) -> Message | None:
         fetch = self.fetches.get(topic)
         if fetch is None or fetch.manifest.digest != part.digest:
-            self._hold_early(topic, part, size)  # a newer frame's chunk, before its manifest
+            self._put_aside(topic, part, {part.index: (part.data, size)})  # a newer frame's, before its manifest
             return None
         m = fetch.manifest
         if (part.count, part.total, part.size, part.kind) != (m.count, m.total, m.size, m.kind):
@@ -95,31 +99,31 @@ class ChunkFetch:
         return self._complete(topic, fetch)
 
     def _keep(self, topic: str, fetch: Fetch, index: int, data: bytes, size: int) -> None:
-        fetch.parts[index] = data
-        fetch.size += size
+        fetch.parts[index] = (data, size)
         self.link.unsubscribe(chunk_topic(topic, index))
 
     def _complete(self, topic: str, fetch: Fetch) -> Message | None:
         if len(fetch.parts) < fetch.manifest.count:
             return None
         del self.fetches[topic]
-        frame = b"".join(fetch.parts[i] for i in range(fetch.manifest.count))
+        frame = b"".join(fetch.parts[i][0] for i in range(fetch.manifest.count))
         if hashlib.sha256(frame).digest() != fetch.manifest.digest:  # every chunk matched its hash: a forged manifest
             raise ChunkError(f"chunk-digest: the frame on {topic} does not hash to its manifest's digest")
         if topic in self.keep_whole:
             self.whole[topic] = (fetch.manifest.digest, frame)
         self.fetched += 1
-        return topic, frame, fetch.size
+        return topic, frame, fetch.size + sum(got for _, got in fetch.parts.values())
 
-    def _hold_early(self, topic: str, part: Part, size: int) -> None:
-        """Keep a chunk of a frame whose manifest has not come (one such frame per topic, its
-        chunks all of the first one's layout: at most one frame's bytes), checked on adoption."""
-        first, parts = self.early.get(topic, (part, {}))
-        if first.digest != part.digest:
-            first, parts = part, {}
-        if (part.count, part.total, part.size) == (first.count, first.total, first.size):
-            parts[part.index] = (part.data, size)
-            self.early[topic] = (first, parts)
+    def _put_aside(self, topic: str, layout: Part, parts: dict[int, tuple[bytes, int]]) -> None:
+        """Keep ``parts`` of the frame ``layout`` names (its digest), at most ``ASIDE`` frames per
+        topic, each of one layout (so at most a frame's bytes): checked once its manifest comes."""
+        frames = self.aside.setdefault(topic, {})
+        first, held = frames.pop(layout.digest, (layout, {}))  # re-inserted last: the newest
+        if (first.count, first.total, first.size) == (layout.count, layout.total, layout.size):
+            held.update(parts)
+        frames[layout.digest] = (first, held)
+        while len(frames) > ASIDE:
+            frames.pop(next(iter(frames)))
 
     def _leave(self, topic: str, fetch: Fetch) -> None:
         for index in range(fetch.manifest.count):

@@ -230,3 +230,21 @@ def test_split_refuses_what_the_threshold_keeps_whole_and_topics_parse_back() ->
     assert parse_chunk_topic(chunk_topic("fcl/fed/kb/dev-1/full", 12)) == ("fcl/fed/kb/dev-1/full", 12)
     assert parse_chunk_topic("fcl/fed/round") is None
     assert parse_chunk_topic("fcl/fed/round/chunk/x") is None
+
+
+def test_a_foreign_manifest_mid_fetch_loses_nothing_when_the_genuine_one_comes_back() -> None:
+    """A manifest the aggregator did not send (it re-publishes its own: ``Outbox.repair``)
+    replaces the fetch; the chunks held are kept aside and taken again with the genuine one."""
+    payload = frame()
+    manifest, chunks = published(payload)
+    forged, _ = published(frame())
+    link = Link()
+    fetch = ChunkFetch(link, LIMIT)
+    fetch.take(TOPIC, manifest, 100)
+    fetch.take(chunk_topic(TOPIC, 0), chunks[0], 1000)
+    fetch.take(chunk_topic(TOPIC, 2), chunks[2], 1000)
+    assert fetch.take(TOPIC, forged, 100) is None
+    assert fetch.take(TOPIC, manifest, 100) is None  # the genuine manifest again: chunks 0 and 2 are held
+    assert sorted(link.subscriptions) == sorted([TOPIC] + [chunk_topic(TOPIC, i) for i in (1, 3)])
+    fetch.take(chunk_topic(TOPIC, 1), chunks[1], 1000)
+    assert fetch.take(chunk_topic(TOPIC, 3), chunks[3], 1000) == (TOPIC, payload, 4100)
