@@ -24,7 +24,6 @@ from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import to_dict
 from fclcore.schema import FederationSpec
 from fclcore.strategy import Strategy
-from fclcore.transport import publish_packet_bytes
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +87,9 @@ class Announcer:
             self._publish_sync(rnd, task)
         payload = encode(Frame(header, meta, tensors), coding, self.limits)
         topic = topics.round_topic(self.fed.name)
-        self.outbox.publish(topic, payload, tag=f"{kind.name.lower()}:{rnd}")
+        wire, sent = self.outbox.publish(topic, payload, tag=f"{kind.name.lower()}:{rnd}")
         model_bytes = len(payload) - len(encode(Frame(header, meta, {}), coding, self.limits))
-        return Announced(publish_packet_bytes(topic, len(payload)), len(payload), model_bytes, model)
+        return Announced(wire, sent, model_bytes, model)
 
     def request(self, kind: Kind, rnd: int, missing: list[str]) -> None:
         """Ask ``missing`` clients to send their update (or evaluation) for ``rnd`` again."""

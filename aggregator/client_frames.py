@@ -19,7 +19,6 @@ from fclcore import topics
 from fclcore.codec import CodecLimits, Frame, Kind, encode
 from fclcore.schema import FederationSpec
 from fclcore.strategy import Strategy
-from fclcore.transport import publish_packet_bytes
 
 FrameSizes = dict[str, tuple[int, int]]  # client -> (MQTT packet bytes, payload bytes) of its frame
 
@@ -37,8 +36,7 @@ class ClientFrames:
         sizes = {}
         for client, (meta, tensors) in self.strategy.client_downlinks(rnd, roster).items():
             topic = topics.knowledge_topic(self.fed.name, client)
-            payload = self._publish(rnd, task, topic, f"knowledge:{task}", meta, tensors)
-            sizes[client] = (publish_packet_bytes(topic, len(payload)), len(payload))
+            sizes[client] = self._publish(rnd, task, topic, f"knowledge:{task}", meta, tensors)
             self.runlog.write(
                 "knowledge", task=task, client=client, bytes=sizes[client][0], **self.strategy.downlink_log(meta)
             )
@@ -53,9 +51,8 @@ class ClientFrames:
         frames = [topics.knowledge_topic(self.fed.name, c) for c in clients]
         return frames + [topics.knowledge_full_topic(self.fed.name, c) for c in clients]
 
-    def _publish(self, rnd: int, task: int, topic: str, tag: str, meta: dict, tensors: dict) -> bytes:
+    def _publish(self, rnd: int, task: int, topic: str, tag: str, meta: dict, tensors: dict) -> tuple[int, int]:
         header = self.outbox.header(Kind.KNOWLEDGE, rnd, task)
         frame = Frame(header, {**meta, "run": self.outbox.run_id}, tensors)
         payload = encode(frame, self.fed.value_coding, self.limits)
-        self.outbox.publish(topic, payload, tag=tag)
-        return payload
+        return self.outbox.publish(topic, payload, tag=tag)

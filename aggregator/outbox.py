@@ -9,6 +9,10 @@ devices that reconnect need it.  The service also sees what the broker delivers 
 round topic (``observe``): a message there that it did not send (garbage, a forgery, a deletion)
 may have replaced its retained announcement, so that one is published again (``repair``, at
 most once a second), and a device that restarts meanwhile finds the genuine one.
+
+A retained frame longer than ``chunk_bytes`` (``wire.chunk_bytes``) leaves as chunks and a
+manifest (``fclcore.chunks``): the chunks first, so a device that sees the manifest finds them,
+and chunk topics a longer frame used before on that topic are cleared.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from collections import deque
 from typing import Iterable, Protocol
 
 from fclcore import topics
+from fclcore.chunks import chunk_topic, split
 from fclcore.codec import Header, Kind
+from fclcore.transport import publish_packet_bytes
 
 log = logging.getLogger(__name__)
 REPAIR_EVERY_S = 1.0  # a topic's retained message is published again at most this often
@@ -36,9 +42,14 @@ class Link(Protocol):
 
 
 class Outbox:
-    def __init__(self, link: Link, federation: str, run_id: str, sequence: int = 0) -> None:
-        """``sequence``: the last number a committed round used (0 for a new run)."""
+    def __init__(
+        self, link: Link, federation: str, run_id: str, sequence: int = 0, chunk_bytes: int | None = None
+    ) -> None:
+        """``sequence``: the last number a committed round used (0 for a new run); ``chunk_bytes``:
+        retained frames longer than this go in chunks (None: every frame whole)."""
         self.link = link
+        self.chunk_bytes = chunk_bytes
+        self.chunked: dict[str, int] = {}  # topic -> chunks its retained frame was published in
         self.federation = federation
         self.run_id = run_id
         self.sequence = sequence
@@ -53,11 +64,25 @@ class Outbox:
         self.sequence += 1
         return Header(kind, self.federation, rnd, task, topics.AGGREGATOR_ID, self.sequence)
 
-    def publish(self, topic: str, payload: bytes, tag: str, retain: bool = True) -> None:
-        self._own.append(_digest(payload))
-        self.link.publish(topic, payload, retain=retain, tag=tag)
+    def publish(self, topic: str, payload: bytes, tag: str, retain: bool = True) -> tuple[int, int]:
+        """(MQTT PUBLISH bytes, payload bytes) of what went out for ``payload``: a device that
+        receives it once receives that many."""
         if retain:
             self.retained[topic] = payload
+        return self._send(topic, payload, tag, retain)
+
+    def _send(self, topic: str, payload: bytes, tag: str, retain: bool = True) -> tuple[int, int]:
+        whole = not (retain and self.chunk_bytes and len(payload) > self.chunk_bytes)
+        manifest, chunks = (payload, []) if whole else split(payload, self.chunk_bytes)
+        messages = [(chunk_topic(topic, i), c) for i, c in enumerate(chunks)] + [(topic, manifest)]
+        for where, message in messages:
+            self._own.append(_digest(message))
+            self.link.publish(where, message, retain=retain, tag=tag)
+        if retain:
+            for index in range(len(chunks), self.chunked.get(topic, 0)):
+                self.link.publish(chunk_topic(topic, index), b"", retain=True, tag="clear")
+            self.chunked[topic] = len(chunks)
+        return sum(publish_packet_bytes(t, len(m)) for t, m in messages), sum(len(m) for _, m in messages)
 
     def observe(self, topic: str, payload: bytes) -> None:
         """A message the broker delivered on one of this service's topics: one it did not send
@@ -72,8 +97,7 @@ class Outbox:
         now = time.monotonic() if now is None else now
         for topic in sorted(self.foreign):
             if now - self._repaired.get(topic, -REPAIR_EVERY_S) >= REPAIR_EVERY_S:
-                self._own.append(_digest(self.retained[topic]))
-                self.link.publish(topic, self.retained[topic], retain=True, tag="republish")
+                self._send(topic, self.retained[topic], "republish")
                 self._repaired[topic] = now
                 self.foreign.discard(topic)
 
@@ -89,7 +113,7 @@ class Outbox:
         if self.seen_connects:
             log.warning("reconnected to the broker; re-publishing %d retained message(s)", len(self.retained))
             for topic, payload in self.retained.items():
-                self.link.publish(topic, payload, retain=True, tag="republish")
+                self._send(topic, payload, "republish")
         self.seen_connects = self.link.connects
 
 

@@ -129,7 +129,7 @@ class AggregatorService:
             Nacks(self.link.publish, self.fed.name, self.run_id, SPOKEN),
             buffer,
         )
-        self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence)
+        self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence, self.fed.wire.chunk_bytes)
         self.intake.own_topics[topics.round_topic(self.fed.name)] = self.outbox.observe
         self.announcer = Announcer(
             self.outbox, self.fed, cfg.input_dim, self.strategy, downlink, self.limits, self.runlog

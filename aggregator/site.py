@@ -37,6 +37,7 @@ from aggregator.state import Committed, StateStore, fingerprint
 from fclcore import checkpoint, fastfold, topics
 from fclcore.aggregation import RunningSum
 from fclcore.checkpoint import CheckpointError
+from fclcore.chunks import CHUNK_MAGIC
 from fclcore.codec import CodecError, CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import to_dict
 from fclcore.errors import ConfigError
@@ -173,6 +174,12 @@ class SiteAggregator:
 
     def _on_downlink(self, payload: bytes) -> ExitCode | None:
         """The root's ROUND, FINISH or REQUEST (the bridge carries them in verbatim)."""
+        if payload[: len(CHUNK_MAGIC)] == CHUNK_MAGIC:
+            log.warning(
+                "the root sent a frame in chunks (wire.chunk_bytes, docs/protocol.md P-CHK-6), which a site "
+                "does not put together: set federation.wire.chunk_bytes: null for a hierarchy"
+            )
+            return None
         try:
             frame = decode(payload, self.limits)
             run = check_run_id(frame.meta.get("run"))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from edge_client.chunkfetch import ChunkFetch
 from edge_client.control import ControlServer
 from edge_client.data import load_client_data
 from edge_client.frames import ClientFrames
@@ -43,6 +44,7 @@ from edge_client.taskdir import TaskDirectory
 from edge_client.uplink import Uplink
 from fclcore import topics
 from fclcore.capabilities import device_capabilities
+from fclcore.chunks import CHUNK_MAGIC, ChunkError
 from fclcore.codec import CodecLimits, Frame, Kind
 from fclcore.config import ConfigError
 from fclcore.exitcodes import ExitCode
@@ -108,6 +110,8 @@ class ClientDaemon:
         full_topic = topics.knowledge_full_topic(cfg.federation, cfg.client_id)
         self.frames = ClientFrames(cfg.client_id, self.subscribed[1], full_topic, self.store, self.link, self.limits)
         self.sync = ModelSync(cfg.federation, self.link)
+        # large retained frames come in chunks (docs/protocol.md, section 16)
+        self.chunks = ChunkFetch(self.link, self.limits.max_frame_bytes, keep_whole=(self.subscribed[0],))
         self.uplink = Uplink(cfg.federation, cfg.client_id, self.link, key, self.limits, self.stop)
         self.stats = RoundStats()
         self.watch = AggregatorWatch(self.link, cfg.aggregator_timeout_s)
@@ -219,12 +223,24 @@ class ClientDaemon:
             self._on_nack(payload)
             return False
         try:
-            if topic not in self.subscribed and topic not in self.sync.topics and topic != self.frames.full_topic:
+            if payload[: len(CHUNK_MAGIC)] == CHUNK_MAGIC:
+                whole = self._chunk(topic, payload, size)
+                if whole is None:
+                    return False
+                topic, payload, size = whole
+            elif topic not in self.subscribed and topic not in self.sync.topics and topic != self.frames.full_topic:
                 raise RejectedFrame(f"topic: {topic} is not a topic this device subscribed to")
             return self._act(topic, payload, size)
-        except RejectedFrame as exc:
+        except (RejectedFrame, ChunkError) as exc:
             self.stats.drop(exc, topic)
             return False
+
+    def _chunk(self, topic: str, payload: bytes, size: int) -> tuple[str, bytes, int] | None:
+        """A chunk message: the whole frame it completes, or None while chunks are missing."""
+        own = topic in self.subscribed or topic in self.sync.topics or topic == self.frames.full_topic
+        if not (own or self.chunks.owns(topic)):
+            raise RejectedFrame(f"topic: {topic} is not a topic this device subscribed to")
+        return self.chunks.take(topic, payload, size)
 
     def _on_nack(self, payload: bytes) -> None:
         """Why the aggregator dropped a frame of this device; an update whose number it does not

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from fclcore.chunks import CHUNK_MAGIC
 from fclcore.codec import MAGIC, Kind
 
 ROW_UP = "update"  # the up tag whose bytes the round rows count (one per round)
@@ -23,7 +24,8 @@ _KIND_AT = len(MAGIC) + 1  # the header's kind byte follows the magic and the ve
 def downlink_tag(aggregator_status_topic: str):
     """The meter's ``classify`` for a device: ``status`` (the aggregator's), ``clear`` (an empty
     payload: a retained message deleted), the frame's kind in lower case (``round``, ``finish``,
-    ``request``, ``knowledge``, ``model``), or ``unreadable``.  It reads one header byte and never
+    ``request``, ``knowledge``, ``model``; a chunk of a frame or its manifest by the frame's kind,
+    which it carries at the same place), or ``unreadable``.  It reads one header byte and never
     raises: validating is the daemon's work."""
 
     def tag(topic: str, payload: bytes) -> str:
@@ -31,7 +33,7 @@ def downlink_tag(aggregator_status_topic: str):
             return "status"
         if not payload:
             return "clear"
-        if payload[: len(MAGIC)] != MAGIC or len(payload) <= _KIND_AT:
+        if payload[: len(MAGIC)] not in (MAGIC, CHUNK_MAGIC) or len(payload) <= _KIND_AT:
             return "unreadable"
         try:
             return Kind(payload[_KIND_AT]).name.lower()

@@ -34,6 +34,7 @@ class Uplink:
         self.sequence = 0  # the last number this device used (checkpointed with each update: P-SEQ-1)
         self.unacked: bytes | None = None  # the update for the last round done, until a later round is announced
         self.sent_at = 0.0  # when it was published (monotonic)
+        self.in_flight = None  # paho's handle of the last copy of ``unacked`` published, until the broker has it
 
     def frame(
         self, kind: Kind, rnd: int, task: int, meta: dict, tensors: dict, value_coding: str, run: str | None = None
@@ -76,7 +77,10 @@ class Uplink:
         return decode(self._plain(payload), self.limits).tensors
 
     def send(self, payload: bytes, tag: str):
-        return self.link.publish(topics.update_topic(self.federation, self.client_id), payload, tag=tag)
+        info = self.link.publish(topics.update_topic(self.federation, self.client_id), payload, tag=tag)
+        if payload is self.unacked:
+            self.in_flight = info
+        return info
 
     def deliver(self, payload: bytes, tag: str, timeout: float = FINAL_SEND_S) -> bool:
         """Publish and wait until the broker has it; a link that drops meanwhile (a broker
@@ -96,11 +100,26 @@ class Uplink:
 
     def resend(self, rnd: int, done_round: int, arrival: float, why: str) -> None:
         """Publish the unacknowledged update again, unless the message asking for it arrived
-        (at ``arrival``) before the update was first sent (it queued up while this device was training)."""
-        if rnd == done_round and self.unacked is not None and arrival >= self.sent_at:
-            log.info("re-sending the update for round %d: %s", rnd, why)
-            self.link.publish(topics.update_topic(self.federation, self.client_id), self.unacked, tag=f"resend:{rnd}")
-            self.sent_at = time.monotonic()
+        (at ``arrival``) before the update was first sent (it queued up while this device was
+        training), or the last copy has not reached the broker yet: paho sends a QoS 1 message
+        again after a reconnect by itself, and on a slow uplink a multi-megabyte update takes
+        longer than the aggregator's re-send interval, so each copy more would queue behind
+        it and delay everything after it (docs/links.md)."""
+        if rnd != done_round or self.unacked is None or arrival < self.sent_at:
+            return
+        if self._on_its_way():
+            log.info("not re-sending the update for round %d (%s): its last copy is still on its way", rnd, why)
+            return
+        log.info("re-sending the update for round %d: %s", rnd, why)
+        self.send(self.unacked, f"resend:{rnd}")
+        self.sent_at = time.monotonic()
+
+    def _on_its_way(self) -> bool:
+        """Whether paho still holds the last copy published, unacknowledged."""
+        try:
+            return self.in_flight is not None and not self.in_flight.is_published()
+        except (RuntimeError, ValueError):  # paho: published while the link was down; it cannot tell
+            return False
 
 
 def check_finite(rnd: int, loss: float | None, tensors: dict, value_dtype: str) -> None:

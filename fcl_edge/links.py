@@ -27,6 +27,7 @@ import random
 import select
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -137,6 +138,12 @@ class Namespace:
             raise
         return self
 
+    def link_bytes(self) -> dict[str, int]:
+        """The bytes that crossed the link so far (IP packets, after the qdisc), ``down`` to the
+        device and ``up`` from it: the host end's counters."""
+        stats = f"/sys/class/net/{self.host_if}/statistics"
+        return {way: int(open(f"{stats}/{name}_bytes").read()) for way, name in (("down", "tx"), ("up", "rx"))}
+
     def wrap(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this namespace."""
         return ["ip", "netns", "exec", self.name, *argv]
@@ -193,6 +200,15 @@ class LinkRelay:
         while not self._stop.wait(wait):
             self.set_online(not self.online)
             wait = p.online_s if self.online else p.offline_s
+
+    def cut(self) -> None:
+        """Drop every connection now, as a link that fails for a moment does: reset, so what is
+        still in flight is lost (the device may connect again at once)."""
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for conn in conns:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
 
     def _cut(self) -> None:
         with self.lock:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
+from fclcore.chunks import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from fclcore.codec import ValueCoding
 from fclcore.made_spec import MadeConfig
 from fclcore.topics import validate_id
@@ -227,6 +228,10 @@ class WireSpec:
     # a device behind by up to this many model versions catches up from one retained frame of
     # the entries changed meanwhile; further behind (or just joined) it fetches the full model
     catchup_versions: int = 4
+    # retained frames longer than this many bytes go as chunks a device resumes after a drop
+    # (docs/protocol.md section 16); null: every frame whole (devices of protocol 1 and 2 read
+    # no chunks).  Smaller frames are sent whole.
+    chunk_bytes: Optional[int] = DEFAULT_CHUNK_BYTES
     # Compression of dense updates (fclcore.sparsify; docs/wire.md "Compression"): None leaves
     # each setting to the method (off for every method but NGFL's family); a scenario's value wins.
     sparsify: Optional[Literal["none", "topk"]] = None  # uplink: top-k of the change + residual; "none": dense
@@ -237,7 +242,7 @@ class WireSpec:
 
     # left out of ``to_dict`` at their defaults: a federation that does not set them announces
     # the same JSON, and resumes a state dir with the same fingerprint, as before they existed
-    omit_when_default = ("sparsify", "density", "error_feedback", "down_sparsify", "down_density")
+    omit_when_default = ("sparsify", "density", "error_feedback", "down_sparsify", "down_density", "chunk_bytes")
 
     def __post_init__(self) -> None:
         for key in ("density", "down_density"):
@@ -246,6 +251,8 @@ class WireSpec:
                 raise ValueError(f"{key}: expected a share in (0, 1] or null, got {value}")
         if not 0 < self.max_frame_mb <= 255:  # MQTT caps a packet just under 256 MiB
             raise ValueError(f"max_frame_mb: expected a size in (0, 255] MB, got {self.max_frame_mb}")
+        if self.chunk_bytes is not None and not MIN_CHUNK_BYTES <= self.chunk_bytes <= 2**31:
+            raise ValueError(f"chunk_bytes: expected {MIN_CHUNK_BYTES} to 2^31 bytes or null, got {self.chunk_bytes}")
         if not 0 <= self.catchup_versions <= 64:
             raise ValueError(f"catchup_versions: expected 0-64, got {self.catchup_versions}")
         if not 1 <= self.int8_block <= 65535:

@@ -109,3 +109,12 @@ def test_requests_for_missing_updates_are_run_level_bytes_too(mosquitto, tmp_pat
     else:
         assert "request" not in block["down_by_kind"]
     assert set(block["up_by_kind"]) <= {"eval", "status", "resend"}
+
+
+def test_frames_sent_in_chunks_add_up_too(mosquitto, tmp_path, repo_root):
+    """With ``wire.chunk_bytes`` at its minimum every announcement leaves in chunks and a manifest
+    (docs/protocol.md section 16): a round's row counts the manifest and the chunks the device
+    put together, exactly what its meter and the relay saw."""
+    _attributed_run(mosquitto, tmp_path, repo_root, "fedavg", "federation.wire.chunk_bytes=1024")
+    logs = (tmp_path / "run" / "logs" / "client-0.log").read_text()
+    assert "fetching a " in logs and " chunks" in logs

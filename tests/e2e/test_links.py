@@ -142,3 +142,30 @@ def test_a_federation_runs_behind_shaped_links(tmp_path: Path, repo_root: Path, 
 def _namespaces() -> set[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in listed.splitlines() if line.startswith("fcl")}
+
+
+@pytest.mark.slow
+def test_a_slow_device_cannot_hold_a_round_open_past_its_deadline(tmp_path: Path, repo_root: Path, mosquitto) -> None:
+    """P-11.2: client-2 sits behind an nb-iot link (30 kbit/s down, 60 up, 1.6 s round trip: a
+    dense FedAvg round of this federation takes it about 30 s) and stays online, so the round
+    cannot end early without it; each round still closes at its 10 s deadline with the others."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "fcl_edge.cli", "simulate", str(repo_root / "configs/scenarios/quickstart.yaml")]
+    argv += ["--out", str(out), "--broker", mosquitto.url]
+    for item in (
+        "compare=[]",
+        "federation.method=fedavg",
+        "federation.rounds_per_task=1",
+        "federation.rounds.deadline_s=10",
+        "federation.rounds.quorum=0.6",
+        "links.client-2=nb-iot",
+    ):
+        argv += ["--set", item]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(600))
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rounds = [e for e in events if e.get("event") == "round"]
+    assert len(rounds) == 2 and all(r["accepted"] >= 2 for r in rounds), rounds
+    slow = [r for r in rounds if r["accepted"] < r["expected"]]
+    assert slow, "client-2 replied in time: the link did not slow it down"
+    assert all(r["duration_s"] <= 10 + scaled(20) for r in slow), slow  # the deadline, plus folding and announcing

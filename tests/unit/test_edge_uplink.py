@@ -112,3 +112,54 @@ def test_the_last_update_is_sent_again_only_for_its_round_and_after_it_went_out(
     up.unacked = None
     up.resend(4, done_round=4, arrival=99.0, why="asked")  # acknowledged: nothing to send
     assert len(link.published) == int(resent)
+
+
+class Info:
+    """paho's MQTTMessageInfo as far as the uplink asks: whether the broker has the message."""
+
+    def __init__(self) -> None:
+        self.published = False
+
+    def is_published(self) -> bool:
+        return self.published
+
+
+def test_no_copy_more_is_queued_while_the_last_one_is_still_on_its_way() -> None:
+    """A multi-megabyte update on a slow uplink outlasts the aggregator's re-send interval: each
+    REQUEST queuing another copy behind it kept Sequential-MNIST FedAvg devices under lte-m
+    from ever delivering their final evaluation (docs/links.md).  paho re-sends an unacknowledged
+    QoS 1 message after a reconnect by itself, so the uplink waits until the broker has it."""
+    up, link = uplink()
+    infos: list[Info] = []
+
+    def publish(topic: str, payload: bytes, tag: str = "") -> Info:
+        link.published.append((topic, payload, tag))
+        infos.append(Info())
+        return infos[-1]
+
+    link.publish = publish
+    up.unacked = b"update"
+    up.send(up.unacked, "update:4")
+    up.sent_at = 5.0
+    for arrival in (10.0, 30.0, 50.0):
+        up.resend(4, done_round=4, arrival=arrival, why="asked")
+    assert [tag for *_, tag in link.published] == ["update:4"]
+    infos[0].published = True  # the broker acknowledged it, and the aggregator asks again: it lost it
+    up.resend(4, done_round=4, arrival=70.0, why="asked")
+    assert [tag for *_, tag in link.published] == ["update:4", "resend:4"]
+    up.resend(4, done_round=4, arrival=90.0, why="asked")  # the re-sent copy is on its way in turn
+    assert len(link.published) == 2
+
+
+def test_a_copy_published_while_the_link_was_down_does_not_stop_a_re_send() -> None:
+    """paho's handle of a message published while disconnected raises instead of answering
+    (a broker restart mid-round): the update is sent again, as before."""
+    up, link = uplink()
+
+    class Unknown(Info):
+        def is_published(self) -> bool:
+            raise RuntimeError("Message publish failed: The client is not currently connected.")
+
+    up.unacked, up.in_flight, up.sent_at = b"update", Unknown(), 5.0
+    up.resend(4, done_round=4, arrival=10.0, why="its round is still open")
+    assert [tag for *_, tag in link.published] == ["resend:4"]
