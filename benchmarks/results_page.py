@@ -30,6 +30,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("Learning", "fedseit_bbc.md", "FedSeIT against FedWeIT-CNN, with SIT and DLS."),
     ("Learning", "filver.md", "FIL-VER in four enrollment scenarios."),
     ("Learning", "ngfl.md", "NGFL's settings in two regimes."),
+    ("Bytes on the wire", "wire_all.md", "Every method, compression off and its defaults, side by side (issue 40)."),
     ("Bytes on the wire", "wire_dtypes.md", "float32, float16 and int8 values on one scenario."),
     ("Bytes on the wire", "fedseit_wire.md", "FedSeIT's compression stages on a small configuration (docs/wire.md)."),
     ("Bytes on the wire", "fedseit_bbc_defaults_int8.md", "FedSeIT's compression stages on bbc_fedseit, int8 values."),
