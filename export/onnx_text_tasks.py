@@ -22,6 +22,7 @@ parity-checked against torch, and only then moved over the destination with ``os
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ from torch import nn
 
 from export import scaffold
 from export.publish import ExportError, publish_export, seal, write_synced
+from export.snapshot_formats import TextTasksStage
 from export.text_export import parity_token_rows, tokenizer_metadata, trace_token_model
 from export.text_tasks_runtime import FORMAT, TextTasksRuntime
 from fclcore.served import TextTasksServed
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "export_text_tasks",
+    "stage_text_tasks",
+    "random_rows_stage",
+    "publish_text_tasks",
     "build_text_tasks_onnx",
     "reference_logits",
     "task_labels",
@@ -262,39 +267,113 @@ def export_text_tasks(
     ``quantize_dynamic``, per-channel int8 weights) must give the torch label on at least
     ``int8_min_agreement`` of the (parity row, task) pairs; both files are published only if
     both pass.  The recorded ``fcl.method`` is ``served.method`` (an empty one is refused).
-    Raises :class:`ExportError`."""
+    Raises :class:`ExportError`.  The same as :func:`stage_text_tasks` then :func:`publish_text_tasks`."""
     parity_inputs, int8, toolkit_version = scaffold.export_options(options)
+    scaffold.check_destination(path)
+    stage = stage_text_tasks(served, parity_inputs=parity_inputs, tokenizer_json=tokenizer_json)
+    return publish_text_tasks(
+        stage,
+        path,
+        tokenizer_json=tokenizer_json,
+        int8=int8,
+        toolkit_version=toolkit_version,
+        int8_min_agreement=int8_min_agreement,
+    )
+
+
+def stage_text_tasks(
+    served: Any, *, parity_inputs: Any = None, tokenizer_json: str | os.PathLike | None = None
+) -> TextTasksStage:
+    """Check ``served``'s module, compute its torch logits on the parity rows (as in
+    :func:`export_text_tasks`) and trace it: what :func:`publish_text_tasks` publishes, and
+    (with seeded random rows, :func:`random_rows_stage`) what the snapshot holds."""
     served = _as_served(served)
+    tok_meta, vocab = tokenizer_metadata(
+        tokenizer_json if tokenizer_json is not None else _default_tokenizer(), embed=False
+    )
+    given = None if parity_inputs is None else np.asarray(parity_inputs)
+    ids, mask, desc = parity_token_rows(
+        vocab, served.max_length, given, None if given is None else (given != 0).astype(np.int64)
+    )
+    labels = tuple(tuple(row) for row in served.labels)
+    with _eval_mode(served.module):
+        _probe(served.module, vocab, served.max_length)
+        ref = reference_logits(served.module, ids, mask)
+        _check_layout(ref, labels, "the served module's")
+        graph = build_text_tasks_onnx(served.module, len(labels), served.max_length).SerializeToString()
+    return TextTasksStage(
+        graph,
+        ids,
+        mask,
+        ref,
+        labels,
+        served.class_names,
+        served.task,
+        served.max_length,
+        served.method,
+        vocab,
+        tok_meta["tokenizer_sha256"],
+        desc,
+    )
+
+
+def random_rows_stage(stage: TextTasksStage, served: Any) -> TextTasksStage:
+    """``stage`` with its parity rows replaced by the seeded random ones and ``served``'s logits
+    on them: a snapshot that holds none of the device's texts."""
+    ids, mask, desc = parity_token_rows(stage.vocab_size, stage.max_length, None, None)
+    with _eval_mode(served.module):
+        ref = reference_logits(served.module, ids, mask)
+    return dataclasses.replace(stage, ids=ids, mask=mask, reference=ref, desc=desc)
+
+
+def publish_text_tasks(
+    stage: TextTasksStage,
+    path: str | os.PathLike,
+    *,
+    tokenizer_json: str | os.PathLike | None = None,
+    int8: bool = False,
+    toolkit_version: str = "0.1.0",
+    int8_min_agreement: float = INT8_MIN_AGREEMENT,
+) -> dict[str, Any]:
+    """Seal ``stage``'s graph with its metadata (the tokenizer embedded: it must be the one the
+    stage was made with), check it against the stage's torch logits and publish it at ``path``
+    (with ``int8``, the int8 copy too); the report.  Raises :class:`ExportError`."""
     path = scaffold.check_destination(path)
     scaffold.check_min_agreement(int8_min_agreement)
-    labels = [list(row) for row in served.labels]
     tok_meta, vocab = tokenizer_metadata(tokenizer_json if tokenizer_json is not None else _default_tokenizer())
+    if tok_meta["tokenizer_sha256"] != stage.tokenizer_sha256:
+        raise ExportError(
+            f"the model was traced with the tokenizer of sha256 {stage.tokenizer_sha256[:16]}..., "
+            f"this one is {tok_meta['tokenizer_sha256'][:16]}..."
+        )
+    labels = [list(row) for row in stage.labels]
     metadata: dict[str, Any] = {
         "format": FORMAT,
-        "method": served.method,
-        "task": served.task,
+        "method": stage.method,
+        "task": stage.task,
         "labels": labels,
-        "class_names": list(served.class_names),
-        "max_length": served.max_length,
+        "class_names": list(stage.class_names),
+        "max_length": stage.max_length,
         "vocab_size": vocab,
         "toolkit_version": str(toolkit_version),
         "quantization": "none",
         **tok_meta,
     }
-    given = None if parity_inputs is None else np.asarray(parity_inputs)
-    rows = parity_token_rows(vocab, served.max_length, given, None if given is None else (given != 0).astype(np.int64))
-    ids, mask, desc = rows
-    with _eval_mode(served.module):
-        _probe(served.module, vocab, served.max_length)
-        ref = reference_logits(served.module, ids, mask)
-        _check_layout(ref, labels, "the served module's")
-        proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
+    try:
+        proto = onnx.load_from_string(stage.graph)
+        onnx.checker.check_model(proto)
+    except Exception as exc:  # noqa: BLE001 - protobuf and the checker raise many types
+        raise ExportError(f"the traced graph is not a valid ONNX model: {str(exc).splitlines()[0][:200]}") from None
+    ids, mask, ref = stage.ids, stage.mask, stage.reference
     with scaffold.staged(path) as (tmp, temps):
         write_synced(tmp, seal(proto, metadata).SerializeToString())
         del proto
         rt = scaffold.open_written(lambda p: TextTasksRuntime(p, tokenizer=False), tmp, metadata)
-        parity = _compare(ref, rt.predict_ids(ids, mask), labels, "fp32", desc)
-        report = scaffold.fp32_report(path, tmp, {"tasks": len(labels), "labels": labels}, len(ids), desc, parity, rt)
+        parity = _compare(ref, rt.predict_ids(ids, mask), labels, "fp32", stage.desc)
+        report = scaffold.fp32_report(
+            path, tmp, {"tasks": len(labels), "labels": labels}, len(ids), stage.desc, parity, rt
+        )
         del rt
+        rows = (ids, mask, stage.desc)
         int8_fn = _Int8(tmp, metadata, int8_min_agreement, ref, labels, rows) if int8 else None
         return publish_export(tmp, path, temps, report, int8_fn)
