@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from export.publish import published_mode
 from fclcore.errors import BadInput
 from fclcore.made_spec import MadeConfig
 from fclcore.npfile import refusal
@@ -76,6 +77,7 @@ def write_npz(path: str | os.PathLike, meta: dict[str, Any], arrays: dict[str, n
     arrays = {**arrays, META_KEY: np.array(json.dumps(meta))}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, published_mode())
         with os.fdopen(fd, "wb") as fh:
             np.savez(fh, **arrays)
             fh.flush()

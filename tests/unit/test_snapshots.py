@@ -18,6 +18,7 @@ from edge_client.serving import ServedModelWriter
 from export.cli import main as cli_main
 from export.formats import export_with_snapshot
 from export.image_runtime import ImageClassifierRuntime
+from export.publish import published_mode
 from export.snapshot import SnapshotError, load_snapshot, read_npz, save_snapshot, write_npz
 from export.snapshot_formats import TextGroupsSnapshot, TextTasksStage
 from export.text_runtime import TextClassifierRuntime
@@ -68,6 +69,7 @@ def test_made_and_image_round_trip(tmp_path):
     x = np.random.default_rng(0).random((5, 64))
     np.testing.assert_array_equal(back.logits(x), image.logits(x))  # the same weights, bit for bit
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically, nothing left behind
+    assert (tmp_path / "image.npz").stat().st_mode & 0o777 == published_mode()  # readable as model.onnx is
 
 
 def test_text_groups_round_trip_names_the_backbone(groups, tmp_path):
