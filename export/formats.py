@@ -144,7 +144,8 @@ def export_with_snapshot(
 
     stage = None
     if getattr(served, "format", None) == "text-tasks":  # traced once, for the snapshot and the export
-        from export.onnx_text_tasks import publish_text_tasks, random_rows_stage, stage_text_tasks
+        from export.onnx_text_tasks import random_rows_stage, stage_text_tasks
+        from export.text_tasks_publish import publish_text_tasks
 
         stage = stage_text_tasks(served, parity_inputs=parity_inputs)
     try:
@@ -167,7 +168,7 @@ def export_snapshot(
     from export.snapshot_formats import TextGroupsSnapshot, TextTasksStage
 
     if isinstance(loaded, TextTasksStage):
-        from export.onnx_text_tasks import publish_text_tasks
+        from export.text_tasks_publish import publish_text_tasks  # no torch
 
         return publish_text_tasks(loaded, path, int8=int8, toolkit_version=toolkit_version)
     served = loaded.served() if isinstance(loaded, TextGroupsSnapshot) else loaded

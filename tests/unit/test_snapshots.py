@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from support.timescale import scaled
 from support.tiny_models import BBC_NAMES, TASK_LABELS, tiny_image, tiny_text_groups, tiny_text_tasks
 
 from edge_client.serving import ServedModelWriter
@@ -29,6 +32,7 @@ from fclcore.made_spec import MadeConfig, init_params
 from fclcore.served import ServedModel, with_class_names
 
 torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +207,18 @@ def test_fcl_export_text_tasks_snapshot_matches_the_device_model(tasks_snapshot,
     for model in (out, device_model):
         got = TextTasksRuntime(model, tokenizer=False).predict_ids(ids, mask)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_fcl_export_of_a_text_tasks_snapshot_needs_no_torch(tasks_snapshot, tmp_path):
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # importing it now raises ImportError\n"
+        "from export.cli import main\n"
+        f"sys.exit(main(['export', {str(tasks_snapshot[1])!r}, '--out', {str(tmp_path / 'm.onnx')!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120), cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert TextTasksRuntime(tmp_path / "m.onnx").metadata["class_names"] == ["0", "1", "2", "3", "4"]
 
 
 def test_a_text_tasks_snapshot_with_other_weights_fails_its_check(tasks_snapshot, tmp_path, capsys):
