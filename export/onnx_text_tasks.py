@@ -25,9 +25,10 @@ parity-checked against torch, and only then moved over the destination with ``os
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -36,7 +37,7 @@ from torch import nn
 
 from export import scaffold
 from export.publish import ExportError
-from export.snapshot_formats import TextTasksStage
+from export.snapshot_text_tasks import FrozenRef, TextTasksStage
 from export.text_export import parity_token_rows, tokenizer_metadata, trace_token_model
 from export.text_tasks_publish import (
     INT8_MIN_AGREEMENT,
@@ -47,7 +48,7 @@ from export.text_tasks_publish import (
     publish_text_tasks,
     task_labels,
 )
-from fclcore.served import TextTasksServed
+from fclcore.served import FrozenTable, TextTasksServed
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -213,7 +214,10 @@ def stage_text_tasks(
         _probe(served.module, vocab, served.max_length)
         ref = reference_logits(served.module, ids, mask)
         check_layout(ref, labels, "the served module's")
-        graph = build_text_tasks_onnx(served.module, len(labels), served.max_length).SerializeToString()
+        proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
+    frozen = _leave_out_frozen(proto, served.frozen)
+    graph = proto.SerializeToString()
+    del proto
     return TextTasksStage(
         graph,
         ids,
@@ -227,7 +231,27 @@ def stage_text_tasks(
         vocab,
         tok_meta["tokenizer_sha256"],
         desc,
+        frozen,
     )
+
+
+def _leave_out_frozen(proto: onnx.ModelProto, tables: Sequence[FrozenTable]) -> tuple[FrozenRef, ...]:
+    """Clear the bytes of each initializer that holds one of ``tables`` (found by value) and
+    return what puts them back; a table no initializer holds stays where it is."""
+    refs = []
+    for table in tables:
+        a = np.ascontiguousarray(table.array, "<f4")
+        raw = a.tobytes()
+        for init in proto.graph.initializer:
+            if init.data_type == onnx.TensorProto.FLOAT and tuple(init.dims) == a.shape and init.raw_data == raw:
+                digest = hashlib.sha256(raw).hexdigest()
+                zero = tuple(int(r) for r in table.zero_rows)
+                refs.append(
+                    FrozenRef(init.name, table.model_dir, table.tensor, float(table.scale), zero, a.shape, digest, a)
+                )
+                init.ClearField("raw_data")
+                break
+    return tuple(refs)
 
 
 def random_rows_stage(stage: TextTasksStage, served: Any) -> TextTasksStage:

@@ -34,7 +34,7 @@ import os
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -43,7 +43,18 @@ from fclcore.errors import BadInput
 from fclcore.made_spec import MadeConfig
 from fclcore.npfile import refusal
 
-__all__ = ["SnapshotError", "save_snapshot", "load_snapshot", "read_npz", "write_npz", "SNAPSHOT_FORMAT"]
+__all__ = [
+    "SnapshotError",
+    "save_snapshot",
+    "load_snapshot",
+    "read_npz",
+    "write_npz",
+    "meta_int",
+    "meta_names",
+    "meta_str",
+    "no_other_arrays",
+    "SNAPSHOT_FORMAT",
+]
 
 SNAPSHOT_FORMAT = "fcl-served/1"
 META_KEY = "__meta__"
@@ -169,3 +180,31 @@ def _decode_made(meta: dict[str, Any], arrays: dict[str, np.ndarray], where: str
         )
     except (TypeError, ValueError) as exc:
         raise SnapshotError(f"{where}: {exc}") from None
+
+
+# ------------------------------------------------------------------ checks of __meta__ fields
+# (ValueError naming the field; the decoders turn it into a SnapshotError naming the file)
+
+
+def meta_names(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or any(not isinstance(n, str) for n in value):
+        raise ValueError(f"class_names must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def meta_int(value: Any, name: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def meta_str(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def no_other_arrays(arrays: Mapping[str, np.ndarray], used: set[str]) -> None:
+    extra = sorted(set(arrays) - used)
+    if extra:
+        raise ValueError(f"unexpected arrays {extra[:5]}")

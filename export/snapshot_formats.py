@@ -35,12 +35,13 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from export.snapshot import META_KEY, SnapshotError
-from fclcore.served import ImageClassifierServed, check_task_labels
+from export.snapshot import META_KEY, SnapshotError, meta_int, meta_names, meta_str, no_other_arrays
+from export.snapshot_text_tasks import TEXT_TASKS_FORMAT, TextTasksStage, decode_text_tasks, encode_text_tasks
+from fclcore.served import ImageClassifierServed
 
 __all__ = [
     "IMAGE_FORMAT",
@@ -55,29 +56,8 @@ __all__ = [
 
 IMAGE_FORMAT = "fcl-served-image-classifier/1"
 TEXT_GROUPS_FORMAT = "fcl-served-text-groups/1"
-TEXT_TASKS_FORMAT = "fcl-served-text-tasks/1"
 _GROUP_NAME = re.compile(r"group(\d+)/(.+)")
 _DIGESTS: dict[tuple[str, int, int, int, int], str] = {}  # (dir, sizes, mtimes) -> sha256, per process
-
-
-@dataclass(frozen=True, eq=False)
-class TextTasksStage:
-    """A traced text-tasks export before its publication: what ``export.onnx_text_tasks`` checks
-    and seals, and what its snapshot holds."""
-
-    graph: bytes  # the unsealed ONNX protobuf
-    ids: np.ndarray  # (N, L) int64 parity rows
-    mask: np.ndarray  # (N, L) int64 0/1
-    reference: np.ndarray  # (N, T, W) float32 torch logits on the rows
-    labels: tuple[tuple[int, ...], ...]
-    class_names: tuple[str, ...]
-    task: int
-    max_length: int
-    method: str
-    vocab_size: int
-    tokenizer_sha256: str
-    desc: str  # what the parity rows are, e.g. random_tokens:32
-    format = "text-tasks"
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,7 +150,7 @@ def encode(served: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     if isinstance(served, ImageClassifierServed):
         return _encode_image(served)
     if isinstance(served, TextTasksStage):
-        return _encode_text_tasks(served)
+        return encode_text_tasks(served)
     if getattr(served, "format", None) == "text-groups":
         return _encode_text_groups(served)
     if getattr(served, "format", None) == "text-tasks":
@@ -235,33 +215,16 @@ def _encode_text_groups(s: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return meta, arrays
 
 
-def _encode_text_tasks(s: TextTasksStage) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    meta = {
-        "format": TEXT_TASKS_FORMAT,
-        "labels": [list(row) for row in s.labels],
-        "class_names": list(s.class_names),
-        "task": s.task,
-        "max_length": s.max_length,
-        "method": s.method,
-        "vocab_size": s.vocab_size,
-        "tokenizer_sha256": s.tokenizer_sha256,
-        "parity": s.desc,
-    }
-    arrays = {
-        "graph": np.frombuffer(s.graph, np.uint8),
-        "parity_ids": s.ids,
-        "parity_mask": s.mask,
-        "reference": s.reference,
-    }
-    return meta, arrays
-
-
 # ------------------------------------------------------------------ decode
 
 
 def decode(fmt: Any, meta: dict[str, Any], arrays: dict[str, np.ndarray], where: str) -> Any:
     """The snapshot's model (see the module doc), validated; SnapshotError naming ``where``."""
-    decoders = {IMAGE_FORMAT: _decode_image, TEXT_GROUPS_FORMAT: _decode_text_groups, TEXT_TASKS_FORMAT: _decode_tasks}
+    decoders = {
+        IMAGE_FORMAT: _decode_image,
+        TEXT_GROUPS_FORMAT: _decode_text_groups,
+        TEXT_TASKS_FORMAT: decode_text_tasks,
+    }
     if fmt not in decoders:
         known = ", ".join(["fcl-served/1", *decoders])
         raise SnapshotError(f"{where}: snapshot format {fmt!r} is not one of {known}")
@@ -273,30 +236,6 @@ def decode(fmt: Any, meta: dict[str, Any], arrays: dict[str, np.ndarray], where:
     except (KeyError, TypeError, ValueError) as exc:
         what = f"{META_KEY} is missing {exc}" if isinstance(exc, KeyError) else str(exc)
         raise SnapshotError(f"{where}: {what}") from None
-
-
-def _names(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or any(not isinstance(n, str) for n in value):
-        raise ValueError(f"class_names must be a list of strings, got {value!r}")
-    return tuple(value)
-
-
-def _int(value: Any, name: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _str(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _unexpected(arrays: Mapping[str, np.ndarray], used: set[str]) -> None:
-    extra = sorted(set(arrays) - used)
-    if extra:
-        raise ValueError(f"unexpected arrays {extra[:5]}")
 
 
 def _decode_image(meta: dict[str, Any], arrays: dict[str, np.ndarray], where: str) -> ImageClassifierServed:
@@ -312,9 +251,13 @@ def _decode_image(meta: dict[str, Any], arrays: dict[str, np.ndarray], where: st
                 params[k] = arrays[f"layer{i}.{k}"]
                 used.add(f"layer{i}.{k}")
         layers.append((kind, params))
-    _unexpected(arrays, used)
+    no_other_arrays(arrays, used)
     return ImageClassifierServed(
-        _int(meta["image_side"], "image_side", 1), layers, _names(meta["class_names"]), meta["method"], meta["task"]
+        meta_int(meta["image_side"], "image_side", 1),
+        layers,
+        meta_names(meta["class_names"]),
+        meta["method"],
+        meta["task"],
     )
 
 
@@ -322,9 +265,9 @@ def _decode_text_groups(meta: dict[str, Any], arrays: dict[str, np.ndarray], whe
     enhancer = meta["enhancer"]
     if not isinstance(enhancer, dict) or set(enhancer) != {"hidden", "bottleneck", "blocks", "activation"}:
         raise ValueError(f"enhancer must be {{hidden, bottleneck, blocks, activation}}, got {enhancer!r}")
-    hidden = _int(enhancer["hidden"], "enhancer.hidden", 1)
-    group_classes = tuple(tuple(_int(c, "group_classes[]") for c in row) for row in meta["group_classes"])
-    group_of = {_int(c, "group_of class"): _int(j, "group_of group") for c, j in meta["group_of"]}
+    hidden = meta_int(enhancer["hidden"], "enhancer.hidden", 1)
+    group_classes = tuple(tuple(meta_int(c, "group_classes[]") for c in row) for row in meta["group_classes"])
+    group_of = {meta_int(c, "group_of class"): meta_int(j, "group_of group") for c, j in meta["group_of"]}
     for c, j in group_of.items():
         if j >= len(group_classes) or c not in group_classes[j]:
             raise ValueError(f"group_of: class {c} is routed to group {j}, which does not hold it")
@@ -341,7 +284,7 @@ def _decode_text_groups(meta: dict[str, Any], arrays: dict[str, np.ndarray], whe
         raise ValueError(f"prototypes must be float (classes, {hidden}), got {protos.dtype} {protos.shape}")
     if ids.dtype.kind not in "iu" or ids.shape != (len(protos),) or len(set(ids.tolist())) != len(ids):
         raise ValueError(f"prototype_classes must be {len(protos)} distinct ints, got {ids.dtype} {ids.shape}")
-    _unexpected(arrays, {"prototypes", "prototype_classes", *(n for n in arrays if _GROUP_NAME.fullmatch(n))})
+    no_other_arrays(arrays, {"prototypes", "prototype_classes", *(n for n in arrays if _GROUP_NAME.fullmatch(n))})
     backbone = meta["backbone"]
     if not isinstance(backbone, dict) or not all(isinstance(backbone.get(k), str) for k in ("dir", "sha256")):
         raise ValueError(f"backbone must be {{dir, sha256}} strings, got {backbone!r}")
@@ -351,47 +294,10 @@ def _decode_text_groups(meta: dict[str, Any], arrays: dict[str, np.ndarray], whe
         group_of=group_of,
         prototypes={int(c): p.astype(np.float32) for c, p in zip(ids, protos)},
         tensors=tensors,
-        task=_int(meta["task"], "task"),
-        max_length=_int(meta["max_length"], "max_length", 2),
-        method=_str(meta["method"], "method"),
+        task=meta_int(meta["task"], "task"),
+        max_length=meta_int(meta["max_length"], "max_length", 2),
+        method=meta_str(meta["method"], "method"),
         backbone={"dir": backbone["dir"], "sha256": backbone["sha256"]},
-        class_names=_names(meta["class_names"]),
+        class_names=meta_names(meta["class_names"]),
         where=where,
-    )
-
-
-def _decode_tasks(meta: dict[str, Any], arrays: dict[str, np.ndarray], where: str) -> TextTasksStage:
-    graph, ids, mask, ref = arrays["graph"], arrays["parity_ids"], arrays["parity_mask"], arrays["reference"]
-    _unexpected(arrays, {"graph", "parity_ids", "parity_mask", "reference"})
-    names = _names(meta["class_names"])
-    labels = check_task_labels(meta["labels"], len(names))
-    vocab, max_length = _int(meta["vocab_size"], "vocab_size", 1), _int(meta["max_length"], "max_length", 2)
-    if graph.dtype != np.uint8 or graph.ndim != 1 or graph.size == 0:
-        raise ValueError(f"graph must be non-empty uint8 bytes, got {graph.dtype} {graph.shape}")
-    if ids.dtype != np.int64 or ids.ndim != 2 or mask.shape != ids.shape or ids.shape[0] == 0:
-        raise ValueError(f"parity_ids and parity_mask must be int64 (N >= 1, L), got {ids.shape} and {mask.shape}")
-    if ids.shape[1] > max_length or ids.min() < 0 or ids.max() >= vocab or not np.isin(mask, (0, 1)).all():
-        raise ValueError(f"parity rows need L <= {max_length}, ids in [0, {vocab}) and a 0/1 mask")
-    want = (len(ids), len(labels), max(len(row) for row in labels))
-    if ref.dtype != np.float32 or ref.shape != want:
-        raise ValueError(f"reference must be float32 {want} (rows, tasks, most labels), got {ref.dtype} {ref.shape}")
-    for t, row in enumerate(labels):
-        if not np.isfinite(ref[:, t, : len(row)]).all() or not (ref[:, t, len(row) :] == -np.inf).all():
-            raise ValueError(f"reference logits of task {t} must be finite in its {len(row)} columns, -inf after them")
-    task = _int(meta["task"], "task")
-    if task != len(labels) - 1:
-        raise ValueError(f"task must be the last of the {len(labels)} tasks, got {task}")
-    return TextTasksStage(
-        graph=graph.tobytes(),
-        ids=ids,
-        mask=mask,
-        reference=ref,
-        labels=labels,
-        class_names=names,
-        task=task,
-        max_length=max_length,
-        method=_str(meta["method"], "method"),
-        vocab_size=vocab,
-        tokenizer_sha256=_str(meta["tokenizer_sha256"], "tokenizer_sha256"),
-        desc=str(meta.get("parity", f"snapshot:{len(ids)}")),
     )

@@ -20,7 +20,7 @@ import onnx
 
 from export import scaffold
 from export.publish import ExportError, publish_export, seal, write_synced
-from export.snapshot_formats import TextTasksStage
+from export.snapshot_text_tasks import FrozenRef, TextTasksStage
 from export.text_export import tokenizer_metadata
 from export.text_tasks_runtime import FORMAT, TextTasksRuntime
 
@@ -126,6 +126,16 @@ def default_tokenizer() -> Path:
         raise ExportError(f"no tokenizer to embed: {exc}") from None
 
 
+def _put_back_frozen(proto: onnx.ModelProto, frozen: Sequence[FrozenRef]) -> None:
+    """The bytes of the initializers the stage left out (SnapshotError if a source is missing)."""
+    inits = {init.name: init for init in proto.graph.initializer}
+    for ref in frozen:
+        init = inits.get(ref.initializer)
+        if init is None or init.raw_data or tuple(init.dims) != ref.shape:
+            raise ExportError(f"the traced graph has no empty {ref.shape} initializer {ref.initializer!r} to fill")
+        init.raw_data = np.ascontiguousarray(ref.values(), "<f4").tobytes()
+
+
 def publish_text_tasks(
     stage: TextTasksStage,
     path: str | os.PathLike,
@@ -161,6 +171,10 @@ def publish_text_tasks(
     }
     try:
         proto = onnx.load_from_string(stage.graph)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError
+        raise ExportError(f"the traced graph is not an ONNX model: {str(exc).splitlines()[0][:200]}") from None
+    _put_back_frozen(proto, stage.frozen)
+    try:
         onnx.checker.check_model(proto)
     except Exception as exc:  # noqa: BLE001 - protobuf and the checker raise many types
         raise ExportError(f"the traced graph is not a valid ONNX model: {str(exc).splitlines()[0][:200]}") from None

@@ -105,6 +105,20 @@ class TextGroupsServed:
 
 
 @dataclass(frozen=True, eq=False)
+class FrozenTable:
+    """A frozen weight of a served module that a shipped file already holds: tensor ``tensor`` of
+    ``model_dir/model.safetensors`` with rows ``zero_rows`` zeroed, times ``scale`` in float32.
+    ``array`` is the module's own copy (float32, equal to that).  A snapshot names it by its
+    source instead of copying it (``export.snapshot_formats``)."""
+
+    array: np.ndarray
+    model_dir: str
+    tensor: str
+    scale: float
+    zero_rows: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
 class TextTasksServed:
     """A task-incremental text classifier: token ids -> one head per task (the task id picks it).
 
@@ -122,6 +136,7 @@ class TextTasksServed:
     max_length: int  # tokens per text incl. [CLS]/[SEP] (padding with id 0)
     method: str = ""
     extra: dict = field(default_factory=dict)
+    frozen: Sequence[FrozenTable] = ()  # weights of ``module`` a shipped file holds (its snapshot names them)
     format = "text-tasks"
 
     def __post_init__(self) -> None:

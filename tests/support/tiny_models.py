@@ -4,6 +4,7 @@ as the daemon's export child loads it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fclcore.served import ImageClassifierServed, TextGroupsServed, TextTasksServed
+from fclcore.served import FrozenTable, ImageClassifierServed, TextGroupsServed, TextTasksServed
 
 TASK_LABELS = [[3, 0, 4], [1, 2]]  # task 0: 3 labels, task 1: 2 labels (+ one -inf column)
 BBC_NAMES = ("business", "entertainment", "politics", "sports", "tech")
@@ -77,19 +78,35 @@ def save_backbone_dir(encoder, cfg, path: Path) -> Path:
         "layer_norm_eps": cfg.eps,
     }
     (path / "config.json").write_text(json.dumps(hf))
+    write_safetensors(path / "model.safetensors", {hf_name(n): v.numpy() for n, v in encoder.state_dict().items()})
+    return path
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """float32 ``tensors`` as a safetensors file (u64 header size, JSON header, raw data)."""
     header, blobs, offset = {}, [], 0
-    for name, value in encoder.state_dict().items():
-        raw = value.numpy().astype("<f4").tobytes()
-        header[hf_name(name)] = {
-            "dtype": "F32",
-            "shape": list(value.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
+    for name, value in tensors.items():
+        raw = np.ascontiguousarray(value, "<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)
     text = json.dumps(header).encode()
-    (path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
-    return path
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def tiny_text_tasks_with_table(model_dir: Path, seed: int = 0, scale: float = 0.37) -> TextTasksServed:
+    """:func:`tiny_text_tasks` whose embedding is a frozen table from a shipped file: tensor
+    ``emb`` of ``model_dir/model.safetensors`` (written here), row 0 zeroed, times ``scale``."""
+    served = tiny_text_tasks(seed)
+    shipped = np.random.default_rng(seed).normal(0, 1, tuple(served.module.embed.weight.shape)).astype(np.float32)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_safetensors(model_dir / "model.safetensors", {"emb": shipped})
+    table = torch.from_numpy(shipped.copy())
+    table[0] = 0.0
+    with torch.no_grad():
+        served.module.embed.weight.copy_(table * scale)  # as FedSeIT's load_embedding scales its table
+    frozen = FrozenTable(served.module.embed.weight.detach().numpy(), str(model_dir), "emb", scale, (0,))
+    return dataclasses.replace(served, frozen=(frozen,))
 
 
 def tiny_text_groups(backbone_dir: Path) -> tuple[TextGroupsServed, np.ndarray]:

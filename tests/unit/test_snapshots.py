@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 from support.timescale import scaled
-from support.tiny_models import BBC_NAMES, TASK_LABELS, tiny_image, tiny_text_groups, tiny_text_tasks
+from support.tiny_models import (
+    BBC_NAMES,
+    TASK_LABELS,
+    tiny_image,
+    tiny_text_groups,
+    tiny_text_tasks,
+    tiny_text_tasks_with_table,
+    write_safetensors,
+)
 
 from edge_client.serving import ServedModelWriter
 from export.cli import main as cli_main
@@ -231,7 +239,7 @@ def test_a_text_tasks_snapshot_with_other_weights_fails_its_check(tasks_snapshot
     assert "parity check failed" in capsys.readouterr().err and not (tmp_path / "x.onnx").exists()
     path = _edit(tasks_snapshot[1], tmp_path / "junk.npz", arrays_changes={"graph": np.arange(9, dtype=np.uint8)})
     assert cli_main(["export", str(path), "--out", str(tmp_path / "x.onnx")]) == ExitCode.FAILURE
-    assert "not a valid ONNX model" in capsys.readouterr().err
+    assert "ONNX model" in capsys.readouterr().err
 
 
 def test_fcl_export_text_groups_snapshot(snapshots, groups, tmp_path, capsys):
@@ -303,3 +311,56 @@ def test_device_serves_bbc_names_and_fcl_infer_prints_them(tmp_path, capsys):
         answer = json.loads(capsys.readouterr().out)
         assert answer["class"] in ("sports", "business", "tech") and answer["label"] in TASK_LABELS[0]
         assert answer["class"] == BBC_NAMES[answer["label"]]
+
+
+# ------------------------------------------------------------------ frozen tables named, not copied
+
+
+@pytest.fixture(scope="module")
+def table_snapshot(tmp_path_factory):
+    d = tmp_path_factory.mktemp("frozen")
+    served = tiny_text_tasks_with_table(d / "shipped")
+    report, problem = export_with_snapshot(served, d / "model.onnx", d / "served.npz")
+    assert problem is None and report["label_agreement"] == 1.0
+    return served, d
+
+
+def test_a_frozen_table_is_named_by_its_source_not_copied(table_snapshot, tmp_path, capsys):
+    served, d = table_snapshot
+    table = served.module.embed.weight.detach().numpy()
+    meta, arrays = read_npz(d / "served.npz")
+    (ref,) = meta["frozen"]
+    assert ref["model_dir"] == str(d / "shipped") and ref["tensor"] == "emb" and ref["zero_rows"] == [0]
+    assert arrays["graph"].nbytes < (d / "model.onnx").stat().st_size - table.nbytes  # the table's bytes are not in it
+    assert sorted(arrays) == ["graph", "parity_ids", "parity_mask", "reference"]
+    out = tmp_path / "m.onnx"
+    assert cli_main(["export", str(d / "served.npz"), "--out", str(out)]) == ExitCode.OK  # rebuilt from the source
+    capsys.readouterr()
+    ids = np.random.default_rng(3).integers(1, 30522, (5, 9)).astype(np.int64)
+    mask = np.ones_like(ids)
+    got = TextTasksRuntime(out, tokenizer=False).predict_ids(ids, mask)
+    np.testing.assert_allclose(got, _torch_logits(served.module, ids, mask), rtol=1e-4, atol=1e-5)
+
+
+def test_a_frozen_table_whose_source_changed_is_refused(table_snapshot, tmp_path, capsys):
+    _, d = table_snapshot
+    meta, arrays = read_npz(d / "served.npz")
+    elsewhere = tmp_path / "shipped"
+    elsewhere.mkdir()
+    other = np.random.default_rng(9).normal(0, 1, (30522, 8)).astype(np.float32)
+    write_safetensors(elsewhere / "model.safetensors", {"emb": other})  # another file under the same name
+    meta["frozen"][0]["model_dir"] = str(elsewhere)
+    write_npz(tmp_path / "served.npz", meta, arrays)
+    assert cli_main(["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m.onnx")]) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert "no emb of sha256" in err and str(elsewhere) in err and not (tmp_path / "m.onnx").exists()
+
+
+def test_a_frozen_table_its_source_cannot_rebuild_is_copied(tmp_path):
+    served = tiny_text_tasks_with_table(tmp_path / "shipped")
+    (tmp_path / "shipped" / "model.safetensors").unlink()  # the device's copy has no source now
+    export_with_snapshot(served, tmp_path / "model.onnx", tmp_path / "served.npz")
+    back = load_snapshot(tmp_path / "served.npz")
+    (ref,) = back.frozen
+    np.testing.assert_array_equal(ref.array, served.module.embed.weight.detach().numpy())
+    assert cli_main(["export", str(tmp_path / "served.npz"), "--out", str(tmp_path / "m.onnx")]) == ExitCode.OK
