@@ -28,7 +28,7 @@ import torch
 
 from edge_client.chunkfetch import ChunkFetch
 from edge_client.control import ControlServer
-from edge_client.data import load_client_data
+from edge_client.data import load_client_data, served_class_names
 from edge_client.frames import ClientFrames
 from edge_client.learning import DeviceLearner
 from edge_client.ledger import downlink_tag
@@ -86,7 +86,11 @@ class ClientDaemon:
         self.store = ClientStateStore(state_dir)
         self.device = DeviceLearner(cfg, data, task_dir, self.store.path.parent)
         self.serving = ServedModelWriter(
-            self.out_dir, cfg.data.dataset if cfg.data else "", cfg.serve.int8, cfg.serve.export_timeout_s
+            self.out_dir,
+            cfg.data.dataset if cfg.data else "",
+            cfg.serve.int8,
+            cfg.serve.export_timeout_s,
+            class_names=served_class_names(cfg),
         )
         self.control = ControlServer(
             self.store.path.parent / "control.sock", self.status_snapshot, self.serving.model_path, cfg.serve.providers

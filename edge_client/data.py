@@ -10,8 +10,10 @@ import numpy as np
 
 from fclcore.data import (
     ClientTasks,
+    DataError,
     Dataset,
     client_task_split,
+    dataset_class_names,
     domain_task_split,
     float_pixels,
     load_dataset,
@@ -66,3 +68,15 @@ def float_tasks(tasks: ClientTasks) -> ClientTasks:
     return dataclasses.replace(
         tasks, train=tuple(map(float_pixels, tasks.train)), test=tuple(map(float_pixels, tasks.test))
     )
+
+
+def served_class_names(cfg: ClientConfig) -> tuple[str, ...] | None:
+    """The names the served model gives its classes (``fclcore.data.dataset_class_names``), or
+    None: no data section, a dataset that numbers its classes, or a corpus folder not found
+    (then the data loader says why)."""
+    if cfg.data is None:
+        return None
+    try:
+        return dataset_class_names(cfg.data.dataset, cfg.data.path)
+    except DataError:
+        return None

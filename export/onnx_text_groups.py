@@ -256,6 +256,7 @@ def export_text_groups(
         backbone, groups = served.backbone, list(served.groups)
         prototypes, group_of = dict(served.prototypes), dict(served.group_of)
         task, max_length, method = served.task, served.max_length, getattr(served, "method", "")
+        class_names = list(getattr(served, "class_names", ())) or None
     except (AttributeError, TypeError) as exc:
         raise ExportError(f"not a text-groups served model: {exc}") from None
     if not isinstance(method, str) or not method.strip():
@@ -280,4 +281,5 @@ def export_text_groups(
         max_length=max_length,
         toolkit_version=toolkit_version,
         stage_dir=stage_dir,
+        class_names=class_names,
     )

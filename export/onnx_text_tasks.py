@@ -14,7 +14,9 @@ needs nothing else; the metadata schema is documented there.
 
 Before anything is written the module is checked on the parity rows: logits of shape
 (N, T, W), finite in every task's label columns and ``-inf`` after them, and it must accept a
-text of ``max_length`` tokens holding the tokenizer's last id.  Then the usual publish path
+text of ``max_length`` tokens holding the tokenizer's last id.  That traced graph with the torch
+logits is a :class:`export.snapshot_formats.TextTasksStage` (what the device's snapshot holds);
+``export.text_tasks_publish`` (no torch) takes it along the usual publish path
 (``export.publish``): a temporary file, sealed, reloaded and validated by the runtime,
 parity-checked against torch, and only then moved over the destination with ``os.replace``
 (with ``int8``, the int8 copy too, after its label agreement with torch passed).
@@ -22,9 +24,10 @@ parity-checked against torch, and only then moved over the destination with ``os
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
@@ -33,16 +36,28 @@ import torch
 from torch import nn
 
 from export import scaffold
-from export.publish import ExportError, publish_export, seal, write_synced
+from export.publish import ExportError
+from export.snapshot_text_tasks import FrozenRef, TextTasksStage
 from export.text_export import parity_token_rows, tokenizer_metadata, trace_token_model
-from export.text_tasks_runtime import FORMAT, TextTasksRuntime
-from fclcore.served import TextTasksServed
+from export.text_tasks_publish import (
+    INT8_MIN_AGREEMENT,
+    PARITY_TOL,
+    TIE_TOL,
+    check_layout,
+    default_tokenizer,
+    publish_text_tasks,
+    task_labels,
+)
+from fclcore.served import FrozenTable, TextTasksServed
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
     "export_text_tasks",
+    "stage_text_tasks",
+    "random_rows_stage",
+    "publish_text_tasks",
     "build_text_tasks_onnx",
     "reference_logits",
     "task_labels",
@@ -52,9 +67,6 @@ __all__ = [
     "INT8_MIN_AGREEMENT",
 ]
 
-PARITY_TOL = 1e-4  # |onnx - torch| <= PARITY_TOL * max(1, |torch|) for every finite logit (as text-groups)
-TIE_TOL = 1e-4  # a top-2 logit gap of a task below this (scaled like PARITY_TOL) is a float32 tie
-INT8_MIN_AGREEMENT = 0.9  # int8 labels must equal the fp32 torch ones on >= 90% of (parity row, task) pairs
 _REF_ROWS = 64  # rows per torch forward in the reference
 
 
@@ -117,21 +129,6 @@ def _kind(x: Any) -> str:
     return f"{x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _check_layout(logits: np.ndarray, labels: Sequence[Sequence[int]], what: str) -> None:
-    """(N, T, W) with W the most labels of a task; finite in a task's label columns, -inf after them."""
-    want = (len(logits), len(labels), max(len(row) for row in labels))
-    if logits.shape != want:
-        raise ExportError(f"{what} logits have shape {logits.shape}, expected {want} (rows, tasks, most labels)")
-    for t, row in enumerate(labels):
-        bad = np.flatnonzero(~np.isfinite(logits[:, t, : len(row)]).all(axis=1))
-        if len(bad):
-            raise ExportError(
-                f"{what} logits of task {t} are not finite in its {len(row)} label columns (rows {bad[:5].tolist()})"
-            )
-        if not (logits[:, t, len(row) :] == -np.inf).all():
-            raise ExportError(f"{what} logits of task {t} must be -inf in the columns past its {len(row)} labels")
-
-
 def _probe(module: nn.Module, vocab: int, max_length: int) -> None:
     """The module must take a text of ``max_length`` tokens holding the tokenizer's last id."""
     ids = np.full((1, max_length), vocab - 1, np.int64)
@@ -142,19 +139,6 @@ def _probe(module: nn.Module, vocab: int, max_length: int) -> None:
             f"the served module cannot take a text of max_length {max_length} tokens with token id {vocab - 1} "
             f"(the tokenizer has {vocab} tokens): {exc.__cause__ or exc}"
         ) from None
-
-
-def task_labels(logits: np.ndarray, labels: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(global class ids (N, T), top-2 logit gap (N, T), inf for one-label tasks) per row and task."""
-    n = len(logits)
-    ids, gaps = np.empty((n, len(labels)), np.int64), np.full((n, len(labels)), np.inf)
-    for t, row in enumerate(labels):
-        z = logits[:, t, : len(row)].astype(np.float64)
-        ids[:, t] = np.asarray(row, np.int64)[z.argmax(axis=1)]
-        if len(row) > 1:
-            top = np.sort(z, axis=1)
-            gaps[:, t] = top[:, -1] - top[:, -2]
-    return ids, gaps
 
 
 # ------------------------------------------------------------------ building
@@ -175,72 +159,7 @@ def build_text_tasks_onnx(module: nn.Module, n_tasks: int, max_length: int) -> o
     return proto
 
 
-# ------------------------------------------------------------------ parity
-
-
-def _compare(ref: np.ndarray, got: np.ndarray, labels: Sequence[Sequence[int]], what: str, desc: str) -> dict[str, Any]:
-    """Finite logits within PARITY_TOL, -inf at the same places, the same label per task except
-    where torch's own top-2 gap is a float32 tie."""
-    finite = np.isfinite(ref)
-    same_inf = np.array_equal(finite, np.isfinite(got)) and np.array_equal(ref[~finite], got[~finite])
-    if np.isnan(got).any() or not same_inf:
-        raise ExportError(f"{what} parity check failed: the -inf layout of the logits differs from torch ({desc})")
-    err, scaled = scaffold.check_logit_parity(got[finite], ref[finite], PARITY_TOL, rows=len(ref), desc=desc, what=what)
-    want, gaps = task_labels(ref, labels)
-    have, _ = task_labels(got, labels)
-    scale = np.abs(np.where(np.isfinite(ref), ref, 0.0)).max(axis=2)  # (N, T)
-    tie = gaps <= TIE_TOL * np.maximum(1.0, scale)
-    bad = (have != want) & ~tie
-    if bad.any():
-        raise ExportError(f"{what} parity check failed: {int(bad.sum())} (row, task) labels differ from torch ({desc})")
-    return scaffold.label_report(err, scaled, have, want, tie)
-
-
-# ------------------------------------------------------------------ int8
-
-
-class _Int8(scaffold.Int8Copy):
-    """The int8 copy must give torch's label on ``min_agreement`` of the (parity row, task) pairs."""
-
-    def __init__(
-        self,
-        fp32_tmp: Path,
-        metadata: dict[str, Any],
-        min_agreement: float,
-        ref: np.ndarray,
-        labels: Sequence[Sequence[int]],
-        rows: tuple[np.ndarray, np.ndarray, str],
-    ) -> None:
-        super().__init__(fp32_tmp, metadata, rows[2], min_agreement)
-        self.ref, self.labels, self.rows = ref, labels, rows
-
-    def load(self, path: Path) -> TextTasksRuntime:
-        return TextTasksRuntime(path, tokenizer=False)
-
-    def measure(self, rt: TextTasksRuntime) -> tuple[tuple[np.ndarray, ...], dict[str, float]]:
-        logits = rt.predict_ids(*self.rows[:2])
-        _check_layout(logits, self.labels, "int8")
-        have, _ = task_labels(logits, self.labels)
-        return (have,), {"int8_label_agreement": float((have == task_labels(self.ref, self.labels)[0]).mean())}
-
-    def refusal(self, agree: float) -> str:
-        return (
-            f"int8 label agreement with torch fp32 is {agree:.4f} < {self.min_agreement:g} on {len(self.rows[0])} "
-            f"rows x {len(self.labels)} tasks ({self.desc}); nothing written"
-        )
-
-
 # ------------------------------------------------------------------ export
-
-
-def _default_tokenizer() -> Path:
-    from fclcore.dataset import DataError
-    from fclcore.text import default_tokenizer_json
-
-    try:
-        return default_tokenizer_json()
-    except DataError as exc:
-        raise ExportError(f"no tokenizer to embed: {exc}") from None
 
 
 def export_text_tasks(
@@ -262,39 +181,103 @@ def export_text_tasks(
     ``quantize_dynamic``, per-channel int8 weights) must give the torch label on at least
     ``int8_min_agreement`` of the (parity row, task) pairs; both files are published only if
     both pass.  The recorded ``fcl.method`` is ``served.method`` (an empty one is refused).
-    Raises :class:`ExportError`."""
+    Raises :class:`ExportError`.  The same as :func:`stage_text_tasks` then :func:`publish_text_tasks`."""
     parity_inputs, int8, toolkit_version = scaffold.export_options(options)
+    scaffold.check_destination(path)
+    stage = stage_text_tasks(served, parity_inputs=parity_inputs, tokenizer_json=tokenizer_json)
+    return publish_text_tasks(
+        stage,
+        path,
+        tokenizer_json=tokenizer_json,
+        int8=int8,
+        toolkit_version=toolkit_version,
+        int8_min_agreement=int8_min_agreement,
+    )
+
+
+def stage_text_tasks(
+    served: Any, *, parity_inputs: Any = None, tokenizer_json: str | os.PathLike | None = None
+) -> TextTasksStage:
+    """Check ``served``'s module, compute its torch logits on the parity rows (as in
+    :func:`export_text_tasks`) and trace it: what :func:`publish_text_tasks` publishes, and
+    (with seeded random rows, :func:`random_rows_stage`) what the snapshot holds."""
     served = _as_served(served)
-    path = scaffold.check_destination(path)
-    scaffold.check_min_agreement(int8_min_agreement)
-    labels = [list(row) for row in served.labels]
-    tok_meta, vocab = tokenizer_metadata(tokenizer_json if tokenizer_json is not None else _default_tokenizer())
-    metadata: dict[str, Any] = {
-        "format": FORMAT,
-        "method": served.method,
-        "task": served.task,
-        "labels": labels,
-        "class_names": list(served.class_names),
-        "max_length": served.max_length,
-        "vocab_size": vocab,
-        "toolkit_version": str(toolkit_version),
-        "quantization": "none",
-        **tok_meta,
-    }
+    tok_meta, vocab = tokenizer_metadata(
+        tokenizer_json if tokenizer_json is not None else default_tokenizer(), embed=False
+    )
     given = None if parity_inputs is None else np.asarray(parity_inputs)
-    rows = parity_token_rows(vocab, served.max_length, given, None if given is None else (given != 0).astype(np.int64))
-    ids, mask, desc = rows
+    ids, mask, desc = parity_token_rows(
+        vocab, served.max_length, given, None if given is None else (given != 0).astype(np.int64)
+    )
+    labels = tuple(tuple(row) for row in served.labels)
     with _eval_mode(served.module):
         _probe(served.module, vocab, served.max_length)
         ref = reference_logits(served.module, ids, mask)
-        _check_layout(ref, labels, "the served module's")
+        check_layout(ref, labels, "the served module's")
         proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
-    with scaffold.staged(path) as (tmp, temps):
-        write_synced(tmp, seal(proto, metadata).SerializeToString())
-        del proto
-        rt = scaffold.open_written(lambda p: TextTasksRuntime(p, tokenizer=False), tmp, metadata)
-        parity = _compare(ref, rt.predict_ids(ids, mask), labels, "fp32", desc)
-        report = scaffold.fp32_report(path, tmp, {"tasks": len(labels), "labels": labels}, len(ids), desc, parity, rt)
-        del rt
-        int8_fn = _Int8(tmp, metadata, int8_min_agreement, ref, labels, rows) if int8 else None
-        return publish_export(tmp, path, temps, report, int8_fn)
+    frozen = _leave_out_frozen(proto, served.frozen)
+    graph = proto.SerializeToString()
+    del proto
+    return TextTasksStage(
+        graph,
+        ids,
+        mask,
+        ref,
+        labels,
+        served.class_names,
+        served.task,
+        served.max_length,
+        served.method,
+        vocab,
+        tok_meta["tokenizer_sha256"],
+        desc,
+        frozen,
+    )
+
+
+def _leave_out_frozen(proto: onnx.ModelProto, tables: Sequence[FrozenTable]) -> tuple[FrozenRef, ...]:
+    """Clear the bytes of each initializer that holds one of ``tables`` (found by value; a
+    Constant node holding it becomes an initializer first) and return what puts them back; a
+    table the graph does not hold as it is stays out of this."""
+    refs = []
+    for table in tables:
+        a = np.ascontiguousarray(table.array, "<f4")
+        raw = a.tobytes()
+        init = _holder(proto, a.shape, raw)
+        if init is not None:
+            zero = tuple(int(r) for r in table.zero_rows)
+            digest = hashlib.sha256(raw).hexdigest()
+            refs.append(
+                FrozenRef(init.name, table.model_dir, table.tensor, float(table.scale), zero, a.shape, digest, a)
+            )
+            init.ClearField("raw_data")
+    return tuple(refs)
+
+
+def _holder(proto: onnx.ModelProto, shape: tuple[int, ...], raw: bytes) -> Any:
+    """The initializer whose float32 bytes are ``raw``, or None; a Constant node with them (what
+    the tracer makes of a module's buffer) is replaced by an initializer of its output's name."""
+
+    def same(t: Any) -> bool:
+        return t.data_type == onnx.TensorProto.FLOAT and tuple(t.dims) == shape and t.raw_data == raw
+
+    for init in proto.graph.initializer:
+        if same(init):
+            return init
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and [a.name for a in node.attribute] == ["value"] and same(node.attribute[0].t):
+            init = proto.graph.initializer.add()
+            init.CopyFrom(node.attribute[0].t)
+            init.name = node.output[0]
+            proto.graph.node.remove(node)
+            return init
+    return None
+
+
+def random_rows_stage(stage: TextTasksStage, served: Any) -> TextTasksStage:
+    """``stage`` with its parity rows replaced by the seeded random ones and ``served``'s logits
+    on them: a snapshot that holds none of the device's texts."""
+    ids, mask, desc = parity_token_rows(stage.vocab_size, stage.max_length, None, None)
+    with _eval_mode(served.module):
+        ref = reference_logits(served.module, ids, mask)
+    return dataclasses.replace(stage, ids=ids, mask=mask, reference=ref, desc=desc)

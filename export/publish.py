@@ -41,6 +41,7 @@ __all__ = [
     "int8_path_for",
     "quiet_quantizer",
     "quantize_int8",
+    "published_mode",
     "publish",
     "remove_temps",
 ]
@@ -91,6 +92,12 @@ def _umask() -> int:
 _UMASK = _umask()
 
 
+def published_mode() -> int:
+    """The mode a published file gets: what ``open`` would give it under this process's umask
+    (``mkstemp``'s 0600 would make it unreadable to the service's other users)."""
+    return 0o666 & ~_UMASK
+
+
 def int8_path_for(path: str | os.PathLike) -> Path:
     """``model.onnx`` -> ``model.int8.onnx`` (same directory)."""
     p = Path(path)
@@ -103,7 +110,7 @@ def temp_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.onnx")
     os.close(fd)
-    os.chmod(name, 0o666 & ~_UMASK)  # mkstemp's 0600 would make the published model unreadable to others
+    os.chmod(name, published_mode())
     return Path(name)
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "load_digits",
     "stratified_split",
     "load_dataset",
+    "dataset_class_names",
     "client_task_split",
     "pool_task_split",
     "random_client_tasks",
@@ -207,6 +208,17 @@ def load_dataset(
             raise DataError(f"dataset 'digits' is bundled with scikit-learn and takes no path (got {path!r})")
         return load_digits(threshold=None if gray else 7.0, seed=seed)
     raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+
+
+def dataset_class_names(name: str, path: str | None = None) -> tuple[str, ...] | None:
+    """The names of a dataset's classes in class-id order (BBC News: its sorted folder names,
+    business, entertainment, politics, sports, tech), or None where a class is named by its
+    number (the digit datasets).  DataError if the text folder is missing."""
+    if name != "bbc":
+        return None
+    from fclcore.text import default_bbc_dir, text_folder_classes
+
+    return text_folder_classes(path if path is not None else default_bbc_dir())
 
 
 def float_pixels(data: Dataset | None) -> Dataset | None:

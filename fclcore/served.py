@@ -14,7 +14,7 @@ it as a verified ONNX file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -87,7 +87,8 @@ class TextGroupsServed:
     the torch modules of ``fclbases.minilm``.  ``backbone_source``: the model directory
     (``config.json`` + ``model.safetensors``) the backbone was loaded from unchanged, so that an
     export child can load the same weights itself (``export.text_groups_job``); empty: only this
-    process has them, and the model is exported in process.
+    process has them, and the model is exported in process.  ``class_names``: recorded in the
+    exported file (``fcl infer`` prints them), indexed by class id.
     """
 
     backbone: Any
@@ -99,7 +100,22 @@ class TextGroupsServed:
     method: str = ""
     extra: dict = field(default_factory=dict)
     backbone_source: str = ""
+    class_names: Sequence[str] = ()  # class id -> name; empty: a class is named by its number
     format = "text-groups"
+
+
+@dataclass(frozen=True, eq=False)
+class FrozenTable:
+    """A frozen weight of a served module that a shipped file already holds: tensor ``tensor`` of
+    ``model_dir/model.safetensors`` with rows ``zero_rows`` zeroed, times ``scale`` in float32.
+    ``array`` is the module's own copy (float32, equal to that).  A snapshot names it by its
+    source instead of copying it (``export.snapshot_formats``)."""
+
+    array: np.ndarray
+    model_dir: str
+    tensor: str
+    scale: float
+    zero_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,6 +136,7 @@ class TextTasksServed:
     max_length: int  # tokens per text incl. [CLS]/[SEP] (padding with id 0)
     method: str = ""
     extra: dict = field(default_factory=dict)
+    frozen: Sequence[FrozenTable] = ()  # weights of ``module`` a shipped file holds (its snapshot names them)
     format = "text-tasks"
 
     def __post_init__(self) -> None:
@@ -141,6 +158,24 @@ class TextTasksServed:
             raise ValueError(f"method must be a string, got {self.method!r}")
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
+
+
+def check_task_labels(labels: Any, n_classes: int) -> tuple[tuple[int, ...], ...]:
+    """``labels`` (per task, class ids) validated as :class:`TextTasksServed` does; ValueError."""
+    return _task_labels(labels, n_classes)
+
+
+def with_class_names(served: Any, names: Sequence[str] | None) -> Any:
+    """``served`` with its classes named by ``names`` (class id -> name, e.g. the dataset's
+    folder names) where it names them only by their numbers; anything else unchanged."""
+    if not names or not hasattr(served, "class_names"):
+        return served
+    have = tuple(served.class_names)
+    if served.format == "text-groups":
+        ids = [int(c) for c in served.prototypes]
+        return replace(served, class_names=tuple(names)) if not have and max(ids, default=0) < len(names) else served
+    numbered = have == tuple(str(i) for i in range(len(have)))
+    return replace(served, class_names=tuple(names[: len(have)])) if numbered and len(have) <= len(names) else served
 
 
 def _task_labels(labels: Any, n_classes: int) -> tuple[tuple[int, ...], ...]:

@@ -25,6 +25,7 @@ __all__ = [
     "TextTokenizer",
     "default_bbc_dir",
     "load_text_folders",
+    "text_folder_classes",
     "load_bbc",
     "split_corpus",
     "class_incremental_tasks",
@@ -100,12 +101,18 @@ def _read_text(path: Path) -> str:
         return raw.decode("cp1252", errors="replace")  # one BBC article is not UTF-8
 
 
-def load_text_folders(root: str | os.PathLike, suffix: str = ".txt") -> TextCorpus:
-    """``root/<class>/*<suffix>``; class ids follow sorted folder names, files sorted by name."""
+def text_folder_classes(root: str | os.PathLike) -> tuple[str, ...]:
+    """The class names of a text-folder corpus, in class-id order (sorted folder names)."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"text corpus directory not found: {root}")
-    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    return tuple(sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))))
+
+
+def load_text_folders(root: str | os.PathLike, suffix: str = ".txt") -> TextCorpus:
+    """``root/<class>/*<suffix>``; class ids follow sorted folder names, files sorted by name."""
+    root = Path(root)
+    names = text_folder_classes(root)
     texts: list[str] = []
     labels: list[int] = []
     for c, name in enumerate(names):

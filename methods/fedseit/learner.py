@@ -34,11 +34,12 @@ from fclcore.learner import Learner, round_seed
 from fclcore.masked_upload import MIN_GATE, dense, pack, top_units
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
-from fclcore.served import TextTasksServed
+from fclcore.served import FrozenTable, TextTasksServed
 from fclcore.sparsify import kept_count, top_k
+from fclcore.text import default_tokenizer_json
 from methods.fedseit import sit
 from methods.fedseit.config import FedSeITOptions
-from methods.fedseit.model import SPECIAL_IDS, ServedTextCNN, TextCNN, load_embedding
+from methods.fedseit.model import SPECIAL_IDS, WORD_EMBEDDINGS, ServedTextCNN, TextCNN, load_embedding
 from methods.fedseit.wire import CENTRES, KB_PREFIX, META_KEY, WC_NAME, conv_name, knowledge_key, parse_entries, wf_name
 
 EVAL_BATCH = 128
@@ -357,6 +358,9 @@ class FedSeITLearner(Learner):
         for p in snapshot.parameters():
             p.requires_grad_(False)
         module = ServedTextCNN(snapshot, trained, [len(lab) for lab in self.labels]).eval()
+        table = FrozenTable(  # load_embedding's rescaled wordpiece table: named by the snapshot, not copied
+            emb.numpy(), str(default_tokenizer_json().parent), WORD_EMBEDDINGS, self.embed_scale, (0,)
+        )
         return TextTasksServed(
             module=module,
             labels=[list(lab) for lab in self.labels],
@@ -364,6 +368,7 @@ class FedSeITLearner(Learner):
             task=trained - 1,
             max_length=self.opts.max_length,
             method=self.fed.method,
+            frozen=(table,),
         )
 
     # -- checkpoints -----------------------------------------------------------------------

@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.timescale import scaled
+from support.tiny_models import tiny_text_groups
 
 from edge_client.serving import ServedModelWriter, ServeJob
 from export.runtime import MadeRuntime
+from export.text_runtime import TextClassifierRuntime
 from fclcore.made_spec import MadeConfig, init_params
 from fclcore.models.made import served_logits
 from fclcore.served import ServedModel
@@ -127,61 +129,10 @@ def test_the_daemon_process_never_imports_onnx(tmp_path):
 # -- a text-groups model (FedET's): the child loads the frozen backbone from its directory ------
 
 
-def _save_backbone_dir(encoder, cfg, path: Path) -> Path:
-    """A Hugging Face style model directory (config.json + model.safetensors) of ``encoder``."""
-    from fclbases.minilm.safetensors import hf_name
-
-    path.mkdir()
-    hf = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden,
-        "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads,
-        "intermediate_size": cfg.intermediate,
-        "max_position_embeddings": cfg.max_positions,
-        "type_vocab_size": cfg.type_vocab,
-        "layer_norm_eps": cfg.eps,
-    }
-    (path / "config.json").write_text(json.dumps(hf))
-    header, blobs, offset = {}, [], 0
-    for name, value in encoder.state_dict().items():
-        raw = value.numpy().astype("<f4").tobytes()
-        header[hf_name(name)] = {
-            "dtype": "F32",
-            "shape": list(value.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header).encode()
-    (path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
-    return path
-
-
 @pytest.fixture(scope="module")
 def text_job(tmp_path_factory):
     """(a tiny text-groups model whose backbone was loaded from a directory, parity token rows)."""
-    import torch
-
-    from fclbases.minilm.backbone import BertEncoder, FrozenBackbone, load_minilm, pooled_embeddings, tiny_config
-    from fclbases.minilm.enhancer import EnhancerConfig, EnhancerGroup
-    from fclcore.served import TextGroupsServed
-
-    torch.manual_seed(0)
-    cfg = tiny_config()
-    source = _save_backbone_dir(BertEncoder(cfg), cfg, tmp_path_factory.mktemp("backbone") / "model")
-    backbone = FrozenBackbone(load_minilm(source))
-    ecfg = EnhancerConfig(hidden=32, bottleneck=8, blocks=2)
-    groups = [EnhancerGroup(ecfg, [0, 1], seed=1), EnhancerGroup(ecfg), EnhancerGroup(ecfg, [2], seed=2)]
-    rng = np.random.default_rng(0)
-    ids = np.zeros((6, 10), np.int64)
-    for r, n in enumerate([10, 7, 4, 10, 5, 8]):
-        ids[r, :n] = np.concatenate([[2], rng.integers(4, 40, n - 2), [3]])
-    pooled = pooled_embeddings(backbone, ids, (ids != 0).astype(np.int64))
-    served = TextGroupsServed(
-        backbone, groups, {c: pooled[c] for c in range(3)}, {0: 0, 1: 0, 2: 2}, task=1, max_length=16, method="fedet"
-    )
-    return dataclasses.replace(served, backbone_source=str(source)), ids
+    return tiny_text_groups(tmp_path_factory.mktemp("backbone") / "model")
 
 
 def test_child_exports_the_text_groups_model_the_daemon_would(text_job, tmp_path):
@@ -196,6 +147,21 @@ def test_child_exports_the_text_groups_model_the_daemon_would(text_job, tmp_path
     assert reference is not None and in_process.child_peak_rss_mb == 0
     assert report["sha256"] == reference["sha256"]  # the same weights, backbone loaded again
     assert (tmp_path / "child" / "model.int8.onnx").is_file() and not list((tmp_path / "child").glob(".export-*"))
+    # the child's snapshot (served.npz, next to the model) is what `fcl export` re-exports: the same file
+    assert sorted(p.name for p in (tmp_path / "child").iterdir()) == ["model.int8.onnx", "model.onnx", "served.npz"]
+    again = tmp_path / "again.onnx"
+    done = subprocess.run(
+        [sys.executable, "-m", "export.cli", "export", str(tmp_path / "child" / "served.npz"), "--out", str(again)],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["parity_data"].startswith("random_tokens")
+    assert (
+        TextClassifierRuntime(again).metadata["weights_sha256"]
+        == TextClassifierRuntime(tmp_path / "child" / "model.onnx").metadata["weights_sha256"]
+    )
 
 
 def test_the_text_export_runs_in_two_processes_torch_then_onnxruntime(text_job, tmp_path):
@@ -266,12 +232,13 @@ def test_a_failing_or_hanging_text_export_leaves_the_old_model_and_the_worker(
 
 def test_a_text_job_without_its_backbone_is_refused(text_job, tmp_path):
     served, ids = text_job
+    from export.snapshot import read_npz, write_npz
     from export.text_groups_job import write_text_groups_job
 
     write_text_groups_job(tmp_path, served, ids, tmp_path / "m.onnx", False)
-    job = json.loads((tmp_path / "job.json").read_text())
-    job["served"]["backbone_dir"] = str(tmp_path / "nowhere")
-    (tmp_path / "job.json").write_text(json.dumps(job))
+    meta, arrays = read_npz(tmp_path / "served.npz")
+    meta["backbone"] = {"dir": str(tmp_path / "nowhere"), "sha256": meta["backbone"]["sha256"]}
+    write_npz(tmp_path / "served.npz", meta, arrays)
     done = subprocess.run([sys.executable, "-m", "export.child", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "malformed job" in json.loads((tmp_path / "report.json").read_text())["error"]

@@ -26,6 +26,7 @@ from export.image_runtime import FORMAT, ImageClassifierRuntime
 from export.onnx_image import PARITY_TOL, export_image_classifier
 from export.publish import ExportError, int8_path_for
 from export.runtime import InputError, ModelFileError
+from export.snapshot import load_snapshot
 from fclcore.served import ImageClassifierServed
 
 torch.set_num_threads(1)
@@ -323,7 +324,9 @@ def test_serving_exports_the_image_format_in_the_background(served, images, tmp_
     assert writer.wait(120)
     writer.close()
     rt = ImageClassifierRuntime(writer.model_path)
-    assert rt.metadata["task"] == 2 and not (tmp_path / "out" / "served.npz").exists()
+    assert rt.metadata["task"] == 2 and rt.class_names == NAMES
+    back = load_snapshot(tmp_path / "out" / "served.npz")  # the snapshot beside it, for `fcl export`
+    assert back.format == "image-classifier" and back.layer_summary() == served.layer_summary()
     np.testing.assert_array_equal(rt.classify(images)[1], served.logits(images).argmax(1))
 
 
