@@ -16,7 +16,7 @@
 * ``export.image_runtime``: ``ImageClassifierRuntime`` (numpy + onnxruntime only)
 * ``export.runtime``: ``MadeRuntime``, ``ModelWatcher``, ``load_inputs`` (numpy + onnxruntime only)
 * ``export.snapshot``: ``save_snapshot`` / ``load_snapshot`` of ``served.npz`` (numpy only)
-* ``export.cli``: the ``fcl export`` and ``fcl infer`` subcommands
+* ``export.cli``: the ``fcl export`` and ``fcl infer`` subcommands (``fcl infer`` in ``export.infer_cli``)
 
 Nothing is imported here so that ``import export.runtime`` stays light on a device.
 """
