@@ -40,7 +40,6 @@ from fclcore.data import (
     pool_task_split,
     random_client_tasks,
 )
-from fclcore.device import resolve as resolve_device
 from fclcore.errors import BrokerUnreachable
 from fclcore.exitcodes import ExitCode
 from fclcore.membership import Membership, preset
@@ -83,7 +82,10 @@ def plan(scenario_path: str, overrides: Sequence[str] = ()) -> Plan:
     """Load and check everything up front, so a bad scenario fails before any process starts."""
     sc = load_config(Scenario, scenario_path, overrides)
     _check_method_options(sc, scenario_path)
-    resolve_device(sc.device)  # ConfigError: a CUDA device this machine lacks
+    if sc.device != "cpu":  # the coordinator loads torch only to ask it for CUDA
+        from fclcore.device import resolve as resolve_device
+
+        resolve_device(sc.device)  # ConfigError: a CUDA device this machine lacks
     spec, options, fed = methods.resolve(sc.run_federation(), scenario_path)
     sc = dataclasses.replace(sc, federation=fed)
     pool_ids = None

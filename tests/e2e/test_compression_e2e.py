@@ -62,6 +62,7 @@ def _fleet_run(mosquitto, out: Path, repo_root: Path, disturb) -> tuple[dict, di
         "federation.options.base_rounds=3",
         "federation.options.rounds_per_task=3",
         "federation.rounds.resend_after_s=2",
+        "clients=3",
     ]
     fleet = Fleet(repo_root / spec.example_scenario, out, mosquitto.url, overrides)
     try:
@@ -69,7 +70,7 @@ def _fleet_run(mosquitto, out: Path, repo_root: Path, disturb) -> tuple[dict, di
         disturb(fleet)
         codes = fleet.wait()
         assert set(codes.values()) == {0}, (codes, fleet.logs())
-        assert_each_round_once(fleet, rounds=6, clients=5)
+        assert_each_round_once(fleet, rounds=6, clients=3)
         committed = StateStore(out / "state").load()
         return fleet.summary()["final"]["per_client"], committed.global_params
     finally:

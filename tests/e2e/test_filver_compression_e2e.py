@@ -37,8 +37,13 @@ def _run(mosquitto, out: Path, repo_root: Path, *extra: str) -> tuple[dict, list
     return json.loads((out / "summary.json").read_text()), listener.frames
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # two runs of the smoke scenario; generous for a machine shared with other work
 def test_filver_compressed_both_ways_verifies_and_moves_fewer_bytes_through_mosquitto(mosquitto, tmp_path, repo_root):
+    """Slow (two runs, 15 s): the default suite's compressed run through Mosquitto is NGFL's
+    (tests/e2e/test_compression_e2e.py), FIL-VER's through Mosquitto is
+    tests/e2e/test_filver_e2e.py, and FIL-VER's compression stage is checked in process by
+    tests/methods/test_compression_filver.py."""
     dense, _ = _run(
         mosquitto, tmp_path / "off", repo_root, "federation.wire.sparsify=none", "federation.wire.down_sparsify=none"
     )

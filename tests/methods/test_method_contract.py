@@ -13,8 +13,8 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+from support.restore import assert_restores_and_serves
 from support.timescale import scaled
 
 import methods
@@ -68,16 +68,30 @@ def test_server_half_imports_no_device_code(name: str) -> None:
         assert out[0] == "0", "torch imported by a strategy that does not declare it"
 
 
-# Baseline presets whose package's own method already runs the contract in the default suite and
-# whose run takes 10-25 s on a 2-core machine: they run with the slow tests (pytest -m slow).
-SLOW_PRESETS = {"fedet-replay", "fedet-finetune", "fedweit-cnn"}
+# Runs of 10-30 s on a 2-core machine that run with the slow tests (pytest -m slow): baseline
+# presets whose package's own method is checked in the default suite, and FedET and FedSeIT, whose
+# runs through Mosquitto (tests/methods/test_fedet_daemon.py::test_fedet_run_through_mosquitto,
+# tests/e2e/test_fedseit_e2e.py::test_fedseit_with_sit_through_mosquitto) end with the same
+# restore-and-serve checks (support/restore.py) in the default suite.
+SLOW_CONTRACT = {"fedet", "fedet-replay", "fedet-finetune", "fedseit", "fedweit-cnn"}
+
+
+def _same_classes_as_its_package(name: str) -> bool:
+    """A preset that only sets options of its package's own strategy and learner (e.g. the
+    FIL-VER and NGFL ablations): the default suite's run of the package's method covers its
+    classes, tests/methods/test_filver.py and test_ngfl.py its options; it runs with the slow tests."""
+    spec, own = REGISTRY[name], REGISTRY.get(REGISTRY[name].package)
+    return name != spec.package and own is not None and (spec.strategy, spec.learner) == (own.strategy, own.learner)
+
+
+def _contract_cases() -> list:
+    slow = SLOW_CONTRACT | {n for n in NAMES if _same_classes_as_its_package(n)}
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in NAMES]
 
 
 @pytest.mark.e2e  # a whole federation per method (1-35 s each): out of the inner loop
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PRESETS else n for n in NAMES])
+@pytest.mark.parametrize("name", _contract_cases())
 def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_path, repo_root) -> None:
-    from edge_client.state import learner_from_state, served_from_state
-    from export.formats import export_served
     from fcl_edge.simulate import simulate
 
     spec = REGISTRY[name]
@@ -94,19 +108,7 @@ def test_two_clients_two_tasks_in_process_then_restore_and_serve(name: str, tmp_
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     accepted = [e for e in events if e.get("event") == "round_client" and e["status"] == "accepted"]
     assert len(accepted) == 2 * 4  # every client in every round
-    for client in ("client-0", "client-1"):
-        state_dir = out / "clients" / client / "state"
-        learner, state = learner_from_state(state_dir)  # rebuilt through the registry, as on a restart
-        meta, arrays = learner.state()
-        assert json.loads(json.dumps(meta)) == state.learner_meta
-        assert set(arrays) == set(state.learner_arrays)
-        for key, value in arrays.items():  # restored exactly: continuing from here is continuing the run
-            np.testing.assert_array_equal(value, state.learner_arrays[key], err_msg=key)
-        served = served_from_state(state_dir)
-        assert served.format == spec.served_format
-        report = export_served(served, tmp_path / f"{client}.onnx")  # raises unless ONNX matches torch
-        assert report["bytes"] > 0
-        assert (out / "clients" / client / "model.onnx").exists()  # served by the daemon in the background
+    assert_restores_and_serves(out, spec.served_format, tmp_path, exported=("client-0", "client-1"))
 
 
 def test_misspelled_method_is_one_line_and_exit_2(tmp_path, repo_root) -> None:
