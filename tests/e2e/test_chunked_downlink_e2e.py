@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="shaping needs root (C
 CHUNK = 128 * 1024
 
 
+# the default suite's 10 min; the chunk rules: tests/unit/test_chunks.py, chunked bytes: test_every_byte_attributed.py
+@pytest.mark.slow
 def test_a_device_dropped_mid_download_fetches_only_the_chunks_it_lacks(mosquitto) -> None:
     """P-CHK-4: the cut costs the chunks in flight, not the frame: the device receives fewer
     bytes than two whole transfers, and fewer than starting over would have cost."""

@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from conftest import run_fcl
 from support.fleet import Fleet, assert_each_round_once
 from support.listener import Listener
@@ -87,6 +88,8 @@ def _kill_mid_run(fleet: Fleet) -> None:
     fleet.start("aggregator")
 
 
+# the default suite's 10 min; NGFL compressed through Mosquitto stays: the test above
+@pytest.mark.slow
 def test_compressed_ngfl_killed_mid_run_ends_with_the_undisturbed_numbers(mosquitto, tmp_path, repo_root):
     """kill -9 of a device and of the aggregator: the device's residuals and the aggregator's
     true extractor are restored bit for bit, so the final model and every device's accuracy

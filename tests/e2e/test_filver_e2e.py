@@ -10,6 +10,7 @@ import json
 import time
 
 import numpy as np
+import pytest
 from conftest import run_fcl
 from support.fleet import Fleet
 from support.listener import Listener
@@ -37,6 +38,8 @@ def buffer(state_dir) -> dict:
     return {**committed.strategy_arrays, "clients": committed.strategy["buffer_clients"]}
 
 
+# the default suite's 10 min; FIL-VER through Mosquitto stays: test_aggregator_killed_mid_run_keeps_its_buffer_once
+@pytest.mark.slow
 def test_increasing_enrollment_through_mosquitto(mosquitto, tmp_path, repo_root) -> None:
     listener = Listener(mosquitto.port)
     out = tmp_path / "run"

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from support.timescale import scaled
 
 from fcl_edge.broker import free_port
@@ -37,6 +38,8 @@ def test_the_page_starts_a_broker_an_aggregator_and_three_devices() -> None:
     assert commands[0].startswith("mosquitto ") and any(c.startswith("fcl status ") for c in commands)
 
 
+# the default suite's 10 min: CI runs it with the slow tests (pytest -m slow)
+@pytest.mark.slow
 def test_following_the_page_word_for_word(tmp_path: Path) -> None:
     port = str(free_port())
     local = tmp_path / "configs/services/local"

@@ -110,6 +110,8 @@ def _by_device(prom: PrometheusProcess, expr: str, at: float) -> dict[str, float
     return {r["metric"]["device"]: r["value"] for r in prom.query(expr, at)}
 
 
+# the default suite's 10 min; promtool checks of the shipped files: tests/unit/test_prometheus_files.py
+@pytest.mark.slow
 def test_prometheus_sees_the_fleet_and_every_shipped_expression_returns_data(run) -> None:
     prom, fleet, at, (device_view, retained_view) = run
     sel = f'{{federation="{FED}"}}'

@@ -28,6 +28,8 @@ def _final(out: Path, *extra: str) -> dict:
     return {"final": summary["final"], "fleet": summary["fleet"]}
 
 
+# the default suite's 10 min; CPU bit-identity per learner: tests/methods/test_train_device.py
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="auto would train on CUDA here")
 def test_cpu_and_auto_give_todays_numbers_and_bf16_does_not(tmp_path):
     today = _final(tmp_path / "default")

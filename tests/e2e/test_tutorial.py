@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support.timescale import scaled
 
 from fcl_edge.broker import free_port
@@ -43,6 +44,8 @@ def _copy_configs(into: Path, port: str) -> None:
             dest.write_text(path.read_text().replace("1883", port))
 
 
+# the default suite's 10 min: CI runs it with the slow tests (pytest -m slow)
+@pytest.mark.slow
 def test_following_the_tutorial_word_for_word(tmp_path: Path) -> None:
     port = str(free_port())
     _copy_configs(tmp_path, port)

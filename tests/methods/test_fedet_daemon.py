@@ -263,6 +263,8 @@ def _docs_and_pooled(learner: FedETLearner, data):
     return encoded(data), learner._embed(data)
 
 
+# the default suite's 10 min (38 s); FedET's learner and frames: the unit tests of this file
+@pytest.mark.slow
 def test_fedet_run_through_mosquitto(mosquitto, tmp_path, repo_root):
     out = tmp_path / "run"
     args = ["simulate", str(repo_root / SCENARIO), "--out", str(out), "--broker", mosquitto.url]
