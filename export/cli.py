@@ -152,13 +152,20 @@ def run_export(args: argparse.Namespace) -> int:
 def _export_other_snapshot(args: argparse.Namespace, loaded: Any) -> int:
     """A snapshot of a text or image classifier: exported in its served format (SnapshotError
     for a text-groups snapshot whose backbone is not found is the caller's)."""
-    from export.formats import ExportError, export_snapshot
+    from export.formats import export_snapshot
 
     if args.parity_data not in ("auto", "none"):
         _err("export", f"--parity-data {args.parity_data} is for MADE snapshots; {args.snapshot} is {loaded.format}")
         return int(ExitCode.BAD_INPUT)
+    return _write(args, lambda: export_snapshot(loaded, args.out, int8=args.int8, toolkit_version=_toolkit_version()))
+
+
+def _write(args: argparse.Namespace, export: Any) -> int:
+    """Run ``export()`` (an ExportError is exit 1, one line), print its report, say what it wrote."""
+    from export.formats import ExportError
+
     try:
-        report = export_snapshot(loaded, args.out, int8=args.int8, toolkit_version=_toolkit_version())
+        report = export()
     except ExportError as exc:
         _err("export", str(exc))
         return int(ExitCode.FAILURE)
@@ -183,7 +190,7 @@ def _export_state_dir(args: argparse.Namespace) -> int:
     """A device's state directory -> the ONNX file of what it serves, in its served format.
     ``args.state_loader`` (set by the ``fcl`` entry point, which may import the device side)
     rebuilds the served model from the checkpoint; parity rows are the exporter's seeded ones."""
-    from export.formats import ExportError, export_served
+    from export.formats import export_served
 
     loader = getattr(args, "state_loader", None)
     if loader is None:
@@ -194,14 +201,7 @@ def _export_state_dir(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _err("export", str(exc))
         return int(ExitCode.BAD_INPUT)
-    try:
-        report = export_served(served, args.out, int8=args.int8, toolkit_version=_toolkit_version())
-    except ExportError as exc:
-        _err("export", str(exc))
-        return int(ExitCode.FAILURE)
-    print(json.dumps(report, indent=2, default=str))
-    _say_written(args)
-    return int(ExitCode.OK)
+    return _write(args, lambda: export_served(served, args.out, int8=args.int8, toolkit_version=_toolkit_version()))
 
 
 def _say_written(args: argparse.Namespace) -> None:
