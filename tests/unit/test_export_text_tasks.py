@@ -22,6 +22,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 from support.timescale import scaled
+from support.tiny_models import TinyTasks
 from torch import nn
 
 from export.cli import main
@@ -49,29 +50,6 @@ TEXTS = [
     "Parliament votes on the budget tonight",
     "",
 ]
-
-
-class TinyTasks(nn.Module):
-    """Mean of token embeddings -> one linear head per task; logits (B, T, W), -inf padded."""
-
-    def __init__(self, sizes=(3, 2), vocab: int = 30522, dim: int = 8, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(vocab, dim)
-        self.heads = nn.ModuleList(nn.Linear(dim, n) for n in sizes)
-        self.width = max(sizes)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        m = attention_mask.unsqueeze(-1).to(torch.float32)  # (B, L, 1)
-        pooled = (self.embed(input_ids) * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, D)
-        rows = []
-        for head in self.heads:
-            lg = head(pooled)  # (B, n_t)
-            if lg.shape[1] < self.width:
-                pad = torch.full((lg.shape[0], self.width - lg.shape[1]), float("-inf"))
-                lg = torch.cat([lg, pad], dim=1)
-            rows.append(lg)
-        return torch.stack(rows, dim=1)  # (B, T, W)
 
 
 def served_model(module: nn.Module | None = None, **changes) -> TextTasksServed:
