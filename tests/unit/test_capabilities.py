@@ -21,7 +21,7 @@ def test_a_device_announces_its_protocol_and_what_it_decodes() -> None:
         "derived_positions": True,
         "chunks": True,
     }
-    assert aggregator_capabilities() == {"protocol": PROTOCOL, "accepts": [1, 2, 3]}
+    assert aggregator_capabilities() == {"protocol": PROTOCOL, "accepts": [1, 2, 3, 4]}
     json.dumps(caps)  # it goes into a JSON status as it is
 
 
@@ -37,9 +37,9 @@ def test_fcl_status_lists_devices_by_protocol_version() -> None:
         ("fcl/fed/status/odd-0", _status(protocol="2")),  # garbage: treated as saying nothing
         ("fcl/fed/status/aggregator", _status(role="aggregator", expected=["gone-0"], **aggregator_capabilities())),
     ]
-    assert read_status("new-0", messages[0][1]).protocol == 3
+    assert read_status("new-0", messages[0][1]).protocol == 4
     assert read_status("odd-0", messages[3][1]).protocol is None
     out = io.StringIO()
     print_table(build_views(messages), 2.0, out)
     line = next(x for x in out.getvalue().splitlines() if "devices by" in x)
-    assert line == "  devices by protocol 1 (says none): odd-0, old-0; protocol 3: new-0, new-1"  # not gone-0: absent
+    assert line == "  devices by protocol 1 (says none): odd-0, old-0; protocol 4: new-0, new-1"  # not gone-0: absent
