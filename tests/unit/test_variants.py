@@ -141,6 +141,7 @@ def test_what_cannot_be_served_is_named(decodes: dict, says: str) -> None:
     assert problem is not None and says in problem and "odd" not in variants.declared
 
 
+# docs/protocol.md P-CAP-6
 def test_a_knowledge_frame_is_coded_within_the_declaration_with_the_values_others_decode() -> None:
     variants = Variants(Outbox(RecordingLink(), FED, "run-1"), FED, LIMITS)
     variants.on_status("lean", _status(Decodes(frames=(1,), chunks=False)))
@@ -153,6 +154,7 @@ def test_a_knowledge_frame_is_coded_within_the_declaration_with_the_values_other
     np.testing.assert_array_equal(decode(mine).tensors["kb"], decode(payload).tensors["kb"])
 
 
+# docs/protocol.md P-CAP-6
 def test_sync_frames_are_coded_within_what_every_such_device_reads() -> None:
     prev, served, _ = _models()
     tensors = catchup([changes(prev, served)], served, 4)
