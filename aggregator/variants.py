@@ -66,14 +66,14 @@ class Variants:
         try:
             decodes = announced(status)
             problem = decodes.unservable() if decodes is not None else None
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # a status is input from the network
             decodes, problem = None, str(exc)
         if decodes is None or problem is not None:
             self.declared.pop(client, None)
             return problem
         if self.declared.get(client) != decodes:
             self.declared[client] = decodes
-            log.info("client %s decodes less (%s): its frames go to its own topic", client, _brief(decodes))
+            log.info("client %s decodes less (%s): its frames go to its own topic", client, decodes.brief())
             if self.last is not None:
                 self._publish(client, self.last)
         return None
@@ -195,10 +195,3 @@ def _reads(decodes: Decodes, payload: bytes, limits: CodecLimits) -> bool:
     except CodecError:
         return False
     return True
-
-
-def _brief(decodes: Decodes) -> str:
-    lacks = [f"no {d}" for d in ("float16", "int8") if not (decodes.int8 if d == "int8" else d in decodes.dtypes)]
-    lacks += [f"no {n}" for n in ("index", "bitmap") if n not in decodes.layouts]
-    lacks += ["no derived positions"] * (not decodes.derived_positions) + ["no chunks"] * (not decodes.chunks)
-    return ", ".join(lacks) or "frames " + str(list(decodes.frames))

@@ -77,6 +77,13 @@ class Decodes:
     def int8(self) -> bool:
         return "int8" in self.dtypes and 2 in self.frames
 
+    def brief(self) -> str:
+        """What it lacks, in a few words (for logs and ``fcl status``)."""
+        lacks = [f"no {d}" for d in ("float32", "float16") if d not in self.dtypes]
+        lacks += ["no int8"] * (not self.int8) + [f"no {n}" for n in LAYOUTS if n not in self.layouts]
+        lacks += ["no derived positions"] * (not self.derived_positions) + ["no chunks"] * (not self.chunks)
+        return ", ".join(lacks) or f"frames {list(self.frames)}"
+
     def unservable(self) -> str | None:
         """Why no frame can be made for it (P-CAP-5), or None: every frame has a version-1
         form with float32 values and dense tensors."""
@@ -110,6 +117,8 @@ def announced(status: Mapping[str, Any]) -> Decodes | None:
     if not isinstance(protocol, int) or isinstance(protocol, bool) or protocol < OWN_DOWNLINK:
         return None
     raw = status.get("decodes")
+    if raw is None:
+        return None  # it says nothing: it reads what a protocol 3 device reads
     if not isinstance(raw, dict):
         raise ValueError(f"decodes: expected an object, got {type(raw).__name__}")
     decodes = Decodes.of(raw)
