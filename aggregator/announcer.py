@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 
 from aggregator.downlink import ModelDownlink
 from aggregator.outbox import Outbox
 from aggregator.runlog import RunLog
+from aggregator.variants import Sent, Shared, Variants
 from fclcore import topics
 from fclcore.codec import CodecLimits, Frame, Header, Kind, decode, encode
 from fclcore.config import to_dict
@@ -31,12 +33,18 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Announced:
     """What one announcement sent: its MQTT packet and payload bytes, the payload bytes of the
-    model in it, and the global model as devices decode it (the model given, for a failure)."""
+    model in it, and the global model as devices decode it (the model given, for a failure);
+    ``variants``: what each device that reads its own topic got instead (``aggregator.variants``)."""
 
     packet_bytes: int
     payload_bytes: int
     model_bytes: int
     model: dict[str, np.ndarray]
+    variants: Mapping[str, Sent] = field(default_factory=dict)
+
+    def to(self, client: str) -> Announced | Sent:
+        """What ``client`` received of it (the three byte counts)."""
+        return self.variants.get(client, self)
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Announcer:
     downlink: ModelDownlink
     limits: CodecLimits
     runlog: RunLog
+    variants: Variants
 
     def announce(
         self,
@@ -86,10 +95,12 @@ class Announcer:
             meta["model"] = ref.to_meta()
             self._publish_sync(rnd, task)
         payload = encode(Frame(header, meta, tensors), coding, self.limits)
-        topic = topics.round_topic(self.fed.name)
-        wire, sent = self.outbox.publish(topic, payload, tag=f"{kind.name.lower()}:{rnd}")
+        topic, tag = topics.round_topic(self.fed.name), f"{kind.name.lower()}:{rnd}"
+        wire, sent = self.outbox.publish(topic, payload, tag=tag)
         model_bytes = len(payload) - len(encode(Frame(header, meta, {}), coding, self.limits))
-        return Announced(wire, sent, model_bytes, model)
+        step = self.downlink.steps[-1] if failed is None and self.downlink.steps else None
+        shared = Shared(header, meta, payload, None if failed is not None else model, step, tag)
+        return Announced(wire, sent, model_bytes, model, self.variants.announce(shared))
 
     def request(self, kind: Kind, rnd: int, missing: list[str]) -> None:
         """Ask ``missing`` clients to send their update (or evaluation) for ``rnd`` again."""
@@ -97,6 +108,7 @@ class Announcer:
         meta = {"missing": missing, "kind": kind.name, "run": self.outbox.run_id}
         payload = encode(Frame(header, meta, {}), limits=self.limits)
         self.outbox.publish(topics.round_topic(self.fed.name), payload, tag=f"request:{rnd}", retain=False)
+        self.variants.request(payload, missing, f"request:{rnd}")
         self.runlog.write("request", round=rnd, kind=kind.name, missing=missing)
         log.info("round %d: asked %s to re-send", rnd, ", ".join(missing))
 
@@ -115,8 +127,9 @@ class Announcer:
         for which, (tensors, ref, dtype) in self.downlink.sync_frames().items():
             header = self.outbox.header(Kind.MODEL, rnd, task)
             meta = {"run": self.outbox.run_id, "model": ref.to_meta()}
-            payload = encode(Frame(header, meta, tensors), dtype, self.limits)
-            self.outbox.publish(topics.model_topic(self.fed.name, which), payload, tag=f"sync:{which}")
+            tensors, coding, whole = self.variants.sync(tensors, self.downlink.served, dtype, header)
+            payload = encode(Frame(header, meta, tensors), coding, self.limits)
+            self.outbox.publish(topics.model_topic(self.fed.name, which), payload, tag=f"sync:{which}", whole=whole)
 
     def _schedule_meta(self, rnd: int) -> dict:
         """This round's place in the task schedule and the previous round's (what the device's

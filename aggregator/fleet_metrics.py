@@ -27,7 +27,7 @@ from fclcore.health import read_health, read_protocol
 REJECTION_REASONS = frozenset(
     "budget centres codec consent content duplicate embeddings entries federation fold inactive kind knowledge "
     "labels late meta nonfinite norm replay round sender sequence signature status table unknown-client version "
-    "stale compression".split()
+    "stale compression decodes".split()
 )
 DIRECTIONS = ("up", "down")
 KINDS = ("model", "knowledge", "control")  # the run log's byte kinds (aggregator/report.py)

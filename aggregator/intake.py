@@ -81,6 +81,9 @@ class Intake:
         self.round_sum: tuple[int, RunningSum, set[str]] | None = None
         # topics the service publishes on and listens to, each with what takes its messages
         self.own_topics: dict[str, Callable[[str, bytes], None]] = {}
+        # (client, its status) -> why no frame can be made for what it declares, or None (``Variants.on_status``)
+        self.declares: Callable[[str, dict], str | None] | None = None
+        self.refused: dict[str, str] = {}  # client -> the reason it was refused, told once
 
     def put(self, topic: str, payload: bytes, packet_bytes: int) -> None:
         """A message from the broker (paho's thread): queued for the service's thread."""
@@ -221,12 +224,27 @@ class Intake:
                 open_round,
             )
             return
-        self.clients.on_status(who, status["state"])  # any state but "online" ("retired" too): offline
+        refused = self._refused(who, status, open_round)
+        self.clients.on_status(who, "refused" if refused else status["state"])  # not "online": offline
         if self._tracked(who):
             self.metrics.devices.status(who, status)
         if status["state"] != "online":
             log.info("client %s is %s", who, status["state"])
         self.metrics.clients_online(len(self.clients.online & set(self.clients.enrolled)))
+
+    def _refused(self, who: str, status: dict, open_round: int) -> bool:
+        """A device whose status declares it decodes what no frame can be made in (P-CAP-5): it is
+        told once by a NACK (reason ``decodes``) and a log line, and counts as offline."""
+        problem = self.declares(who, status) if self.declares is not None else None
+        if problem is None:
+            self.refused.pop(who, None)
+            return False
+        if self.refused.get(who) != problem:
+            self.refused[who] = problem
+            log.warning("client %s cannot be served: it declares %s", who, problem)
+            if self.nacks is not None:
+                self.nacks.send(Rejection("decodes", f"declares {problem}", who), open_round)
+        return True
 
     def _tracked(self, client: str) -> bool:
         """Whether ``client`` has per-device series: enrolled, enrolling, or tracked before (so a

@@ -50,6 +50,7 @@ class Outbox:
         self.link = link
         self.chunk_bytes = chunk_bytes
         self.chunked: dict[str, int] = {}  # topic -> chunks its retained frame was published in
+        self.whole: set[str] = set()  # topics whose retained frame goes whole (its readers take no chunks)
         self.federation = federation
         self.run_id = run_id
         self.sequence = sequence
@@ -64,15 +65,18 @@ class Outbox:
         self.sequence += 1
         return Header(kind, self.federation, rnd, task, topics.AGGREGATOR_ID, self.sequence)
 
-    def publish(self, topic: str, payload: bytes, tag: str, retain: bool = True) -> tuple[int, int]:
+    def publish(
+        self, topic: str, payload: bytes, tag: str, retain: bool = True, whole: bool = False
+    ) -> tuple[int, int]:
         """(MQTT PUBLISH bytes, payload bytes) of what went out for ``payload``: a device that
-        receives it once receives that many."""
+        receives it once receives that many.  ``whole``: never in chunks (its reader takes none)."""
         if retain:
             self.retained[topic] = payload
+        (self.whole.add if whole else self.whole.discard)(topic)
         return self._send(topic, payload, tag, retain)
 
     def _send(self, topic: str, payload: bytes, tag: str, retain: bool = True) -> tuple[int, int]:
-        whole = not (retain and self.chunk_bytes and len(payload) > self.chunk_bytes)
+        whole = topic in self.whole or not (retain and self.chunk_bytes and len(payload) > self.chunk_bytes)
         manifest, chunks = (payload, []) if whole else split(payload, self.chunk_bytes)
         messages = [(chunk_topic(topic, i), c) for i, c in enumerate(chunks)] + [(topic, manifest)]
         for where, message in messages:

@@ -20,6 +20,7 @@ from aggregator.inbox import is_finite_number
 from aggregator.metrics import AggregatorMetrics
 from aggregator.progress import byte_totals, round_line
 from aggregator.runlog import RunLog
+from aggregator.variants import Sent
 from fclcore.codec import CodecLimits, Frame, encode
 from fclcore.model_sync import SYNC_KNOWLEDGE_BYTES
 from fclcore.schema import FederationSpec
@@ -110,7 +111,7 @@ class RunReport:
         self.metrics.round_done(rnd, task, len(received), duration)
         self.metrics.add_bytes(
             up=sum(u.packet_bytes for u in received.values()),
-            down=sum(sent.packet_bytes + frames.get(c, (0, 0))[0] for c in roster),
+            down=sum(sent.to(c).packet_bytes + frames.get(c, (0, 0))[0] for c in roster),
             dense_up=dense_fp32 * len(received),
             dense_down=dense_fp32 * len(roster),
         )
@@ -172,7 +173,7 @@ class RunReport:
         task: int,
         client: str,
         update: Update | None,
-        sent: Announced,
+        sent: Announced | Sent,
         frame: tuple[int, int],
         dense_fp32: int,
         full_finetune: int | None,
@@ -184,6 +185,7 @@ class RunReport:
             else {"full_finetune_fp32_up": full_finetune if update else 0, "full_finetune_fp32_down": full_finetune}
         )
         frame_bytes, frame_payload = frame
+        sent = sent.to(client)  # a device that reads its own topic got a variant (aggregator.variants)
         sync = self._new_syncs(client, meta.get("sync")) if update else {}  # fetched since its last report
         sync_bytes = sync.pop("bytes", 0)
         frame_sync = sync.pop(SYNC_KNOWLEDGE_BYTES, 0)  # the full client frames it fetched

@@ -32,6 +32,7 @@ from aggregator.partial import Sites
 from aggregator.report import RunReport
 from aggregator.runlog import RunLog
 from aggregator.state import StateStore, fingerprint
+from aggregator.variants import Variants
 from fclcore import fastfold, topics
 from fclcore.capabilities import aggregator_capabilities
 from fclcore.codec import SPOKEN, CodecLimits, Kind
@@ -131,10 +132,12 @@ class AggregatorService:
         )
         self.outbox = Outbox(self.link, self.fed.name, self.run_id, sequence, self.fed.wire.chunk_bytes)
         self.intake.own_topics[topics.round_topic(self.fed.name)] = self.outbox.observe
+        self.variants = Variants(self.outbox, self.fed.name, self.limits)  # for devices that decode less
+        self.intake.declares = self.variants.on_status
         self.announcer = Announcer(
-            self.outbox, self.fed, cfg.input_dim, self.strategy, downlink, self.limits, self.runlog
+            self.outbox, self.fed, cfg.input_dim, self.strategy, downlink, self.limits, self.runlog, self.variants
         )
-        self.client_frames = ClientFrames(self.outbox, self.fed, self.strategy, self.limits, self.runlog)
+        self.client_frames = ClientFrames(self.outbox, self.fed, self.strategy, self.limits, self.runlog, self.variants)
         self.collector = Collector(
             self.fed.rounds, self.clients, self.intake, self.announcer, self.outbox, self.stop, self.watchdog.beat
         )
@@ -237,7 +240,9 @@ class AggregatorService:
         """A new run: delete the retained round, model and client-frame messages an earlier run of
         this federation left on the broker (a broker with persistence keeps them across restarts),
         so no device acts on them.  Devices also ignore frames of another run (``meta.run``)."""
-        topics_ = self.announcer.retained_topics() + self.client_frames.retained_topics(self.cfg.expected_clients)
+        expected = self.cfg.expected_clients
+        topics_ = self.announcer.retained_topics() + self.client_frames.retained_topics(expected)
+        topics_ += self.variants.retained_topics(expected)
         self.outbox.clear(topics_)
         self.runlog.write("run", run=self.run_id, cleared=len(topics_))
 

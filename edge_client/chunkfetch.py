@@ -10,6 +10,9 @@ reason and changes nothing: the fetch still waits for the genuine one.
 The last whole frame of the round topic is kept: the broker hands the retained manifest again
 after every reconnect, and a re-announced round must reach the daemon (it re-sends its update
 then) without fetching the frame again.
+
+A device that declared it reads no chunks (docs/protocol.md P-CAP-4) holds itself to that: it
+drops every chunk message (``chunk-declared``), so a frame sent to it in chunks never arrives.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ ASIDE = 2  # frames per topic whose chunks are kept without a fetch of their own
 
 
 class ChunkFetch:
-    def __init__(self, link, max_total: int, keep_whole: tuple[str, ...] = ()) -> None:
-        """``keep_whole``: topics whose last whole frame is kept for a manifest seen again."""
-        self.link, self.max_total, self.keep_whole = link, max_total, keep_whole
+    def __init__(self, link, max_total: int, keep_whole: tuple[str, ...] = (), reads: bool = True) -> None:
+        """``keep_whole``: topics whose last whole frame is kept for a manifest seen again;
+        ``reads``: False for a device that declared it reads no chunks."""
+        self.link, self.max_total, self.keep_whole, self.reads = link, max_total, keep_whole, reads
         self.fetches: dict[str, Fetch] = {}  # the frame's topic -> its fetch in progress
         # topic -> digest -> (its layout, its chunks) of frames without a fetch: chunks that came
         # before their manifest, and those of a fetch another manifest replaced (it may come back)
@@ -48,6 +52,8 @@ class ChunkFetch:
     def take(self, topic: str, raw: bytes, size: int) -> Message | None:
         """A chunk message (manifest or chunk): the whole frame once it is in, else None.
         ``ChunkError`` (the reason first) for a message to drop and count."""
+        if not self.reads:
+            raise ChunkError(f"chunk-declared: a chunk message on {topic}; this device declared it reads none")
         part = parse(raw, self.max_total)
         where = parse_chunk_topic(topic)
         if part.is_manifest:

@@ -43,7 +43,7 @@ from edge_client.status import AggregatorWatch, RoundStats
 from edge_client.taskdir import TaskDirectory
 from edge_client.uplink import Uplink
 from fclcore import topics
-from fclcore.capabilities import device_capabilities
+from fclcore.capabilities import Decodes, device_capabilities
 from fclcore.chunks import CHUNK_MAGIC, ChunkError
 from fclcore.codec import CodecLimits, Frame, Kind
 from fclcore.config import ConfigError
@@ -72,7 +72,8 @@ class ClientDaemon:
         release_free_memory()  # the corpus and tokenizer scratch (BBC: 146 MB freed but resident)
         self.queue: queue.Queue[tuple[str, bytes, int, float]] = queue.Queue()  # + arrival time
         self.arrival = 0.0  # when the message being handled arrived
-        self.limits = CodecLimits()
+        self.decodes = Decodes.of(cfg.decodes)  # what it says it decodes, and holds itself to (P-CAP-4)
+        self.limits = self.decodes.limits(CodecLimits())
         self.final_state = "stopped"  # the retained status run() leaves: "retired" once the membership retires it
         self.told_not_enrolled = False
         self.exit_code: ExitCode | None = None  # set when the run ends other than by finishing (failed, other run)
@@ -97,7 +98,7 @@ class ClientDaemon:
         )
         self.nack_topic = topics.nack_topic(cfg.federation, cfg.client_id)  # why a frame of ours was dropped
         self.subscribed = (  # exact topics: a message on any other was misrouted by the broker
-            topics.round_topic(cfg.federation),
+            self.decodes.announcements(cfg.federation, cfg.client_id),
             topics.knowledge_topic(cfg.federation, cfg.client_id),
             topics.status_topic(cfg.federation, topics.AGGREGATOR_ID),
             self.nack_topic,
@@ -113,9 +114,9 @@ class ClientDaemon:
         # subscribed to only while a task's own frame names entries this device no longer holds
         full_topic = topics.knowledge_full_topic(cfg.federation, cfg.client_id)
         self.frames = ClientFrames(cfg.client_id, self.subscribed[1], full_topic, self.store, self.link, self.limits)
-        self.sync = ModelSync(cfg.federation, self.link)
+        self.sync = ModelSync(cfg.federation, self.link, self.decodes.derived_positions)
         # large retained frames come in chunks (docs/protocol.md, section 16)
-        self.chunks = ChunkFetch(self.link, self.limits.max_frame_bytes, keep_whole=(self.subscribed[0],))
+        self.chunks = ChunkFetch(self.link, self.limits.max_frame_bytes, (self.subscribed[0],), self.decodes.chunks)
         self.uplink = Uplink(cfg.federation, cfg.client_id, self.link, key, self.limits, self.stop)
         self.stats = RoundStats()
         self.watch = AggregatorWatch(self.link, cfg.aggregator_timeout_s)
@@ -142,7 +143,7 @@ class ClientDaemon:
         """Serve until the run finishes or ``stop`` is set (SIGTERM): a stop waits for the
         round in hand to be checkpointed and sent, then says "stopped" and disconnects."""
         self.link.status_fields.update(
-            role="client", task=self.device.task, round=self.device.done_round, **device_capabilities()
+            role="client", task=self.device.task, round=self.device.done_round, **device_capabilities(self.decodes)
         )
         try:
             self.link.start()
@@ -348,7 +349,7 @@ class ClientDaemon:
     def _announced_since(self) -> bool:
         """A later announcement is queued already (docs/buffered.md)."""
         with self.queue.mutex:
-            return any(topic == topics.round_topic(self.cfg.federation) for topic, *_ in self.queue.queue)
+            return any(topic == self.subscribed[0] for topic, *_ in self.queue.queue)
 
     def _on_own_frame(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
         """A frame sent to this device alone (or the full one it fetched): kept; the round that

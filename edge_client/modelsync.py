@@ -1,7 +1,9 @@
 """Keeping the device's global model in step: the replica (``edge_client.replica``) takes each
 announcement; when it cannot (it holds no version, or one the delta does not bridge) the
 announcement is parked and the retained sync frame it needs is fetched, on a topic subscribed
-only meanwhile.  Once the replica has caught up, the parked announcement is handled again."""
+only meanwhile.  Once the replica has caught up, the parked announcement is handled again.
+A device that declared it derives no mask positions (docs/protocol.md P-CAP-4) holds itself to
+that: a delta with derived values does not apply, and it resyncs as from any bad delta."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ Message = tuple[str, bytes, int]  # (topic, payload, size) as it arrived
 
 
 class ModelSync:
-    def __init__(self, federation: str, link) -> None:
-        self.federation, self.link = federation, link
+    def __init__(self, federation: str, link, derives: bool = True) -> None:
+        self.federation, self.link, self.derives = federation, link, derives
         # subscribed only while the device resyncs: "full" or "catchup"
         self.topics = {topics.model_topic(federation, w): w for w in (FULL, CATCHUP)}
         self.replica: ModelReplica | None = None  # the global model as announced, kept in step by deltas
@@ -31,7 +33,8 @@ class ModelSync:
         """The whole global model an announcement brings, or None while the sync frame it needs
         is fetched (``message`` waits in ``parked``)."""
         if self.replica is None:
-            self.replica = ModelReplica(methods.positions_for(fed, frame.meta["input_dim"], "round message"))
+            positions = methods.positions_for(fed, frame.meta["input_dim"], "round message") if self.derives else _none
+            self.replica = ModelReplica(positions)
         try:
             got = self.replica.take(frame)
         except ValueError as exc:
@@ -78,3 +81,8 @@ class ModelSync:
         else:
             self.parked = None
         self.syncing = which
+
+
+def _none(rnd: int) -> None:
+    """No derived positions: the device derives none."""
+    return None

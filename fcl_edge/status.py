@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import paho.mqtt.client as mqtt
 
 from fclcore import topics
+from fclcore.capabilities import announced
 from fclcore.codec import CodecError, CodecLimits, Kind, decode
 from fclcore.errors import BrokerUnreachable
 from fclcore.schema import parse_broker_url
@@ -70,6 +71,7 @@ class MemberStatus:
     expected: list[str] | None = None  # the aggregator's: the devices of the round in progress
     nack: str | None = None  # a client's last NACK, as one line
     protocol: int | None = None  # the protocol version it says it speaks (None: it says none: 1)
+    decodes: str | None = None  # what it says it does not decode (None: it decodes everything)
 
 
 @dataclass
@@ -134,7 +136,17 @@ def read_status(who: str, payload: bytes) -> MemberStatus:
         expected=_ids(raw.get("expected")),
         nack=nack_line(raw.get("nack")),
         protocol=_count(raw.get("protocol")),
+        decodes=_lacks(raw),
     )
+
+
+def _lacks(raw: dict) -> str | None:
+    """What a device's status says it does not decode, in a few words (P-CAP-1)."""
+    try:
+        decodes = announced(raw)
+    except (ValueError, TypeError):
+        return "? (not a decodes object)"
+    return None if decodes is None else decodes.brief()
 
 
 def protocol_line(clients: dict[str, MemberStatus]) -> str:
@@ -366,6 +378,9 @@ def print_table(views: dict[str, FederationView], now: float, out: TextIO) -> No
         )
         if (versions := protocol_line(view.clients)) != "":
             print(f"  devices by {versions}", file=out)
+        lean = [f"{who} ({s.decodes})" for who, s in sorted(view.clients.items()) if s.decodes]
+        if lean:
+            print(f"  devices that decode less (frames made for them): {'; '.join(lean)}", file=out)
         rows = [header] + [
             (
                 who,

@@ -105,6 +105,11 @@ VALUE_DTYPES = ("float32", "float16", "int8")
 ROUNDINGS = ("nearest", "stochastic")
 
 
+def dtype_code(value_dtype: str) -> int:
+    """The wire code of a value dtype name (1 float32, 2 float16, 3 int8)."""
+    return INT8 if value_dtype == "int8" else _DTYPES[value_dtype][0]
+
+
 def max_value(value_dtype: str) -> float:
     """The largest |value| a tensor value can have and still be sent as ``value_dtype``."""
     if value_dtype not in VALUE_DTYPES:
@@ -264,6 +269,10 @@ class CodecLimits:
     max_elements: int = 64 * 2**20  # per tensor
     max_meta_bytes: int = 64 * 2**10
     max_name_bytes: int = 255
+    # what the decoder reads: a device that declared less (docs/protocol.md P-CAP-4) holds itself to it
+    frame_versions: tuple[int, ...] = SPOKEN
+    value_dtypes: tuple[int, ...] = (1, 2, 3)  # dtype codes
+    layouts: tuple[int, ...] = (DENSE, INDEX, BITMAP)
 
 
 @dataclass(frozen=True)
@@ -275,6 +284,7 @@ class ValueCoding:
     block: int = 64
     rounding: str = "nearest"
     seed: int = 0
+    sparse_layouts: tuple[int, ...] = (INDEX, BITMAP)  # a sparse tensor may be written in these, or dense
 
     def __post_init__(self) -> None:
         if self.dtype not in VALUE_DTYPES:
@@ -555,6 +565,7 @@ def _encode_sparse(
         INDEX: 4 + nnz * width + writer.size(nnz),
         BITMAP: 4 + (numel + 7) // 8 + writer.size(nnz),
     }
+    sizes = {k: v for k, v in sizes.items() if k == DENSE or k in writer.coding.sparse_layouts}
     layout = min(sizes, key=sizes.__getitem__)
     if layout == DENSE:
         return DENSE, [writer.write(tensor.to_dense(), name, where)]
@@ -632,6 +643,8 @@ def decode(
         _fail("checksum", f"0x{stored:08x}", f"0x{actual:08x} (CRC32 of the preceding bytes)")
     reader = _Reader(view[:-4])
     header, version = _decode_header(reader)
+    if version not in limits.frame_versions:
+        _fail("header.version", version, f"one of {list(limits.frame_versions)} (the versions this decoder reads)")
     meta = _decode_meta(reader, limits)
     tensors = _decode_tensors(reader, version, limits, keep_tensors is None or keep_tensors(header))
     if reader.remaining:
@@ -747,6 +760,9 @@ def _decode_tensor(reader: _Reader, where: str, version: int, limits: CodecLimit
     if code not in _DTYPE_BY_CODE and not (code == INT8 and version >= INT8_VERSION):
         allowed = "1 (float32), 2 (float16)" + (" or 3 (int8)" if version >= INT8_VERSION else " (3, int8, needs v2)")
         _fail(f"{where}.dtype", code, allowed)
+    if layout not in limits.layouts or code not in limits.value_dtypes:
+        what = "layout" if layout not in limits.layouts else "dtype"
+        _fail(f"{where}.{what}", layout if what == "layout" else code, "one this decoder reads (it declared less)")
     if ndim > limits.max_ndim:
         _fail(f"{where}.ndim", ndim, f"<= {limits.max_ndim} (max_ndim)")
     shape = tuple(int(d) for d in reader.array("<u4", ndim, f"{where}.dims"))

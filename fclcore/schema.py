@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 from urllib.parse import urlparse
 
+from fclcore.capabilities import Decodes
 from fclcore.chunks import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from fclcore.codec import ValueCoding
 from fclcore.made_spec import MadeConfig
@@ -605,9 +606,16 @@ class ClientConfig:
     # run), the device exits 9 / 10; its final evaluation is held this long for the end to be acknowledged
     run_over_s: float = 300.0
     train: TrainPlacement = field(default_factory=TrainPlacement)
+    # declare less than this daemon decodes (docs/protocol.md section 17): fields of its status's
+    # ``decodes`` (frames, dtypes, layouts, derived_positions, chunks), each left out meaning all of it;
+    # the aggregator then sends it frames made for it, on fcl/<fed>/down/<client_id>
+    decodes: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client_id")
+        problem = Decodes.of(self.decodes).unservable()  # ValueError naming a bad field
+        if problem is not None:
+            raise ValueError(f"decodes: {problem}")
         for name in ("aggregator_timeout_s", "max_clock_skew_s", "run_over_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)}")

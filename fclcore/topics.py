@@ -10,9 +10,12 @@
                                  model, ``full`` or ``catchup`` (subscribed only while needed)
     fcl/<fed>/nack/<client>      aggregator -> one client, NOT retained: JSON, why a frame of
                                  its was dropped (``aggregator.nacks``, docs/protocol.md)
+    fcl/<fed>/down/<client>      aggregator -> one client that decodes less than everything
+                                 (protocol 4), retained: ROUND and FINISH made for it; REQUEST
+                                 (not retained); it reads this instead of ``round`` (P-CAP)
 
 A device's ACL can then grant it write access to its own ``update`` and ``status`` topics
-and read access to ``round``, ``model/+`` and its own ``kb`` and ``nack`` topics only.
+and read access to ``round``, ``model/+`` and its own ``kb``, ``nack`` and ``down`` topics only.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ def knowledge_full_topic(fed: str, client: str) -> str:
 
 def model_topic(fed: str, which: str) -> str:
     return f"{ROOT}/{fed}/model/{which}"
+
+
+def downlink_topic(fed: str, client: str) -> str:
+    return f"{ROOT}/{fed}/down/{client}"
 
 
 def nack_topic(fed: str, client: str) -> str:

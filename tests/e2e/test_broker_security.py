@@ -44,6 +44,7 @@ UP0, UP1 = topics.update_topic(FED, "c0"), topics.update_topic(FED, "c1")
 ST0, ST1 = topics.status_topic(FED, "c0"), topics.status_topic(FED, "c1")
 ST_AGG = topics.status_topic(FED, topics.AGGREGATOR_ID)
 NACK0, NACK1 = topics.nack_topic(FED, "c0"), topics.nack_topic(FED, "c1")
+DOWN0, DOWN1 = topics.downlink_topic(FED, "c0"), topics.downlink_topic(FED, "c1")
 
 
 # ------------------------------------------------------------------ helpers
@@ -346,6 +347,25 @@ def test_a_device_reads_only_its_own_nacks_and_writes_none(shipped, pki, links):
 
     assert c0_in.wait_payload(NACK0, b"nack-for-c0") and c1_in.wait_payload(NACK1, b"nack-for-c1")
     assert c0_in.payloads() == [b"nack-for-c0"], f"c0 read more than its own NACK: {c0_in.items}"
+
+
+def test_a_device_reads_only_its_own_downlink_topic_and_writes_none(shipped, pki, links):
+    """P-CAP-2: only the aggregator writes fcl/<fed>/down/<id> (and its chunks), only <id> reads it."""
+    agg = links.open(shipped.url, "aggregator")
+    c0_in, c1_in = Inbox(), Inbox()
+    c0_subs = (DOWN1, f"fcl/{FED}/down/+", f"fcl/{FED}/down/#", DOWN0, f"{DOWN0}/chunk/0")
+    links.open(shipped.tls_url, "c0", subs=c0_subs, inbox=c0_in, **_tls(pki))
+    c1 = links.open(shipped.tls_url, "c1", subs=(DOWN1,), inbox=c1_in, **_tls(pki))
+    c1.publish(DOWN0, b"forged-round", retain=True).wait_for_publish(5)  # acknowledged and dropped
+    agg.publish(DOWN1, b"round-for-c1", retain=True).wait_for_publish(5)
+    agg.publish(f"{DOWN1}/chunk/0", b"chunk-for-c1", retain=True).wait_for_publish(5)
+    agg.publish(f"{DOWN0}/chunk/0", b"chunk-for-c0", retain=True).wait_for_publish(5)
+    agg.publish(DOWN0, b"round-for-c0", retain=True).wait_for_publish(5)
+
+    assert c0_in.wait_payload(DOWN0, b"round-for-c0") and c1_in.wait_payload(DOWN1, b"round-for-c1")
+    assert c0_in.wait_payload(f"{DOWN0}/chunk/0", b"chunk-for-c0")
+    assert c0_in.topics() == {DOWN0, f"{DOWN0}/chunk/0"}, f"c0 read more than its own: {c0_in.items}"
+    assert b"forged-round" not in c0_in.payloads()
 
 
 # ------------------------------------------------------------------ authentication

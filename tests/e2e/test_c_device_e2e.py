@@ -78,13 +78,14 @@ def test_the_c_device_decodes_every_vector(c_device: Path, tmp_path: Path) -> No
 
 
 class RoundRecorder:
-    """The announcements on the round topic, as the broker delivers them (a stock MQTT client)."""
+    """The announcements on the C device's own topic (it declares no derived positions and no
+    chunks: P-CAP-2), as the broker delivers them (a stock MQTT client)."""
 
     def __init__(self, port: int, federation: str) -> None:
         self.frames: list = []
         self.lock = threading.Lock()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="round-recorder")
-        self.client.on_connect = lambda c, *_: c.subscribe(f"fcl/{federation}/round", qos=1)
+        self.client.on_connect = lambda c, *_: c.subscribe(f"fcl/{federation}/down/{C_CLIENT}", qos=1)
         self.client.on_message = self._on_message
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
@@ -101,7 +102,8 @@ class RoundRecorder:
 
 QUICK = ["compare=[]", "federation.rounds_per_task=3"]
 RUNS = {
-    "unsigned-int8": ["federation.wire.value_dtype=int8"],  # 8-bit values both ways: every delta is dense
+    # 8-bit values both ways: every delta is dense; in 4 KiB chunks, which the C device gets whole (P-CHK-6)
+    "unsigned-int8": ["federation.wire.value_dtype=int8", "federation.wire.chunk_bytes=4096"],
     # float32 and one input order: the Python devices never change the entries MADE's mask cuts,
     # and the C device moves one entry in eight, so the announcements are sparse deltas
     "signed-sparse": ["sign_updates=true", "federation.model.num_orders=1"],

@@ -86,11 +86,11 @@ def test_a_device_that_lost_its_checkpoint_reads_its_nack_renumbers_and_the_run_
     assert {n["reason"] for n in every} <= {"replay", "duplicate"}, every  # duplicates: re-sends asked for
     status = watcher.to(topics.status_topic(FED, "client-0"))[-1]  # its last status, "stopped" at the end
     assert status["nack"] == {k: nacks[-1][k] for k in ("round", "kind", "sequence", "reason", "detail")}
-    assert status["protocol"] == 3 and status["decodes"]["frames"] == [1, 2]  # P-VER-5
+    assert status["protocol"] == 4 and status["decodes"]["frames"] == [1, 2]  # P-VER-5
     assert status["decodes"]["chunks"] is True  # protocol 3 reads chunked frames (P-CHK-6)
     assert run.clients["client-0"].service.status_snapshot()["last_nack"]["mark"] == nacks[-1]["mark"]  # fcl ctl
     agg_status = watcher.to(topics.status_topic(FED, topics.AGGREGATOR_ID))[-1]
-    assert (agg_status["protocol"], agg_status["accepts"]) == (3, [1, 2, 3])  # P-VER-6
+    assert (agg_status["protocol"], agg_status["accepts"]) == (4, [1, 2, 3, 4])  # P-VER-6
     rejected = json.loads((run.out / "summary.json").read_text())["rejected"]
     assert set(rejected) <= {"replay", "duplicate"} and sum(rejected.values()) == len(every)
 

@@ -12,6 +12,7 @@ from support.agg_parts import FED, RecordingLink, federation
 from aggregator.client_frames import ClientFrames
 from aggregator.outbox import Outbox
 from aggregator.runlog import RunLog
+from aggregator.variants import Variants
 from fclcore import topics
 from fclcore.codec import CodecLimits, Kind, decode
 from fclcore.transport import publish_packet_bytes
@@ -39,7 +40,8 @@ class HandsOut:
 def test_frames_are_published_retained_per_client_in_this_run(tmp_path) -> None:
     fed, strategy = federation()
     link, runlog = RecordingLink(), RunLog(tmp_path)
-    frames = ClientFrames(Outbox(link, FED, "run-7", sequence=10), fed, HandsOut(strategy), CodecLimits(), runlog)
+    outbox = Outbox(link, FED, "run-7", sequence=10)
+    frames = ClientFrames(outbox, fed, HandsOut(strategy), CodecLimits(), runlog, Variants(outbox, FED, CodecLimits()))
     sizes = frames.publish(2, 1, ["c0", "c1"])
     runlog.close()
     assert [(topic, retain, tag) for topic, _, retain, tag in link.sent] == [
@@ -66,7 +68,8 @@ def test_frames_are_published_retained_per_client_in_this_run(tmp_path) -> None:
 def test_a_new_run_clears_every_clients_frame_topics(tmp_path) -> None:
     fed, strategy = federation()
     runlog = RunLog(tmp_path)
-    frames = ClientFrames(Outbox(RecordingLink(), FED, "run-7"), fed, strategy, CodecLimits(), runlog)
+    outbox = Outbox(RecordingLink(), FED, "run-7")
+    frames = ClientFrames(outbox, fed, strategy, CodecLimits(), runlog, Variants(outbox, FED, CodecLimits()))
     runlog.close()
     assert frames.retained_topics(["a", "b"]) == [
         topics.knowledge_topic(FED, "a"),

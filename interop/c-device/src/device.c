@@ -67,10 +67,15 @@ static void drop(int reason, const char *detail) {
     logf_("dropped downlink message: %s: %s", REASONS[reason], detail);
 }
 
+/* P-CAP-1: it derives no positions and reads no chunks, so it reads its own topic (P-CAP-2) */
+#define DECODES                                                                                                    \
+    "{\"frames\":[1,2],\"dtypes\":[\"float32\",\"float16\",\"int8\"],\"layouts\":[\"dense\",\"index\",\"bitmap\"]," \
+    "\"derived_positions\":false,\"chunks\":false}"
+
 static void publish_status(const char *state) {
-    char buf[256];
-    snprintf(buf, sizeof buf, "{\"state\":\"%s\",\"time\":%.3f,\"run\":\"%s\",\"round\":%lld,\"protocol\":2}", state,
-             now_us() / 1e6, D.run, (long long)D.done_round);
+    char buf[512];
+    snprintf(buf, sizeof buf, "{\"state\":\"%s\",\"time\":%.3f,\"run\":\"%s\",\"round\":%lld,\"protocol\":4,\"decodes\":%s}",
+             state, now_us() / 1e6, D.run, (long long)D.done_round, DECODES);
     mosquitto_publish(D.mq, strcmp(state, "stopped") ? NULL : &D.stop_mid, D.t_status, (int)strlen(buf), buf, 1, true);
 }
 
@@ -289,7 +294,7 @@ int main(int argc, char **argv) {
     }
     if (key && read_key(key)) { fprintf(stderr, "%s: expected 64 hex digits\n", key); return 2; }
     D.signing = key != NULL;
-    snprintf(D.t_round, sizeof D.t_round, "fcl/%s/round", D.fed);
+    snprintf(D.t_round, sizeof D.t_round, "fcl/%s/down/%s", D.fed, D.client); /* P-CAP-2: not fcl/<fed>/round */
     snprintf(D.t_update, sizeof D.t_update, "fcl/%s/update/%s", D.fed, D.client);
     snprintf(D.t_status, sizeof D.t_status, "fcl/%s/status/%s", D.fed, D.client);
     snprintf(D.t_full, sizeof D.t_full, "fcl/%s/model/full", D.fed);
