@@ -49,7 +49,8 @@ class Decodes:
         for name, allowed in (("frames", SPOKEN), ("dtypes", VALUE_DTYPES), ("layouts", LAYOUTS)):
             if name in raw:
                 value = raw[name]
-                if not isinstance(value, list) or any(isinstance(v, bool) or v not in allowed for v in value):
+                kind = type(allowed[0])  # int or str: a bool or 1.0 is not a frame version
+                if not isinstance(value, list) or any(type(v) is not kind or v not in allowed for v in value):
                     raise ValueError(f"{where}.{name}: expected a list of {list(allowed)}, got {value!r}")
                 out = dataclasses.replace(out, **{name: tuple(v for v in allowed if v in value)})
         for name in ("derived_positions", "chunks"):

@@ -16,7 +16,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from aggregator.inbox import Inbox
-from fclcore.codec import Frame, Header, Kind, decode
+from fclcore.capabilities import FIELDS, LAYOUTS, Decodes
+from fclcore.codec import SPOKEN, VALUE_DTYPES, Frame, Header, Kind, decode
 from fclcore.model_sync import ModelRef
 from fclcore.transport import parse_status
 
@@ -178,3 +179,33 @@ def test_what_the_devices_send_is_valid() -> None:
     assert valid("update-meta.schema.json", update)
     assert valid("update-meta.schema.json", {"n_samples": 40, "train_nll": None, "rejected": {}})
     assert not valid("update-meta.schema.json", {"n_samples": 40.0})
+
+
+def test_the_decodes_schema_lists_what_the_code_speaks() -> None:
+    """P-VER-5: the schema's enums are the code's frame versions, dtypes and layouts."""
+    props = SCHEMAS["decodes.schema.json"]["properties"]
+    assert props["frames"]["items"]["enum"] == list(SPOKEN)
+    assert props["dtypes"]["items"]["enum"] == list(VALUE_DTYPES)
+    assert props["layouts"]["items"]["enum"] == list(LAYOUTS)
+    assert sorted(props) == sorted(FIELDS)
+
+
+def _decodes_ok(document) -> bool:
+    try:
+        Decodes.of(document)
+    except ValueError:
+        return False
+    return True
+
+
+field_values = st.one_of(
+    anything,
+    st.lists(st.sampled_from([*SPOKEN, 3, 1.0, True, *VALUE_DTYPES, "bfloat16", *LAYOUTS, "csr"]), max_size=4),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([*FIELDS, "sparse"]), field_values, max_size=4))
+def test_decodes_schema_and_decodes_of_agree(document) -> None:
+    """P-CAP-1: a status's decodes the schema accepts is one the aggregator reads, and no other."""
+    assert valid("decodes.schema.json", document) == _decodes_ok(document)
