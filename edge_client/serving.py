@@ -144,6 +144,7 @@ class ServedModelWriter:
             except Exception:
                 log.exception("export of the served model failed")
             finally:
+                job = None  # not held until the next export: a copy of the whole model (issue 40)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 from export import _meta
-from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
+from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest_in_order
 from fclcore.checkpoint import fsync_dir
 from fclcore.errors import FclError
 
@@ -69,7 +69,8 @@ def seal(proto: "onnx.ModelProto", metadata: dict[str, Any]) -> "onnx.ModelProto
             raise ExportError(f"initializer {t.name!r} uses external data")
         if not t.HasField("raw_data") or len(t.float_data) or len(t.int32_data) or len(t.int64_data):
             proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t), t.name))
-    digest = weights_digest((t.name, t.data_type, list(t.dims), t.raw_data) for t in proto.graph.initializer)
+    ordered = sorted(proto.graph.initializer, key=lambda t: t.name)
+    digest = weights_digest_in_order((t.name, t.data_type, list(t.dims), t.raw_data) for t in ordered)
     props = _meta.encode(metadata)
     props[_meta.PREFIX + "weights_sha256"] = digest
     props[INTEGRITY_KEY] = PLACEHOLDER.decode()
