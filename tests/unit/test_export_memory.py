@@ -20,6 +20,8 @@ import export.onnx_text_tasks as ott
 from edge_client.serving import ServedModelWriter
 from export._proto import weights_digest, weights_digest_in_order
 from export.formats import export_with_snapshot
+from export.publish import ExportError, seal
+from export.splice import sealed_chunks
 
 torch.set_num_threads(1)
 PARITY = np.random.default_rng(0).integers(1, 30522, (6, 9)).astype(np.int64)
@@ -52,6 +54,24 @@ def test_a_frozen_buffer_is_a_stand_in_while_tracing_and_the_file_is_the_same(tm
     assert _sha(tmp_path / "lean.npz") == _sha(tmp_path / "whole.npz")
     inits = {t.name: tuple(t.dims) for t in onnx.load(str(tmp_path / "lean.onnx")).graph.initializer}
     assert table.shape in inits.values()  # the published file holds the whole table
+
+
+def test_splicing_a_table_into_the_sealed_file_gives_the_bytes_the_proto_path_gives(tmp_path):
+    served = tiny_text_tasks_with_table(tmp_path / "shipped", buffer=True)
+    stage = ott.stage_text_tasks(served, parity_inputs=PARITY)
+    (ref,) = stage.frozen
+    meta = {"format": "test", "task": 1}
+    filled = onnx.load_from_string(stage.graph)
+    (init,) = [t for t in filled.graph.initializer if t.name == ref.initializer]
+    init.raw_data = ref.array.tobytes()
+    whole = seal(filled, meta).SerializeToString()
+    chunks = sealed_chunks(onnx.load_from_string(stage.graph), meta, {ref.initializer: ref.array})
+    assert b"".join(bytes(c) for c in chunks) == whole
+    assert any(isinstance(c, memoryview) and c.obj is not None and len(c) == ref.array.nbytes for c in chunks)
+    with pytest.raises(ExportError, match="no empty"):
+        sealed_chunks(onnx.load_from_string(stage.graph), meta, {"no-such-weight": ref.array})
+    with pytest.raises(ExportError, match="no empty"):  # a table of another shape
+        sealed_chunks(onnx.load_from_string(stage.graph), meta, {ref.initializer: ref.array[:-1]})
 
 
 def test_the_seal_digest_in_order_is_the_sorted_digest():
