@@ -8,9 +8,9 @@ The export runs off the round's hot path: the daemon takes a snapshot of the ser
 (``snapshot``: a copy, cheap) when the round starts and hands it to ``submit`` after its
 update is sent; one background thread exports it, the newest snapshot winning if exports
 fall behind.  The next round waits for it before it evaluates and trains (``wait``), so the
-export's peak memory never adds to the round's (issue 40).  Writes are atomic (temporary file, verify, rename), so ``fcl infer --watch``
-never reads a half-written model.  A failed export is logged and the previous model stays
-in service: serving must never stop training.
+export's peak memory never adds to the round's (issue 40).  Writes are atomic (temporary
+file, verify, rename), so ``fcl infer --watch`` never reads a half-written model.  A failed
+export is logged and the previous model stays in service: serving must never stop training.
 
 A MADE is exported by a short-lived child process (``python -m export.child``): the daemon
 writes the snapshot, the parity rows and the torch MADE's logits on them (``export.child.write_job``) (``snapshot``
