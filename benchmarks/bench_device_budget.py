@@ -143,7 +143,11 @@ for line in open("/proc/self/status"):
 
 
 def _is_made(model: Path) -> bool:
-    return (model.parent / "served.npz").is_file()
+    """A served MADE by its ``fcl.format`` (every format writes a ``served.npz`` beside its model)."""
+    from export._meta import FORMAT, PREFIX
+    from export._proto import parse_model
+
+    return parse_model(model.read_bytes()).metadata.get(PREFIX + "format") == FORMAT
 
 
 def infer_rss(model: Path) -> float:

@@ -7,9 +7,10 @@ News's folder names), so ``fcl infer`` prints them.
 The export runs off the round's hot path: the daemon takes a snapshot of the served model
 (``snapshot``: a copy, cheap) when the round starts and hands it to ``submit`` after its
 update is sent; one background thread exports it, the newest snapshot winning if exports
-fall behind.  Writes are atomic (temporary file, verify, rename), so ``fcl infer --watch``
-never reads a half-written model.  A failed export is logged and the previous model stays
-in service: serving must never stop training.
+fall behind.  The next round waits for it before it evaluates and trains (``wait``), so the
+export's peak memory never adds to the round's (issue 40).  Writes are atomic (temporary
+file, verify, rename), so ``fcl infer --watch`` never reads a half-written model.  A failed
+export is logged and the previous model stays in service: serving must never stop training.
 
 A MADE is exported by a short-lived child process (``python -m export.child``): the daemon
 writes the snapshot, the parity rows and the torch MADE's logits on them (``export.child.write_job``) (``snapshot``
@@ -144,6 +145,7 @@ class ServedModelWriter:
             except Exception:
                 log.exception("export of the served model failed")
             finally:
+                job = None  # not held until the next export: a copy of the whole model (issue 40)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
@@ -159,6 +161,7 @@ class ServedModelWriter:
             log.error("cannot export the served model (pip install 'fcl-edge[export]'): %s", exc)
             return None
         served = job.served
+        release_free_memory()  # the round's freed buffers, before the export's peak adds to them
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             with _EXPORT_LOCK:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from export.publish import ExportError
+from fclcore.procmem import release_free_memory
 
 __all__ = [
     "FORMATS",
@@ -154,6 +155,7 @@ def export_with_snapshot(
     except (SnapshotError, OSError) as exc:
         problem = str(exc)
     if stage is not None:
+        release_free_memory()  # the trace's and the snapshot's buffers, freed but resident, before publishing
         return publish_text_tasks(stage, path, int8=int8), problem
     return export_served(served, path, parity_inputs=parity_inputs, int8=int8), problem
 

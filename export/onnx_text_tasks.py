@@ -214,8 +214,9 @@ def stage_text_tasks(
         _probe(served.module, vocab, served.max_length)
         ref = reference_logits(served.module, ids, mask)
         check_layout(ref, labels, "the served module's")
-        proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
-    frozen = _leave_out_frozen(proto, served.frozen)
+        with _stand_ins(served.module, served.frozen) as stand_ins:
+            proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
+    frozen = _leave_out_frozen(proto, served.frozen, stand_ins)
     graph = proto.SerializeToString()
     del proto
     return TextTasksStage(
@@ -235,22 +236,72 @@ def stage_text_tasks(
     )
 
 
-def _leave_out_frozen(proto: onnx.ModelProto, tables: Sequence[FrozenTable]) -> tuple[FrozenRef, ...]:
-    """Clear the bytes of each initializer that holds one of ``tables`` (found by value; a
-    Constant node holding it becomes an initializer first) and return what puts them back; a
-    table the graph does not hold as it is stays out of this."""
+STAND_IN_ROWS = 1  # rows of a frozen table's stand-in while tracing
+
+
+@contextmanager
+def _stand_ins(module: nn.Module, tables: Sequence[FrozenTable]) -> Iterator[dict[int, np.ndarray]]:
+    """While tracing, each buffer of ``module`` that is one of ``tables`` (the same memory) is
+    replaced by a NaN row of its width: torch's exporter copies every weight into its proto,
+    the proto's bytes and our parse of them, which for MiniLM's 47 MB wordpiece table was three
+    copies on the device (issue 40); the graph then holds the stand-in, which
+    :func:`_leave_out_frozen` turns into the table's empty initializer.  A stand-in that ever
+    reached a published file would make its logits NaN, which the parity check refuses.
+    Yields table index -> its stand-in's values (tables no buffer holds are traced as they are)."""
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    stand_ins: dict[int, np.ndarray] = {}
+    try:
+        for i, table in enumerate(tables):
+            for owner, name, buf in _buffers_holding(module, table.array):
+                stand_in = torch.full((STAND_IN_ROWS, *buf.shape[1:]), float("nan"), dtype=buf.dtype)
+                owner._buffers[name] = stand_in
+                swapped.append((owner, name, buf))
+                stand_ins[i] = stand_in.numpy()
+        yield stand_ins
+    finally:
+        for owner, name, buf in swapped:
+            owner._buffers[name] = buf
+
+
+def _buffers_holding(module: nn.Module, array: np.ndarray) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(owner, name, buffer) of every float32 CPU buffer of ``module`` that is ``array``'s memory."""
+    if array.dtype != np.float32 or array.ndim < 1 or not array.flags.c_contiguous:
+        return []
+    found = []
+    for owner in module.modules():
+        for name, buf in owner._buffers.items():
+            if (
+                isinstance(buf, torch.Tensor)
+                and buf.device.type == "cpu"
+                and buf.dtype == torch.float32
+                and buf.is_contiguous()
+                and tuple(buf.shape) == array.shape
+                and buf.data_ptr() == array.ctypes.data
+            ):
+                found.append((owner, name, buf))
+    return found
+
+
+def _leave_out_frozen(
+    proto: onnx.ModelProto, tables: Sequence[FrozenTable], stand_ins: dict[int, np.ndarray]
+) -> tuple[FrozenRef, ...]:
+    """Clear the bytes of each initializer that holds one of ``tables`` (found by value, or by
+    its stand-in's value, :func:`_stand_ins`; a Constant node holding it becomes an initializer
+    first) and return what puts them back; a table the graph does not hold as it is stays out
+    of this."""
     refs = []
-    for table in tables:
+    for i, table in enumerate(tables):
         a = np.ascontiguousarray(table.array, "<f4")
-        raw = a.tobytes()
-        init = _holder(proto, a.shape, raw)
+        held = stand_ins.get(i)
+        init = _holder(proto, a.shape if held is None else held.shape, (a if held is None else held).tobytes())
         if init is not None:
             zero = tuple(int(r) for r in table.zero_rows)
-            digest = hashlib.sha256(raw).hexdigest()
+            digest = hashlib.sha256(memoryview(a).cast("B")).hexdigest()
             refs.append(
                 FrozenRef(init.name, table.model_dir, table.tensor, float(table.scale), zero, a.shape, digest, a)
             )
             init.ClearField("raw_data")
+            init.dims[:] = a.shape
     return tuple(refs)
 
 

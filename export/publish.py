@@ -21,10 +21,10 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from export import _meta
-from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest
+from export._proto import INTEGRITY_KEY, PLACEHOLDER, integrity_digest, parse_model, weights_digest_in_order
 from fclcore.checkpoint import fsync_dir
 from fclcore.errors import FclError
 
@@ -35,6 +35,7 @@ __all__ = [
     "ExportError",
     "OPSET",
     "seal",
+    "seal_props",
     "temp_path",
     "write_synced",
     "file_sha256",
@@ -61,19 +62,7 @@ def seal(proto: "onnx.ModelProto", metadata: dict[str, Any]) -> "onnx.ModelProto
     the serialisation with a placeholder value of the same length, then patched in, so the
     final bytes differ from the hashed ones only inside that value.
     """
-    from onnx import TensorProto, helper, numpy_helper
-
-    inits = list(proto.graph.initializer)
-    for i, t in enumerate(inits):
-        if t.data_location != TensorProto.DEFAULT:
-            raise ExportError(f"initializer {t.name!r} uses external data")
-        if not t.HasField("raw_data") or len(t.float_data) or len(t.int32_data) or len(t.int64_data):
-            proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t), t.name))
-    digest = weights_digest((t.name, t.data_type, list(t.dims), t.raw_data) for t in proto.graph.initializer)
-    props = _meta.encode(metadata)
-    props[_meta.PREFIX + "weights_sha256"] = digest
-    props[INTEGRITY_KEY] = PLACEHOLDER.decode()
-    helper.set_model_props(proto, props)
+    seal_props(proto, metadata)
     data = proto.SerializeToString()
     span = parse_model(data).metadata_spans[INTEGRITY_KEY]
     whole = integrity_digest(data, span)
@@ -81,6 +70,31 @@ def seal(proto: "onnx.ModelProto", metadata: dict[str, Any]) -> "onnx.ModelProto
         if entry.key == INTEGRITY_KEY:
             entry.value = whole
     return proto
+
+
+def seal_props(proto: "onnx.ModelProto", metadata: dict[str, Any], raws: Mapping[str, Any] | None = None) -> None:
+    """What :func:`seal` sets before the integrity hash (whose placeholder it leaves): every
+    initializer in ``raw_data``, the ``fcl.*`` metadata and the weights hash.  ``raws``: the
+    bytes of initializers the proto holds empty (``export.splice`` writes them in)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    raws = raws or {}
+    inits = list(proto.graph.initializer)
+    for i, t in enumerate(inits):
+        if t.data_location != TensorProto.DEFAULT:
+            raise ExportError(f"initializer {t.name!r} uses external data")
+        if t.name in raws:
+            continue
+        if not t.HasField("raw_data") or len(t.float_data) or len(t.int32_data) or len(t.int64_data):
+            proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t), t.name))
+    ordered = sorted(proto.graph.initializer, key=lambda t: t.name)
+    digest = weights_digest_in_order(
+        (t.name, t.data_type, list(t.dims), raws[t.name] if t.name in raws else t.raw_data) for t in ordered
+    )
+    props = _meta.encode(metadata)
+    props[_meta.PREFIX + "weights_sha256"] = digest
+    props[INTEGRITY_KEY] = PLACEHOLDER.decode()
+    helper.set_model_props(proto, props)
 
 
 def _umask() -> int:

@@ -19,10 +19,12 @@ import numpy as np
 import onnx
 
 from export import scaffold
-from export.publish import ExportError, publish_export, seal, write_synced
+from export.publish import ExportError, publish_export
 from export.snapshot_text_tasks import FrozenRef, TextTasksStage
+from export.splice import sealed_chunks, write_chunks
 from export.text_export import tokenizer_metadata
 from export.text_tasks_runtime import FORMAT, TextTasksRuntime
+from fclcore.procmem import release_free_memory
 
 __all__ = [
     "publish_text_tasks",
@@ -126,14 +128,25 @@ def default_tokenizer() -> Path:
         raise ExportError(f"no tokenizer to embed: {exc}") from None
 
 
-def _put_back_frozen(proto: onnx.ModelProto, frozen: Sequence[FrozenRef]) -> None:
-    """The bytes of the initializers the stage left out (SnapshotError if a source is missing)."""
+def _check_graph(proto: onnx.ModelProto, frozen: Sequence[FrozenRef]) -> None:
+    """The ONNX checker on the graph, each frozen table a row of zeros (the checker wants every
+    initializer's bytes; a table's are only written into the file, ``export.splice``)."""
     inits = {init.name: init for init in proto.graph.initializer}
     for ref in frozen:
         init = inits.get(ref.initializer)
         if init is None or init.raw_data or tuple(init.dims) != ref.shape:
             raise ExportError(f"the traced graph has no empty {ref.shape} initializer {ref.initializer!r} to fill")
-        init.raw_data = np.ascontiguousarray(ref.values(), "<f4").tobytes()
+    try:
+        for ref in frozen:
+            inits[ref.initializer].dims[:] = (1, *ref.shape[1:])
+            inits[ref.initializer].raw_data = bytes(4 * int(np.prod(ref.shape[1:], dtype=np.int64)))
+        onnx.checker.check_model(proto)
+    except Exception as exc:  # noqa: BLE001 - protobuf and the checker raise many types
+        raise ExportError(f"the traced graph is not a valid ONNX model: {str(exc).splitlines()[0][:200]}") from None
+    finally:
+        for ref in frozen:
+            inits[ref.initializer].ClearField("raw_data")
+            inits[ref.initializer].dims[:] = ref.shape
 
 
 def publish_text_tasks(
@@ -173,15 +186,13 @@ def publish_text_tasks(
         proto = onnx.load_from_string(stage.graph)
     except Exception as exc:  # noqa: BLE001 - protobuf raises its own DecodeError
         raise ExportError(f"the traced graph is not an ONNX model: {str(exc).splitlines()[0][:200]}") from None
-    _put_back_frozen(proto, stage.frozen)
-    try:
-        onnx.checker.check_model(proto)
-    except Exception as exc:  # noqa: BLE001 - protobuf and the checker raise many types
-        raise ExportError(f"the traced graph is not a valid ONNX model: {str(exc).splitlines()[0][:200]}") from None
+    _check_graph(proto, stage.frozen)
+    release_free_memory()  # the checker's copies of the graph, before the file is written
     ids, mask, ref = stage.ids, stage.mask, stage.reference
     with scaffold.staged(path) as (tmp, temps):
-        write_synced(tmp, seal(proto, metadata).SerializeToString())
+        write_chunks(tmp, sealed_chunks(proto, metadata, {r.initializer: r.values() for r in stage.frozen}))
         del proto
+        release_free_memory()  # the sealed graph and its bytes, before onnxruntime loads the file
         rt = scaffold.open_written(lambda p: TextTasksRuntime(p, tokenizer=False), tmp, metadata)
         parity = _compare(ref, rt.predict_ids(ids, mask), labels, "fp32", stage.desc)
         report = scaffold.fp32_report(

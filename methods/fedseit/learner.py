@@ -353,7 +353,10 @@ class FedSeITLearner(Learner):
         if trained == 0:
             return None
         emb = self.model.embedding
-        snapshot = copy.deepcopy(self.model, memo={id(emb): emb}).cpu()  # the frozen table is shared on the CPU
+        # the frozen table and the slots of tasks before this one (never written again: a task's
+        # slots are filled while it is the task in hand) are shared, not copied, on the CPU
+        memo = {id(fa): fa for per_conv in self.model.foreign[: self.task] for fa in per_conv}
+        snapshot = copy.deepcopy(self.model, memo={id(emb): emb, **memo}).cpu()
         snapshot.eval()
         for p in snapshot.parameters():
             p.requires_grad_(False)

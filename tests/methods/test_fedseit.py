@@ -205,6 +205,22 @@ def test_the_knowledge_base_holds_every_task_end_and_centres(federation) -> None
         assert len(tensors) == 3  # the other entry's A, one tensor per conv
 
 
+def test_the_served_snapshot_shares_the_slots_of_finished_tasks(federation) -> None:
+    """Issue 40: the snapshot a device serves held a copy of every task's foreign slots (3 x
+    2.4 MB per task at BBC's sizes), which grew with every task; a finished task's slots are
+    never written again, so the snapshot reads the learner's own."""
+    learner = federation[2]["c0"]
+    assert learner.task == 1
+    snapshot = learner.served_model(learner.task).module.model
+    ids = torch.from_numpy(docs([0, 1, 2], 6, 9).x)
+    for t, per_conv in enumerate(learner.model.foreign):
+        for fa, copied in zip(per_conv, snapshot.foreign[t]):
+            assert (copied is fa) == (t < learner.task)  # the task in hand's slots may still be filled
+            torch.testing.assert_close(copied, fa, rtol=0, atol=0)
+    for t in range(learner.task + 1):
+        torch.testing.assert_close(snapshot.logits(ids, t), learner.model.logits(ids, t), rtol=0, atol=0)
+
+
 def hostile(update: Update, tensors=None, meta=None) -> Frame:
     frame = update.frame
     return Frame(frame.header, {**frame.meta, **(meta or {})}, {**frame.tensors, **(tensors or {})})

@@ -52,3 +52,34 @@ def test_a_device_without_the_tasks_rows_checks_with_its_newest_and_without_any_
     assert task == 5 and (parity == 1).all()
     assert handoff.served("learner", (data(0, 0),), after_round=8, previous=later, task_ended=True) is None
     assert handoff.served_round == 7
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_round_waits_for_the_last_export_before_it_touches_the_learner() -> None:
+    """Issue 40: the export of the last task's model ran beside the next round's evaluation and
+    training, and the two peaks added up (FedSeIT: 100 MB more per task)."""
+    from types import SimpleNamespace
+
+    from edge_client.rounds import RoundWork
+
+    calls: list = []
+
+    class Waiting:
+        def wait(self, timeout: float = 600.0) -> bool:
+            calls.append(("wait", timeout))
+            raise _Stop
+
+    class Device:
+        def __getattr__(self, name: str):
+            calls.append(name)
+            raise _Stop
+
+    work = object.__new__(RoundWork)
+    work.writer, work.device = Waiting(), Device()
+    work.cfg = SimpleNamespace(serve=SimpleNamespace(export_timeout_s=42.0))
+    with pytest.raises(_Stop):
+        work.round(None)
+    assert calls == [("wait", 42.0)]
