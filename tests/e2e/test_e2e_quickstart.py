@@ -158,8 +158,9 @@ def test_served_models_answer_without_torch_and_match_the_final_evaluation(quick
 
 
 def test_confedmade_alone_sends_its_default_int8_values_and_prints_its_shares(mosquitto, tmp_path, repo_root):
-    """The quickstart leaves ``wire.value_dtype`` to each method: ConFedMADE's updates and
-    round downlinks cross the broker as int8 (codec v2) frames, and the shares it prints are
+    """The quickstart leaves ``wire.value_dtype`` to each method: ConFedMADE's updates, round
+    downlinks and knowledge frames cross the broker as int8 (codec v2) frames, every update is
+    accepted (test_int8_e2e.py, a slow test, adds stochastic rounding), and the shares it prints are
     metrics.jsonl's bytes over its dense reference.  Over its two tasks every device applies
     every announced model delta (the sparse model downlink, docs/protocol.md section 15): no
     hash ever differs, no device resyncs (the restarted device's resync: test_model_sync_e2e.py)."""
@@ -177,10 +178,11 @@ def test_confedmade_alone_sends_its_default_int8_values_and_prints_its_shares(mo
     for (topic, frame), (_, data) in zip(listener.frames, listener.payloads):
         if frame.tensors:
             with_values.setdefault(topic.split("/")[2], set()).add(data[4])
-    assert with_values["update"] == with_values["round"] == {INT8_VERSION}
+    assert with_values == {"update": {INT8_VERSION}, "round": {INT8_VERSION}, "kb": {INT8_VERSION}}
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [e for e in rows if e["event"] == "round_client"]
+    assert sum(e["status"] == "accepted" for e in rows) == summary["rounds"] * summary["clients"]
     b = summary["bytes"]
     assert b["up_total"] == sum(e["bytes_up"] for e in rows) and b["dense_fp32_up_total"] == sum(
         e["dense_fp32_up"] for e in rows
