@@ -84,12 +84,6 @@ def test_every_round_completes_and_files_follow_the_contract(quickstart_run):
         b["down_total"] / b["dense_fp32_down_total"], 4
     )
     assert f"up / down vs dense: {b['up_vs_dense']:.1%} / {b['down_vs_dense']:.1%} ({b['reference']})" in result.stdout
-    for cid in summary["client_ids"]:  # no hash mismatch, no bad delta, no resync
-        assert json.loads((out / "clients" / cid / "wire.json").read_text())["model_syncs"] == {}, cid
-    assert b["syncs"] == {} and sum(b["down_by_kind"].values()) == b["down_total"]
-    # the model part of the downlink is the aggregated entries, well under a dense float32 model per round
-    assert b["down_by_kind"]["model"] < 0.75 * b["dense_fp32_down_total"], b["down_by_kind"]
-    assert b["down_by_kind"]["knowledge"] > 0  # ConFedMADE's knowledge frames at the task start
 
 
 def test_held_out_nll_falls_within_each_task(quickstart_run):
