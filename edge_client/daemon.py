@@ -10,7 +10,8 @@ membership state) and wires its parts together: the learner and its data
 (``edge_client.learning``), the frames sent to this device alone (``edge_client.frames``),
 the global model's replica and its resyncs (``edge_client.modelsync``), what it sends
 (``edge_client.uplink``), a round's work with its checkpoint (``edge_client.rounds``), which
-run it may act on and when it stops waiting (``edge_client.rungate``), and what it reports
+run it may act on and when it stops waiting (``edge_client.rungate``), how it joins, refuses
+and leaves a run (``edge_client.lifecycle``), and what it reports
 about itself (``edge_client.status``).  With ``key_file`` set, every frame
 it sends is signed (``fclcore.signing``).
 """
@@ -32,9 +33,10 @@ from edge_client.data import load_client_data, served_class_names
 from edge_client.frames import ClientFrames
 from edge_client.learning import DeviceLearner
 from edge_client.ledger import downlink_tag
+from edge_client.lifecycle import RunLifecycle
 from edge_client.modelsync import ModelSync
 from edge_client.nacks import NackLog
-from edge_client.protocol import RejectedFrame, check_downlink, membership_state, places, run_of
+from edge_client.protocol import RejectedFrame, check_downlink, run_of
 from edge_client.rounds import RoundWork
 from edge_client.rungate import RunGate
 from edge_client.serving import ServedModelWriter
@@ -48,7 +50,6 @@ from fclcore.chunks import CHUNK_MAGIC, ChunkError
 from fclcore.codec import CodecLimits, Frame, Kind
 from fclcore.config import ConfigError
 from fclcore.exitcodes import ExitCode
-from fclcore.membership import NOT_ENROLLED, RETIRED
 from fclcore.procmem import release_free_memory
 from fclcore.runid import is_newer
 from fclcore.schema import ClientConfig, FederationSpec
@@ -58,6 +59,16 @@ from fclcore.transport import MqttLink, TransportError, WireMeter
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
+
+
+def device_key(cfg: ClientConfig) -> bytes | None:
+    """The key every frame is signed with (``key_file``), if one is set."""
+    try:
+        return read_key(cfg.key_file) if cfg.key_file else None
+    except OSError as exc:
+        raise ConfigError(f"key_file: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"key_file: {exc}") from None
 
 
 class ClientDaemon:
@@ -74,15 +85,7 @@ class ClientDaemon:
         self.arrival = 0.0  # when the message being handled arrived
         self.decodes = Decodes.of(cfg.decodes)  # what it says it decodes, and holds itself to (P-CAP-4)
         self.limits = self.decodes.limits(CodecLimits())
-        self.final_state = "stopped"  # the retained status run() leaves: "retired" once the membership retires it
-        self.told_not_enrolled = False
-        self.exit_code: ExitCode | None = None  # set when the run ends other than by finishing (failed, other run)
-        try:
-            key = read_key(cfg.key_file) if cfg.key_file else None
-        except OSError as exc:
-            raise ConfigError(f"key_file: {exc}") from None
-        except ValueError as exc:
-            raise ConfigError(f"key_file: {exc}") from None
+        key = device_key(cfg)
         state_dir = Path(cfg.state_dir) if cfg.state_dir else self.out_dir / "state"
         self.store = ClientStateStore(state_dir)
         self.device = DeviceLearner(cfg, data, task_dir, self.store.path.parent)
@@ -138,6 +141,9 @@ class ClientDaemon:
             self.notifier,
         )
         self.work.restore()
+        self.runs = RunLifecycle(
+            cfg, self.device, self.gate, self.frames, self.work, self.uplink, self.serving, self.link
+        )
 
     def run(self) -> ExitCode:
         """Serve until the run finishes or ``stop`` is set (SIGTERM): a stop waits for the
@@ -171,7 +177,7 @@ class ClientDaemon:
             self.notifier.stopping("shutting down")
             self.serving.close()
             self.control.stop()
-            self.link.close(self.final_state)
+            self.link.close(self.runs.final_state)
             self.stats.write(
                 self.out_dir,
                 self.cfg.client_id,
@@ -190,8 +196,13 @@ class ClientDaemon:
         is committed, or it has nothing to do in any run (exit code set)."""
         verdict = self.gate.verdict(self.device.run_id)
         if verdict is not None and verdict is not ExitCode.OK:
-            self.exit_code = verdict
+            self.runs.exit_code = verdict
         return verdict is not None
+
+    @property
+    def exit_code(self) -> ExitCode | None:
+        """Set when the run ends other than by finishing (failed, other run, nothing to do)."""
+        return self.runs.exit_code
 
     def status_snapshot(self) -> dict:
         """What ``fcl ctl status`` shows (read from the control socket's thread)."""
@@ -285,7 +296,7 @@ class ClientDaemon:
                     )
                 self.frames.hold_newer(run, frame, payload, size)  # kept until it is joined
                 return False
-            return self._on_own_frame(topic, frame, payload, size)
+            return self.work.take_own_frame(topic, frame, payload, size)
         if kind is Kind.MODEL:
             if run != device.run_id:
                 raise RejectedFrame(f"run: a model of run {run}, this device is in run {device.run_id}")
@@ -294,30 +305,19 @@ class ClientDaemon:
         if kind is Kind.REQUEST:
             if run != device.run_id:
                 raise RejectedFrame(f"run: a request of run {run}, this device is in run {device.run_id}")
-            if self.cfg.client_id not in frame.meta.get("missing", ()):
-                return False
-            if frame.meta.get("kind") == Kind.EVAL.name and self.work.final_eval is not None:
-                self.uplink.send(self.work.final_eval, f"resend:eval:{frame.header.round}")
-            else:
-                self.uplink.resend(frame.header.round, device.done_round, self.arrival, "the aggregator asked for it")
+            self.work.answer_request(frame, self.arrival)
             return False
         if device.run_id is None or run != device.run_id:
-            met = self._meet_run(frame, run, (topic, payload, size))
+            met = self.runs.meet(frame, run, (topic, payload, size))
             if met is None:
                 return False  # held until the aggregator's status names the run
             if met:
                 return True
         if kind is Kind.FINISH and (frame.meta.get("failed") is not None or frame.header.round != fed.total_rounds):
-            return self._finish_early(frame, fed)
-        state = membership_state(fed, self.cfg.client_id, frame.header.task)
-        if state == RETIRED:
-            self._retire(frame, fed)
-            return True
-        if state == NOT_ENROLLED:
-            if not self.told_not_enrolled:
-                log.info("not enrolled yet in task %d (federation.membership): waiting", frame.header.task)
-                self.told_not_enrolled = True
-            return False
+            return self.runs.finish_early(frame, fed)
+        outside = self.runs.outside(frame, fed)
+        if outside is not None:
+            return outside
         if kind is Kind.FINISH and device.done_round < 0:
             self.gate.saw_end_of_other_run()
             log.info("ignoring the end of a run this device did not take part in")
@@ -350,91 +350,3 @@ class ClientDaemon:
         """A later announcement is queued already (docs/buffered.md)."""
         with self.queue.mutex:
             return any(topic == self.subscribed[0] for topic, *_ in self.queue.queue)
-
-    def _on_own_frame(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
-        """A frame sent to this device alone (or the full one it fetched): kept; the round that
-        waited for it goes on."""
-        device, work = self.device, self.work
-        if topic == self.frames.full_topic:
-            return self.frames.take_full(frame, payload, size, device.learner) and work.take_pending()
-        if not self.frames.take(topic, frame, payload, size, device.task, device.done_round):
-            return False
-        if work.pending is not None and not self.frames.wanted(work.pending[0], device.task, device.done_round):
-            return work.take_pending()
-        return False
-
-    def _meet_run(self, frame: Frame, run: str, message: tuple[str, bytes, int]) -> bool | None:
-        """A round or FINISH of a run this device is not in: adopt it (a fresh device, at a
-        round), join it (a newer run, ``on_new_run: join``: start over), refuse it (exit
-        ``OTHER_RUN``), drop it (an earlier run's retained message, the end of a run this device
-        took no part in, a run id from the future), or hold it until the aggregator's status names
-        its run (``RunGate``).  True when the daemon must stop; None when held."""
-        kind, current = frame.header.kind, self.device.run_id
-        if current is None and kind is Kind.FINISH and frame.meta.get("failed") is None:
-            self.gate.saw_end_of_other_run()
-            raise RejectedFrame(f"run: the end of run {run}, which this device took no part in")
-        if current is not None and not is_newer(run, current):
-            raise RejectedFrame(f"run: a {kind.name} of run {run}, an earlier run than this device's {current}")
-        if current is not None and kind is Kind.FINISH:
-            raise RejectedFrame(f"run: the end of run {run}, a newer run this device has not joined")
-        self.gate.check_bound(run)
-        if not self.gate.confirmed(run):
-            self.gate.hold(run, message)
-            return None
-        if current is None:
-            self._adopt_run(run)
-            return False
-        if self.cfg.on_new_run == "refuse":
-            log.error(
-                "a newer run %s of %s started; this device belongs to run %s and on_new_run is refuse: exiting",
-                run,
-                self.cfg.federation,
-                current,
-            )
-            self.exit_code = ExitCode.OTHER_RUN
-            return True
-        log.warning(
-            "a newer run %s of %s started: joining it from scratch (was in run %s)", run, self.cfg.federation, current
-        )
-        self.device.forget()
-        self.work.pending = self.work.waiting = self.uplink.unacked = None
-        self.work.handoff.served_round, self.told_not_enrolled = -1, False
-        self.frames.reset()
-        self._adopt_run(run)
-        return False
-
-    def _adopt_run(self, run: str) -> None:
-        """Belong to ``run``: the device's own frames of other runs go; those of this run kept aside come in."""
-        self.device.run_id = run
-        self.gate.own_frame()
-        self.frames.adopt(run)
-        self.link.status_fields.update(run=run)
-
-    def _finish_early(self, frame: Frame, fed: FederationSpec) -> bool:
-        """A FINISH that is not the end of this run's last round: the aggregator gave up (the
-        device exits ``FEDERATION_FAILED`` with its checkpoint as it is, also one that has not
-        trained yet: no round of this run will come), or a stale one (dropped)."""
-        failed = frame.meta.get("failed")
-        if failed is None:
-            raise RejectedFrame(
-                f"finish: for round {frame.header.round}, but the federation has {fed.total_rounds} rounds"
-            )
-        log.error("the aggregator ended run %s as failed: %s", self.device.run_id, str(failed)[:200])
-        self.uplink.unacked = None
-        self.serving.wait()
-        self.exit_code = ExitCode.FEDERATION_FAILED
-        return True
-
-    def _retire(self, frame: Frame, fed: FederationSpec) -> None:
-        """A round (or the end) of a task in which this device is retired: it serves the model of
-        its last round, if it has one, and leaves the run with the status "retired"."""
-        log.info("retired from task %d (federation.membership): leaving the federation", frame.header.task)
-        if self.device.learner is not None and frame.header.round - 1 == self.device.done_round:
-            try:  # the announcement carries the aggregate of this device's last round: serve it
-                self.device.load(frame, fed)
-                self.serving.submit(self.work.served(frame.header.round - 1, places(frame)[1], task_ended=True))
-            except RejectedFrame as exc:
-                log.warning("not serving the last model: %s", exc)
-        self.uplink.unacked = None
-        self.serving.wait()
-        self.final_state = "retired"

@@ -121,6 +121,28 @@ class RoundWork:
         pending, self.pending = self.pending, None
         return self.handle_round(*pending) if pending is not None else False
 
+    def take_own_frame(self, topic: str, frame: Frame, payload: bytes, size: int) -> bool:
+        """A frame sent to this device alone (or the full one it fetched): kept; the round that
+        waited for it goes on."""
+        device = self.device
+        if topic == self.frames.full_topic:
+            return self.frames.take_full(frame, payload, size, device.learner) and self.take_pending()
+        if not self.frames.take(topic, frame, payload, size, device.task, device.done_round):
+            return False
+        if self.pending is not None and not self.frames.wanted(self.pending[0], device.task, device.done_round):
+            return self.take_pending()
+        return False
+
+    def answer_request(self, frame: Frame, arrival: float) -> None:
+        """The aggregator asks for frames it misses: this device's update of that round (or its
+        final evaluation) is sent again."""
+        if self.cfg.client_id not in frame.meta.get("missing", ()):
+            return
+        if frame.meta.get("kind") == Kind.EVAL.name and self.final_eval is not None:
+            self.uplink.send(self.final_eval, f"resend:eval:{frame.header.round}")
+        else:
+            self.uplink.resend(frame.header.round, self.device.done_round, arrival, "the aggregator asked for it")
+
     def handle_round(self, frame: Frame, size: int) -> bool:
         device = self.device
         if not device.have_data(frame.header.task):

@@ -14,7 +14,8 @@
 * ``export.text_runtime``: ``TextClassifierRuntime`` (numpy + onnxruntime + tokenizers only)
 * ``export.onnx_image``: the image-classifier format (onnx only, no torch): ``export_image_classifier``
 * ``export.image_runtime``: ``ImageClassifierRuntime`` (numpy + onnxruntime only)
-* ``export.runtime``: ``MadeRuntime``, ``ModelWatcher``, ``load_inputs`` (numpy + onnxruntime only)
+* ``export.runtime``: ``MadeRuntime``, ``load_inputs`` (numpy + onnxruntime only)
+* ``export.watcher``: ``ModelWatcher``, which swaps in a changed model file (numpy + onnxruntime only)
 * ``export.snapshot``: ``save_snapshot`` / ``load_snapshot`` of ``served.npz`` (numpy only)
 * ``export.cli``: the ``fcl export`` and ``fcl infer`` subcommands (``fcl infer`` in ``export.infer_cli``)
 

@@ -256,8 +256,9 @@ def run_infer_image(args: argparse.Namespace) -> int:
 
 def run_infer(args: argparse.Namespace) -> int:
     from export.image_runtime import FORMAT as IMAGE_FORMAT
-    from export.runtime import InputError, MadeRuntime, ModelFileError, ModelWatcher, load_inputs, parse_row
+    from export.runtime import InputError, MadeRuntime, ModelFileError, load_inputs, parse_row
     from export.text_runtime import model_format
+    from export.watcher import ModelWatcher
 
     if model_format(args.model) == IMAGE_FORMAT:
         return run_infer_image(args)

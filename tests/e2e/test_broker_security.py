@@ -124,8 +124,10 @@ class Links:
         return link
 
     def close_all(self) -> None:
-        for link in self.opened:
-            link.close()
+        """Close every link while its broker still runs: a link that has not seen its broker go
+        would wait out its final status (5 s) and its clean disconnect (5 s) in the teardown."""
+        while self.opened:
+            self.opened.pop().close()
 
 
 def _rewrite_shipped_conf(*, port: int, tls_port: int, passwd: Path, pki: Path, db: Path) -> str:
@@ -494,6 +496,7 @@ def test_host_name_is_checked_unless_tls_insecure(tmp_path, passwd, pki, links, 
         assert link.connected.is_set()
         assert any("host name is NOT checked" in r.getMessage() for r in caplog.records)
     finally:
+        links.close_all()
         broker.stop()
 
 
@@ -515,6 +518,7 @@ def test_require_certificate(tmp_path, passwd, pki, links):
         own = {"cert_file": str(good / "c0.crt"), "key_file": str(good / "c0.key")}
         assert links.open(broker.tls_url, "c0", **_tls(pki), **own).connected.is_set()
     finally:
+        links.close_all()
         broker.stop()
 
 
@@ -646,4 +650,5 @@ def test_links_reconnect_after_kill_and_restart_and_retained_state_survives(tmp_
         links.open(broker.url, "c1", subs=(ROUND,), inbox=late)
         assert late.wait_payload(ROUND, b"round-1"), "the retained round did not survive kill + restart"
     finally:
+        links.close_all()
         broker.stop()

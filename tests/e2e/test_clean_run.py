@@ -18,7 +18,8 @@ from fclcore.codec import SparseTensor
 from fclcore.errors import TrainingDiverged
 from fclcore.exitcodes import ExitCode
 
-TINY = ["--set", "compare=[]", "--set", "federation.rounds_per_task=2", "--set", "federation.model.hidden_sizes=[32]"]
+SHORT = ["--set", "compare=[]", "--set", "federation.rounds_per_task=2"]  # the quickstart in 4 rounds
+TINY = [*SHORT, "--set", "federation.model.hidden_sizes=[32]"]
 NOISE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
 
 
@@ -44,12 +45,18 @@ def test_a_successful_run_logs_no_warning_and_drops_nothing(broker, request, tmp
     """Three device processes and the aggregator: every log is free of warnings.  With the
     embedded broker this failed on every device (another device's retained JSON status, sent
     to it on a topic it never subscribed to, dropped as a corrupt frame) and in the broker's
-    log (a bare TCP readiness probe logged as a failed MQTT session)."""
+    log (a bare TCP readiness probe logged as a failed MQTT session).  Without ``--broker`` it
+    is the README's main command, which starts the embedded broker (the quickstart's model)."""
     out = tmp_path / "run"
-    where = ["--broker", request.getfixturevalue("mosquitto").url] if broker == "mosquitto" else []
-    result = run_fcl("simulate", str(repo_root / "configs/scenarios/quickstart.yaml"), "--out", str(out), *where, *TINY)
+    embedded = broker == "embedded"
+    where = [*SHORT] if embedded else ["--broker", request.getfixturevalue("mosquitto").url, *TINY]
+    result = run_fcl("simulate", str(repo_root / "configs/scenarios/quickstart.yaml"), "--out", str(out), *where)
     assert result.returncode == ExitCode.OK, result.stderr
     assert _noise(out) == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 4 and summary["final"]["avg_nll"] > 0
+    if embedded:
+        assert "embedded broker listening" in (out / "logs" / "broker.log").read_text()
     assert "Traceback" not in result.stderr and "%|" not in result.stderr  # no progress bar off a terminal
     rejected, by_client, reported = _rejections(out)
     assert rejected == {} and by_client == {}

@@ -27,7 +27,8 @@ FED = "compress-e2e"
 def _run(mosquitto, out: Path, repo_root: Path, *extra: str) -> tuple[dict, list]:
     spec = methods.lookup("ngfl")
     listener = Listener(mosquitto.port)
-    sets = [item for o in (*spec.smoke_overrides, f"federation.name={FED}", *extra) for item in ("--set", o)]
+    overrides = (*spec.smoke_overrides, "clients=2", f"federation.name={FED}", *extra)  # the scenario's 5: 2 will do
+    sets = [item for o in overrides for item in ("--set", o)]
     result = run_fcl(
         "simulate", str(repo_root / spec.example_scenario), "--out", str(out), "--broker", mosquitto.url, *sets
     )

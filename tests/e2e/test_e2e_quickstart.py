@@ -152,9 +152,12 @@ def test_served_models_answer_without_torch_and_match_the_final_evaluation(quick
 
 
 def test_confedmade_alone_sends_its_default_int8_values_and_prints_its_shares(mosquitto, tmp_path, repo_root):
-    """The quickstart leaves ``wire.value_dtype`` to each method: ConFedMADE's updates and
-    round downlinks cross the broker as int8 (codec v2) frames, and the shares it prints are
-    metrics.jsonl's bytes over its dense reference."""
+    """The quickstart leaves ``wire.value_dtype`` to each method: ConFedMADE's updates, round
+    downlinks and knowledge frames cross the broker as int8 (codec v2) frames, every update is
+    accepted (test_int8_e2e.py, a slow test, adds stochastic rounding), and the shares it prints are
+    metrics.jsonl's bytes over its dense reference.  Over its two tasks every device applies
+    every announced model delta (the sparse model downlink, docs/protocol.md section 15): no
+    hash ever differs, no device resyncs (the restarted device's resync: test_model_sync_e2e.py)."""
     listener = Listener(mosquitto.port, extra_topics=(topics.round_topic(FED),))
     out = tmp_path / "confedmade"
     result = run_fcl(
@@ -169,10 +172,11 @@ def test_confedmade_alone_sends_its_default_int8_values_and_prints_its_shares(mo
     for (topic, frame), (_, data) in zip(listener.frames, listener.payloads):
         if frame.tensors:
             with_values.setdefault(topic.split("/")[2], set()).add(data[4])
-    assert with_values["update"] == with_values["round"] == {INT8_VERSION}
+    assert with_values == {"update": {INT8_VERSION}, "round": {INT8_VERSION}, "kb": {INT8_VERSION}}
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [e for e in rows if e["event"] == "round_client"]
+    assert sum(e["status"] == "accepted" for e in rows) == summary["rounds"] * summary["clients"]
     b = summary["bytes"]
     assert b["up_total"] == sum(e["bytes_up"] for e in rows) and b["dense_fp32_up_total"] == sum(
         e["dense_fp32_up"] for e in rows
@@ -181,3 +185,9 @@ def test_confedmade_alone_sends_its_default_int8_values_and_prints_its_shares(mo
     assert b["up_vs_dense"] == round(b["up_total"] / b["dense_fp32_up_total"], 4) < 0.25
     assert b["down_vs_dense"] == round(b["down_total"] / b["dense_fp32_down_total"], 4) < 0.4
     assert f"up / down vs dense: {b['up_vs_dense']:.1%} / {b['down_vs_dense']:.1%} ({b['reference']})" in result.stdout
+    for cid in summary["client_ids"]:  # no hash mismatch, no bad delta, no resync
+        assert json.loads((out / "clients" / cid / "wire.json").read_text())["model_syncs"] == {}, cid
+    assert b["syncs"] == {} and sum(b["down_by_kind"].values()) == b["down_total"]
+    # the model part of the downlink is the aggregated entries, well under a dense float32 model per round
+    assert b["down_by_kind"]["model"] < 0.75 * b["dense_fp32_down_total"], b["down_by_kind"]
+    assert b["down_by_kind"]["knowledge"] > 0  # ConFedMADE's knowledge frames at the task start

@@ -125,7 +125,7 @@ def test_sigint_while_waiting_for_devices_stops_and_the_restart_continues_the_ru
         # a device that comes online after the run ended: it exits RUN_ENDED, not waiting forever
         kind, path = fleet.configs["client-0"]
         cfg = yaml.safe_load(path.read_text())
-        late = {**cfg, "state_dir": str(tmp_path / "late/state"), "out_dir": str(tmp_path / "late"), "run_over_s": 3}
+        late = {**cfg, "state_dir": str(tmp_path / "late/state"), "out_dir": str(tmp_path / "late"), "run_over_s": 1}
         (tmp_path / "late.yaml").write_text(yaml.safe_dump(late))
         proc = subprocess.run(
             [sys.executable, "-m", "fcl_edge.cli", kind, "--config", str(tmp_path / "late.yaml")],

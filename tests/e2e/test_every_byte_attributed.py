@@ -98,23 +98,20 @@ def test_rows_and_run_level_bytes_equal_each_device_meter_and_the_relay(mosquitt
     _attributed_run(mosquitto, tmp_path, repo_root, name)
 
 
-def test_requests_for_missing_updates_are_run_level_bytes_too(mosquitto, tmp_path, repo_root):
+def test_requests_and_frames_sent_in_chunks_are_counted_and_add_up_too(mosquitto, tmp_path, repo_root):
     """With requests due after 50 ms (once an update is overdue by the round's own timing, at
     twice the median arrival), every device hears the requests the aggregator sends (and may
-    re-send): they are counted, as ``request`` (and ``resend``), and still add up."""
-    _, block = _attributed_run(mosquitto, tmp_path, repo_root, "fedavg", "federation.rounds.resend_after_s=0.05")
+    re-send): they are counted, as ``request`` (and ``resend``), and still add up.  With
+    ``wire.chunk_bytes`` at its minimum every announcement leaves in chunks and a manifest
+    (docs/protocol.md section 16): a round's row counts the manifest and the chunks the device
+    put together, exactly what its meter and the relay saw.  (One run for both.)"""
+    extra = ("federation.rounds.resend_after_s=0.05", "federation.wire.chunk_bytes=1024")
+    _, block = _attributed_run(mosquitto, tmp_path, repo_root, "fedavg", *extra)
     log = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
     if any(e.get("event") == "request" for e in log):  # the round's own timing decides whether any was due
         assert block["down_by_kind"]["request"] > 0
     else:
         assert "request" not in block["down_by_kind"]
     assert set(block["up_by_kind"]) <= {"eval", "status", "resend"}
-
-
-def test_frames_sent_in_chunks_add_up_too(mosquitto, tmp_path, repo_root):
-    """With ``wire.chunk_bytes`` at its minimum every announcement leaves in chunks and a manifest
-    (docs/protocol.md section 16): a round's row counts the manifest and the chunks the device
-    put together, exactly what its meter and the relay saw."""
-    _attributed_run(mosquitto, tmp_path, repo_root, "fedavg", "federation.wire.chunk_bytes=1024")
     logs = (tmp_path / "run" / "logs" / "client-0.log").read_text()
     assert "fetching a " in logs and " chunks" in logs

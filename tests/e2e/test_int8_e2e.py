@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from conftest import run_fcl
 from support.listener import Listener
 
@@ -20,6 +21,7 @@ from fclcore.codec import INT8_VERSION
 FED = "int8-e2e"
 
 
+@pytest.mark.slow  # the default suite's int8 frames, each way and on the knowledge topic: test_e2e_quickstart.py
 def test_int8_values_travel_in_every_direction(mosquitto, tmp_path: Path, repo_root: Path):
     listener = Listener(mosquitto.port, extra_topics=(topics.round_topic(FED),))
     out = tmp_path / "run"

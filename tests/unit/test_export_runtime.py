@@ -20,7 +20,8 @@ from support.timescale import scaled
 
 from export.onnx_made import ServedModel, base_metadata, build_onnx, export_served_model
 from export.publish import seal
-from export.runtime import InputError, MadeRuntime, ModelFileError, ModelWatcher, load_inputs, parse_row
+from export.runtime import InputError, MadeRuntime, ModelFileError, load_inputs, parse_row
+from export.watcher import ModelWatcher
 from fclcore.made_spec import MadeConfig, init_params
 
 REPO = Path(__file__).resolve().parents[2]
