@@ -54,6 +54,13 @@ def place(learner: Any, spec: str, device: torch.device, amp: str) -> None:
             learner.place(torch.device("cpu"), amp)
 
 
+def float32_only(method: str, amp: str) -> None:
+    """ValueError (``place``'s refusal) when a method that trains in float32 only is asked for
+    mixed precision."""
+    if amp != "off":
+        raise ValueError(f"method {method} trains in float32 only (asked: train.amp {amp})")
+
+
 def autocast(device: torch.device, amp: str) -> ContextManager:
     """The forward pass's mixed precision: torch.autocast for bf16/fp16, nothing for off."""
     if amp == "off":

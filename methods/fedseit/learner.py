@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
+from fclcore.device import float32_only
 from fclcore.learner import Learner, round_seed
 from fclcore.masked_upload import MIN_GATE, dense, pack, top_units
 from fclcore.schedule import RoundPlace
@@ -79,8 +80,7 @@ class FedSeITLearner(Learner):
         forward pass: a lookup there beats sending (B, L, D) embeddings per batch), the foreign
         slots and the drift anchors; each batch's token ids follow it, the shards stay in host
         memory, uploads and the served model come back to the CPU.  float32 only."""
-        if amp != "off":
-            raise ValueError(f"method {self.fed.method} trains in float32 only (asked: train.amp {amp})")
+        float32_only(self.fed.method, amp)
         self.device = device
         self.model.to(device)
         self.anchor = {

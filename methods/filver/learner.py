@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
+from fclcore.device import float32_only
 from fclcore.learner import Learner, round_seed
 from fclcore.schedule import RoundPlace, TaskSchedule
 from fclcore.schema import FederationSpec
@@ -118,8 +119,7 @@ class FILVERLearner(Learner):
         """The encoder and the classifier move to ``device``; each batch follows them there (a
         round's rehearsal items too), the shards and the kept items stay in host memory, and
         random draws come from the CPU generators as before.  No mixed precision (float32)."""
-        if amp != "off":
-            raise ValueError(f"method {self.fed.method} trains in float32 only (asked: train.amp {amp})")
+        float32_only(self.fed.method, amp)
         self.device = device
         self.encoder.to(device)
         self.classifier.to(device)

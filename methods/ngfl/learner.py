@@ -31,6 +31,7 @@ import torch
 from fclcore import optim
 from fclcore.codec import Frame, SparseTensor, Tensor
 from fclcore.data import Dataset
+from fclcore.device import float32_only
 from fclcore.learner import Learner, round_seed
 from fclcore.schedule import RoundPlace
 from fclcore.schema import FederationSpec
@@ -78,8 +79,7 @@ class NGFLLearner(Learner):
     def place(self, device: torch.device, amp: str) -> None:
         """The extractor and the head move to ``device``; each batch follows them there, the shards
         stay in host memory, uploads come back as host arrays.  No mixed precision (float32)."""
-        if amp != "off":
-            raise ValueError(f"method {self.fed.method} trains in float32 only (asked: train.amp {amp})")
+        float32_only(self.fed.method, amp)
         self.device = device
         self.extractor.to(device)
         self.head.to(device)
