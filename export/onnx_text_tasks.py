@@ -48,6 +48,7 @@ from export.text_tasks_publish import (
     publish_text_tasks,
     task_labels,
 )
+from fclcore.procmem import release_free_memory
 from fclcore.served import FrozenTable, TextTasksServed
 
 if TYPE_CHECKING:
@@ -219,6 +220,7 @@ def stage_text_tasks(
     frozen = _leave_out_frozen(proto, served.frozen, stand_ins)
     graph = proto.SerializeToString()
     del proto
+    release_free_memory()  # the proto's memory, before the snapshot's torch forward adds to it
     return TextTasksStage(
         graph,
         ids,
