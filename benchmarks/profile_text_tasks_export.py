@@ -109,8 +109,8 @@ def main() -> None:
             raise SystemExit("the export failed (see the log)")
         mark("export written")
         size = (Path(tmp) / "model.onnx").stat().st_size
-        digest = file_sha256(Path(tmp) / "model.onnx")
-    print(f"model.onnx: {size / 2**20:.1f} MB, sha256 {digest}")
+        digest, snapshot_digest = file_sha256(Path(tmp) / "model.onnx"), file_sha256(Path(tmp) / "served.npz")
+    print(f"model.onnx: {size / 2**20:.1f} MB, sha256 {digest}; served.npz sha256 {snapshot_digest}")
 
 
 if __name__ == "__main__":
