@@ -156,7 +156,8 @@ def export_with_snapshot(
         problem = str(exc)
     if stage is not None:
         release_free_memory()  # the trace's and the snapshot's buffers, freed but resident, before publishing
-        return publish_text_tasks(stage, path, int8=int8), problem
+        held, stage = [stage], None  # the call takes the only reference: the graph's bytes go once parsed
+        return publish_text_tasks(held.pop(), path, int8=int8), problem
     return export_served(served, path, parity_inputs=parity_inputs, int8=int8), problem
 
 

@@ -48,6 +48,7 @@ from export.text_tasks_publish import (
     publish_text_tasks,
     task_labels,
 )
+from fclcore.procmem import release_free_memory
 from fclcore.served import FrozenTable, TextTasksServed
 
 if TYPE_CHECKING:
@@ -217,8 +218,10 @@ def stage_text_tasks(
         with _stand_ins(served.module, served.frozen) as stand_ins:
             proto = build_text_tasks_onnx(served.module, len(labels), served.max_length)
     frozen = _leave_out_frozen(proto, served.frozen, stand_ins)
+    release_free_memory()  # the tracer's buffers, before serialising holds the graph three times
     graph = proto.SerializeToString()
     del proto
+    release_free_memory()  # the proto's memory, before the snapshot's torch forward adds to it
     return TextTasksStage(
         graph,
         ids,

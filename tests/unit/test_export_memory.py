@@ -98,3 +98,30 @@ def test_the_serving_thread_lets_a_written_snapshot_go(tmp_path):
     gc.collect()
     assert module() is None  # the worker waits for the next export without holding this one
     writer.close()
+
+
+def test_the_stage_graph_bytes_are_freed_before_onnxruntime_loads_the_file(tmp_path, monkeypatch):
+    """export_with_snapshot hands publish_text_tasks its only reference to the stage, whose
+    graph bytes (58 MB at FedSeIT's fifth task) then go once parsed, not after the check."""
+    import sys
+
+    import export.text_tasks_publish as ttp
+
+    served = tiny_text_tasks_with_table(tmp_path / "shipped", buffer=True)
+    graphs, holders = [], []
+    stage_fn, open_fn = ott.stage_text_tasks, ttp.scaffold.open_written
+
+    def spying_stage(*args, **kwargs):
+        stage = stage_fn(*args, **kwargs)
+        graphs.append(stage.graph)
+        return stage
+
+    def spying_open(*args, **kwargs):
+        holders.append(sys.getrefcount(graphs[0]) - 2)  # less the list's and the call's references
+        return open_fn(*args, **kwargs)
+
+    monkeypatch.setattr(ott, "stage_text_tasks", spying_stage)
+    monkeypatch.setattr(ttp.scaffold, "open_written", spying_open)
+    report, problem = export_with_snapshot(served, tmp_path / "m.onnx", tmp_path / "m.npz", parity_inputs=PARITY)
+    assert problem is None and report["file_sha256"] == _sha(tmp_path / "m.onnx")
+    assert holders == [0]
