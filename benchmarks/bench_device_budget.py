@@ -212,13 +212,26 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]),
     }
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    md = markdown(doc)
+    Path(args.out).with_suffix(".md").write_text(md)
+    print(md)
+
+
+def markdown(doc: dict) -> str:
+    """The table of ``doc`` (device_budget.json), with the command that measured each row (an
+    ``--update`` run re-measures some rows and keeps the others)."""
+    results, made = doc["scenarios"], doc.get("infer_made_peak_rss_mb")
+    commands: dict[str, list[str]] = {}
+    for name, r in results.items():
+        commands.setdefault(r.get("command", doc["command"]), []).append(name)
+    said = "; ".join(f"`{c}` ({', '.join(rows)})" for c, rows in commands.items())
     md = [
-        f"Command: `{doc['command']}` on {doc['machine']['platform']}, {doc['machine']['cpus']} CPUs. "
-        f"Shortened scenarios run {args.rounds_per_task} rounds per task. A board fits when the daemon's peak "
-        f"plus its export child's is within the board less {RESERVED_MB} MB (OS, services, page cache, MQTT).",
+        f"Commands: {said}, on {doc['machine']['platform']}, {doc['machine']['cpus']} CPUs. "
+        f"Shortened scenarios run {doc['rounds_per_task']} rounds per task. A board fits when the daemon's peak "
+        f"plus its export child's is within the board less {doc['reserved_mb']} MB (OS, services, page cache, MQTT).",
         "",
         "| scenario | daemon peak RSS | + export child | fits | CPU s / round (median, p90) | up / round "
-        f"| down / round (max) | MB / day up, down at {args.rounds_per_day} rounds |",
+        f"| down / round (max) | MB / day up, down at {doc['rounds_per_day']} rounds |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -230,9 +243,8 @@ def main() -> None:
             f"{r['mb_up_per_day']}, {r['mb_down_per_day']} |"
         )
     if made:
-        md += ["", f"A serving-only device (torch-free runtime, a served MADE): peak RSS {max(made)} MB."]
-    Path(args.out).with_suffix(".md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+        md += ["", f"A serving-only device (torch-free runtime, a served MADE): peak RSS {made} MB."]
+    return "\n".join(md) + "\n"
 
 
 def _budget(row: dict) -> str:
